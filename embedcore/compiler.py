@@ -1,0 +1,303 @@
+"""Turn a user's per-row optimizer function into Numba code, and decide how it may run.
+
+Three steps, each explained where it happens:
+
+1. :func:`strip_del` removes ``del name`` statements (TensorFlow's documented custom computations begin
+   with ``del slot_variables, hyperparameters``, which Numba refuses to compile).
+2. :func:`compile_row_function` compiles the function for row arguments (1-D float32 arrays; a slot of
+   ``slot_dims`` entry 1 is a float32 scalar) and checks what it returns.
+3. :func:`is_elementwise` reads the *typed* Numba IR of that compilation and proves, or fails to prove,
+   that every output element depends only on the same element of the inputs. Only then may the kernel
+   call the function once per element on scalars (no temporaries at all). "It also compiles on scalars" is
+   not such a proof: ``np.mean(g * g)`` compiles on a scalar ``g`` but means something else there.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import operator
+import textwrap
+from dataclasses import dataclass
+
+import numba
+import numpy as np
+from numba import types
+from numba.core import ir
+
+__all__ = ["RowFunctionError", "CompiledRowFunction", "compile_row_function", "compile_cached", "strip_del",
+           "is_elementwise", "describe"]
+
+
+class RowFunctionError(ValueError):
+    """A per-row optimizer function cannot be compiled or breaks the optimizer contract."""
+
+
+def describe(fn) -> str:
+    name = getattr(fn, "__qualname__", None) or repr(fn)
+    module = getattr(fn, "__module__", None)
+    return f"{module}.{name}" if module else name
+
+
+def strip_del(fn):
+    """Return ``fn`` without its ``del name, ...`` statements (a plain Python function).
+
+    Deleting a local only ends its life early, so removing the statement never changes the result of a
+    function that runs at all. Functions whose source cannot be read are returned unchanged.
+    """
+    if isinstance(fn, numba.core.registry.CPUDispatcher):
+        fn = fn.py_func
+    try:
+        source = textwrap.dedent(inspect.getsource(fn))
+    except (OSError, TypeError):
+        return fn
+    tree = ast.parse(source)
+    fdef = tree.body[0] if tree.body else None
+    if not isinstance(fdef, (ast.FunctionDef,)) or fdef.name != fn.__name__:
+        return fn  # a lambda or something exotic: compile it as it is
+
+    class _DropDel(ast.NodeTransformer):
+        found = False
+
+        def visit_Delete(self, node):
+            if all(isinstance(t, ast.Name) for t in node.targets):
+                _DropDel.found = True
+                return ast.Pass()
+            return node
+
+    fdef.decorator_list = []
+    tree = _DropDel().visit(tree)
+    if not _DropDel.found:
+        return fn
+    ast.fix_missing_locations(tree)
+    namespace = dict(fn.__globals__)
+    if fn.__closure__:
+        namespace.update(zip(fn.__code__.co_freevars, (c.cell_contents for c in fn.__closure__)))
+    filename = inspect.getsourcefile(fn) or "<custom computation>"
+    code = compile(tree, filename, "exec")
+    exec(code, namespace)
+    rewritten = namespace[fn.__name__]
+    rewritten.__defaults__ = fn.__defaults__
+    rewritten.__doc__ = fn.__doc__
+    rewritten.__qualname__ = fn.__qualname__
+    rewritten.__module__ = fn.__module__
+    return rewritten
+
+
+_ROW = types.Array(types.float32, 1, "A")
+_SCALAR = types.float32
+
+
+def row_signature(slot_dims, n_hyperparameters, elementwise=False):
+    """Numba argument types of the per-row call: (g, row, slots, learning_rate, hyperparameters)."""
+    element = _SCALAR if elementwise else _ROW
+    slots = types.Tuple(tuple(element if d == 2 else _SCALAR for d in slot_dims))
+    hyper = types.Tuple((_SCALAR,) * n_hyperparameters)
+    return (element, element, slots, _SCALAR, hyper)
+
+
+@dataclass(frozen=True)
+class CompiledRowFunction:
+    """A compiled per-row function and how the update kernel may call it."""
+
+    python_function: object
+    dispatcher: object        # numba dispatcher of the (del-stripped) function
+    slot_dims: tuple
+    n_hyperparameters: int
+    elementwise: bool
+    reason: str               # why it is (not) element-wise, for users asking ``optimizer.explain()``
+
+
+def _check_outputs(fn, return_type, slot_dims):
+    name = describe(fn)
+    n_out = 1 + len(slot_dims)
+    if slot_dims:
+        if not isinstance(return_type, types.BaseTuple) or len(return_type) != n_out:
+            raise RowFunctionError(
+                f"custom computation {name} must return a tuple of {n_out} values (the new row, then "
+                f"{len(slot_dims)} new slot value(s)); it returns {return_type}")
+        outputs = list(return_type)
+    else:
+        outputs = [return_type]
+    for k, (ty, dim) in enumerate(zip(outputs, (2,) + tuple(slot_dims))):
+        what = "the new row" if k == 0 else f"slot {k - 1}"
+        if dim == 1 and not isinstance(ty, types.Number):
+            raise RowFunctionError(
+                f"custom computation {name}: {what} has slot_dims 1 (one value per row) and must be returned "
+                f"as a scalar, got {ty}")
+        if dim == 2 and not (isinstance(ty, types.Number) or (isinstance(ty, types.Array) and ty.ndim == 1)):
+            raise RowFunctionError(
+                f"custom computation {name}: {what} must be returned as a 1-D row or a scalar, got {ty}")
+
+
+def compile_row_function(fn, slot_dims, n_hyperparameters, dim) -> CompiledRowFunction:
+    """Compile ``fn`` for rows of width ``dim``, check its outputs on a trial row, decide element-wise."""
+    if not callable(fn):
+        raise RowFunctionError(f"custom computation must be callable, got {fn!r}")
+    slot_dims = tuple(slot_dims)
+    dispatcher = _DISPATCHERS.get(fn)
+    if dispatcher is None:
+        dispatcher = _DISPATCHERS[fn] = numba.njit(strip_del(fn))
+    signature = row_signature(slot_dims, n_hyperparameters)
+    try:
+        dispatcher.compile(signature)
+    except Exception as exc:  # numba raises many error types; each becomes one clear message
+        cause = str(exc).strip().splitlines()
+        cause = "\n".join(cause[:12])
+        raise RowFunctionError(
+            f"custom computation {describe(fn)} could not be compiled by Numba for rows of {dim} float32 "
+            f"values and slot_dims {list(slot_dims)}:\n{cause}") from None
+    result = dispatcher.overloads[signature]
+    _check_outputs(fn, result.signature.return_type, slot_dims)
+    _trial_run(fn, dispatcher, slot_dims, n_hyperparameters, dim)
+    elementwise, reason = is_elementwise(result, slot_dims)
+    if elementwise:
+        try:
+            dispatcher.compile(row_signature(slot_dims, n_hyperparameters, elementwise=True))
+        except Exception as exc:
+            elementwise, reason = False, f"element-wise in form, but does not compile on scalars: {exc}"
+    return CompiledRowFunction(fn, dispatcher, slot_dims, n_hyperparameters, elementwise, reason)
+
+
+_DISPATCHERS: dict = {}
+_COMPILED: dict = {}
+
+
+def compile_cached(fn, slot_dims, n_hyperparameters, dim) -> CompiledRowFunction:
+    """:func:`compile_row_function`, remembered for the process (one Numba compilation per function)."""
+    key = (fn, tuple(slot_dims), n_hyperparameters, dim)
+    compiled = _COMPILED.get(key)
+    if compiled is None:
+        compiled = _COMPILED[key] = compile_row_function(fn, slot_dims, n_hyperparameters, dim)
+    return compiled
+
+
+def _trial_run(fn, dispatcher, slot_dims, n_hyperparameters, dim):
+    """Run once on scratch rows: every returned row must have ``dim`` values."""
+    g = np.full(dim, 0.5, np.float32)
+    row = np.full(dim, 0.25, np.float32)
+    slots = tuple(np.full(dim, 1.0, np.float32) if d == 2 else np.float32(1.0) for d in slot_dims)
+    hyper = tuple(np.float32(0.5) for _ in range(n_hyperparameters))
+    out = dispatcher(g, row, slots, np.float32(0.01), hyper)
+    outputs = out if slot_dims else (out,)
+    for k, value in enumerate(outputs):
+        shape = np.shape(value)
+        if shape not in ((), (dim,)):
+            what = "the new row" if k == 0 else f"slot {k - 1}"
+            raise RowFunctionError(
+                f"custom computation {describe(fn)} returned {what} with shape {shape}; rows have {dim} values")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Element-wise proof on the typed IR.
+
+_ELEMENTWISE_BINOPS = {
+    operator.add, operator.sub, operator.mul, operator.truediv, operator.floordiv, operator.mod,
+    operator.pow, operator.neg, operator.pos, operator.lt, operator.le, operator.gt, operator.ge,
+    operator.eq, operator.ne, operator.and_, operator.or_, operator.xor, operator.not_, operator.invert,
+    operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv, operator.ipow,
+    operator.imod,
+}
+_ELEMENTWISE_NUMPY_FUNCTIONS = {np.where, np.clip}
+_SCALAR_ONLY_BUILTINS = {abs, min, max, float, int, bool}
+
+
+def _is_scalar(ty) -> bool:
+    return isinstance(ty, (types.Number, types.Boolean, types.NoneType, types.Omitted, types.Literal))
+
+
+def is_elementwise(compile_result, slot_dims=()) -> tuple[bool, str]:
+    """Prove from typed IR that the row function acts element by element; return (verdict, reason).
+
+    Accepted: arguments, constants, globals, tuple indexing with constant indices, NumPy ufuncs and
+    ``np.where``/``np.clip`` on any operands, arithmetic and comparisons, fused array expressions, math on
+    scalars, branches on scalars, and calls of other jitted functions that are themselves element-wise.
+    Everything else (indexing or iterating an array, reductions, array attributes, array constructors,
+    stores into arrays, loops) makes the function run once per row instead.
+    """
+    if any(d != 2 for d in slot_dims):
+        return False, "a slot with slot_dims 1 is one value per row, so the function runs once per row"
+    annotation = compile_result.type_annotation
+    return _typed_ir_is_elementwise(annotation.blocks, annotation.typemap, annotation.calltypes, depth=0)
+
+
+def _typed_ir_is_elementwise(blocks, typemap, calltypes, depth):
+    if depth > 8:
+        return False, "calls nest too deeply to analyse"
+    for block in blocks.values():
+        for stmt in block.body:
+            if isinstance(stmt, (ir.SetItem, ir.StaticSetItem, ir.SetAttr)):
+                return False, f"line {stmt.loc.line}: stores into an array"
+            if isinstance(stmt, ir.Branch):
+                if not _is_scalar(typemap[stmt.cond.name]):
+                    return False, f"line {stmt.loc.line}: branches on an array"
+                continue
+            if not isinstance(stmt, ir.Assign):
+                continue
+            ok, why = _value_is_elementwise(stmt.value, typemap, calltypes, depth)
+            if not ok:
+                return False, f"line {stmt.loc.line}: {why}"
+            ty = typemap[stmt.target.name]
+            if isinstance(ty, types.Array) and ty.ndim != 1:
+                return False, f"line {stmt.loc.line}: makes a {ty.ndim}-D array"
+    return True, "every operation is element-wise"
+
+
+def _value_is_elementwise(value, typemap, calltypes, depth):
+    if isinstance(value, (ir.Arg, ir.Const, ir.Global, ir.FreeVar, ir.Var)):
+        return True, ""
+    if not isinstance(value, ir.Expr):
+        return False, f"unsupported statement {value}"
+    op = value.op
+    if op in ("arrayexpr", "build_tuple", "cast", "phi"):
+        return True, ""
+    if op == "exhaust_iter":  # unpacking a tuple: a, b = f(...)
+        if isinstance(typemap[value.value.name], types.BaseTuple):
+            return True, ""
+        return False, "unpacks an array"
+    if op in ("static_getitem", "typed_getitem", "getitem"):
+        container = typemap[value.value.name]
+        if isinstance(container, types.BaseTuple) and op == "static_getitem":
+            return True, ""
+        return False, f"indexes {container}"
+    if op == "getattr":
+        owner = typemap[value.value.name]
+        if isinstance(owner, (types.Module, types.NumberClass)):
+            return True, ""
+        return False, f"reads attribute .{value.attr} of {owner}"
+    if op in ("binop", "inplace_binop", "unary"):
+        fn = value.fn
+        operands = [value.lhs, value.rhs] if op != "unary" else [value.value]
+        if all(_is_scalar(typemap[v.name]) for v in operands):
+            return True, ""
+        if fn in _ELEMENTWISE_BINOPS:
+            return True, ""
+        return False, f"applies {getattr(fn, '__name__', fn)} to arrays"
+    if op == "call":
+        return _call_is_elementwise(value, typemap, calltypes, depth)
+    return False, f"uses '{op}' (loops, containers and the like run per row)"
+
+
+def _call_is_elementwise(expr, typemap, calltypes, depth):
+    callee = typemap[expr.func.name]
+    args = [typemap[a.name] for a in expr.args] + [typemap[v.name] for _, v in expr.kws]
+    scalar_args = all(_is_scalar(a) for a in args)
+    if isinstance(callee, types.Function):
+        key = callee.typing_key
+        if isinstance(key, np.ufunc) or key in _ELEMENTWISE_NUMPY_FUNCTIONS:
+            return True, ""
+        if scalar_args and (key in _SCALAR_ONLY_BUILTINS or getattr(key, "__module__", None) == "math"):
+            return True, ""
+        return False, f"calls {getattr(key, '__name__', key)}, which is not element-wise on rows"
+    if isinstance(callee, types.NumberClass) and scalar_args:
+        return True, ""  # np.float32(x) on a scalar
+    if isinstance(callee, types.Dispatcher):
+        dispatcher = callee.dispatcher
+        sig = calltypes[expr]
+        result = dispatcher.overloads.get(tuple(sig.args))
+        if result is None:
+            return False, f"calls {dispatcher.py_func.__name__}, whose compiled form is not available"
+        ann = result.type_annotation
+        ok, why = _typed_ir_is_elementwise(ann.blocks, ann.typemap, ann.calltypes, depth + 1)
+        return ok, ("" if ok else f"in {dispatcher.py_func.__name__}: {why}")
+    return False, f"calls {callee}"

@@ -1,0 +1,115 @@
+"""Table and feature configuration, mirroring ``tf.tpu.experimental.embedding``.
+
+A :class:`TableConfig` describes one embedding table (rows, width, initializer, optimizer, combiner); a
+:class:`FeatureConfig` describes one input feature that looks up rows of a table. Validation follows
+TensorFlow's rules, so code written against ``tf.tpu.experimental.embedding`` ports by changing imports.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+__all__ = ["TableConfig", "FeatureConfig", "COMBINERS"]
+
+COMBINERS = ("mean", "sum", "sqrtn")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+class TableConfig:
+    """One embedding table: ``vocabulary_size`` rows of ``dim`` float32 values.
+
+    Args:
+        vocabulary_size: number of rows, an int >= 1.
+        dim: embedding width, an int >= 1.
+        initializer: a callable ``(shape, dtype) -> array`` or an :mod:`embedcore.initializers` object;
+            ``None`` means ``TruncatedNormal(mean=0, stddev=1/sqrt(dim))``.
+        optimizer: an optimizer for this table; overrides the one given to :class:`~embedcore.Embedding`.
+        combiner: how the rows of one sample are reduced: ``"mean"`` (sum of w_i x_i / sum of w_i),
+            ``"sum"`` or ``"sqrtn"`` (sum of w_i x_i / sqrt(sum of w_i^2)).
+        name: unique name of the table; unnamed tables are named ``table_<k>`` by the engine.
+    """
+
+    def __init__(self, vocabulary_size, dim, initializer=None, optimizer=None, combiner="mean", name=None):
+        if not _is_int(vocabulary_size) or vocabulary_size < 1:
+            raise ValueError(
+                f"Argument `vocabulary_size` must be an int and must be >= 1. Received: {vocabulary_size!r}")
+        if not _is_int(dim) or dim < 1:
+            raise ValueError(
+                f"Argument `dim` (embedding dimension) must be an int and must be >= 1. Received: {dim!r}")
+        if initializer is not None and not callable(initializer):
+            raise ValueError(
+                f"Argument `initializer` must be a callable (or None). Received: {initializer!r}")
+        if combiner not in COMBINERS:
+            raise ValueError(f"Argument `combiner` must be one of {list(COMBINERS)}. Received: {combiner!r}")
+        if name is not None and (not isinstance(name, str) or not name):
+            raise ValueError(f"Argument `name` must be a non-empty string or None. Received: {name!r}")
+        if optimizer is not None:
+            from .optimizers import Optimizer
+            if not isinstance(optimizer, Optimizer):
+                raise ValueError(
+                    f"Argument `optimizer` must be an embedcore optimizer (SGD, Adagrad, ..., CustomOptimizer) "
+                    f"or None. Received: {optimizer!r}")
+        self.vocabulary_size = int(vocabulary_size)
+        self.dim = int(dim)
+        self.initializer = initializer
+        self.optimizer = optimizer
+        self.combiner = combiner
+        self.name = name
+
+    def __repr__(self):
+        return (f"TableConfig(vocabulary_size={self.vocabulary_size!r}, dim={self.dim!r}, "
+                f"initializer={self.initializer!r}, optimizer={self.optimizer!r}, "
+                f"combiner={self.combiner!r}, name={self.name!r})")
+
+
+class FeatureConfig:
+    """One input feature, looking up rows of ``table``.
+
+    Args:
+        table: the :class:`TableConfig` this feature reads; several features may share one table.
+        max_sequence_length: 0 for a pooled feature (activations ``[B, dim]``, ids of a sample combined with
+            the table's combiner); ``L > 0`` for a sequence feature (activations ``[B, L, dim]``, one row per
+            position, truncated to ``L`` and zero padded; each row scaled by its weight, never combined).
+        validate_weights_and_indices: check ids against the vocabulary and weights against the ids.
+        output_shape: leading shape of the activations (the embedding width is appended); its size must
+            equal the number of activation rows (``B``, or ``B * L`` for a sequence feature).
+        name: a name used in error messages; defaults to the feature's path in the feature structure.
+    """
+
+    def __init__(self, table, max_sequence_length=0, validate_weights_and_indices=True, output_shape=None,
+                 name=None):
+        if not isinstance(table, TableConfig):
+            raise ValueError(f"Argument `table` has invalid type {type(table)}. TableConfig expected.")
+        if not _is_int(max_sequence_length) or max_sequence_length < 0:
+            raise ValueError(
+                f"Argument `max_sequence_length` must be an int and must be >= 0. Received: "
+                f"{max_sequence_length!r}")
+        if not isinstance(validate_weights_and_indices, bool):
+            raise ValueError(
+                f"Argument `validate_weights_and_indices` must be a boolean. Received: "
+                f"{validate_weights_and_indices!r}")
+        if output_shape is not None:
+            try:
+                output_shape = tuple(int(d) for d in output_shape)
+            except TypeError:
+                raise ValueError(
+                    f"Argument `output_shape` must be a sequence of ints or None. Received: {output_shape!r}"
+                ) from None
+            if any(d < 1 for d in output_shape):
+                raise ValueError(f"Argument `output_shape` must hold positive ints. Received: {output_shape!r}")
+        if name is not None and not isinstance(name, str):
+            raise ValueError(f"Argument `name` must be a string or None. Received: {name!r}")
+        self.table = table
+        self.max_sequence_length = int(max_sequence_length)
+        self.validate_weights_and_indices = validate_weights_and_indices
+        self.output_shape = output_shape
+        self.name = name
+
+    def __repr__(self):
+        return (f"FeatureConfig(table={self.table.name or '<unnamed table>'!r}, "
+                f"max_sequence_length={self.max_sequence_length!r}, "
+                f"validate_weights_and_indices={self.validate_weights_and_indices!r}, "
+                f"output_shape={self.output_shape!r}, name={self.name!r})")

@@ -1,0 +1,137 @@
+"""Deterministic, partition-independent initializers for tables and slots.
+
+Every initializer fills rows ``[first_row, first_row + n)`` of a conceptual ``[vocabulary, dim]`` table
+with values that depend only on ``(seed, table, row, column)``, never on how the table is split over
+stacked arrays or processes. Each is also a plain callable ``init(shape, dtype=np.float32)`` returning
+the whole array, as TensorFlow's ``TableConfig(initializer=...)`` expects.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+
+from .kernels import random as _random
+
+__all__ = ["Initializer", "Constant", "Zeros", "TruncatedNormal", "RandomUniform", "RowId", "fill_rows",
+           "stream_key"]
+
+_MASK64 = (1 << 64) - 1
+
+
+def stream_key(seed: int, *names: str) -> int:
+    """A 64-bit random-stream key from an integer seed and names (table name, slot name)."""
+    key = (int(seed) * 0x9E3779B97F4A7C15 + 0x632BE59BD9B4E019) & _MASK64
+    for name in names:
+        key = (key * 0x100000001B3 ^ zlib.crc32(name.encode("utf-8"))) & _MASK64
+        key = (key ^ (key >> 29)) * 0xBF58476D1CE4E5B9 & _MASK64
+    return key
+
+
+class Initializer:
+    """Base class. Subclasses implement :meth:`fill`; equality is by value, as for optimizers."""
+
+    def fill(self, out: np.ndarray, first_row: int, key: int) -> None:
+        """Write rows ``first_row ..`` of the conceptual table into the float32 array ``out`` in place."""
+        raise NotImplementedError
+
+    def __call__(self, shape, dtype=np.float32):
+        shape = tuple(int(s) for s in shape)
+        if len(shape) == 1:
+            return self(shape + (1,), dtype).reshape(shape)
+        if len(shape) != 2:
+            raise ValueError(f"{type(self).__name__} makes 1-D or 2-D arrays; got shape {shape}")
+        out = np.empty(shape, np.float32)
+        self.fill(out, 0, stream_key(getattr(self, "seed", None) or 0))
+        return out.astype(dtype, copy=False)
+
+    def _params(self):
+        return tuple(sorted(vars(self).items()))
+
+    def __eq__(self, other):
+        return type(self) is type(other) and self._params() == other._params()
+
+    def __hash__(self):
+        return hash((type(self), self._params()))
+
+    def __repr__(self):
+        return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in self._params())})"
+
+
+class Constant(Initializer):
+    """Every value equals ``value``."""
+
+    def __init__(self, value=0.0):
+        self.value = float(value)
+
+    def fill(self, out, first_row, key):
+        out.fill(self.value)
+
+
+class Zeros(Constant):
+    """Every value is 0."""
+
+    def __init__(self):
+        super().__init__(0.0)
+
+    def __repr__(self):
+        return "Zeros()"
+
+
+class TruncatedNormal(Initializer):
+    """Normal(mean, stddev), values beyond two standard deviations redrawn (as TensorFlow's)."""
+
+    def __init__(self, mean=0.0, stddev=0.05, seed=None):
+        if not stddev >= 0:
+            raise ValueError(f"TruncatedNormal: stddev must be >= 0, got {stddev!r}")
+        self.mean, self.stddev, self.seed = float(mean), float(stddev), seed
+
+    def fill(self, out, first_row, key):
+        _random.fill_truncated_normal(out, first_row, key, self.mean, self.stddev)
+
+
+class RandomUniform(Initializer):
+    """Uniform on ``[minval, maxval)``."""
+
+    def __init__(self, minval=-0.05, maxval=0.05, seed=None):
+        if not minval <= maxval:
+            raise ValueError(f"RandomUniform: minval must be <= maxval, got {minval!r} > {maxval!r}")
+        self.minval, self.maxval, self.seed = float(minval), float(maxval), seed
+
+    def fill(self, out, first_row, key):
+        _random.fill_uniform(out, first_row, key, self.minval, self.maxval)
+
+
+class RowId(Initializer):
+    """Row ``r`` holds ``r + offset`` in every column: makes lookups easy to read in tests."""
+
+    def __init__(self, offset=0.0):
+        self.offset = float(offset)
+
+    def fill(self, out, first_row, key):
+        _random.fill_row_id(out, first_row, self.offset)
+
+
+def fill_rows(initializer, out: np.ndarray, first_row: int, vocabulary_size: int, seed: int, *names: str):
+    """Fill ``out`` (rows ``first_row ..`` of a ``[vocabulary_size, out.shape[1]]`` table) in place.
+
+    ``initializer`` is an :class:`Initializer`, a float constant, or any callable ``(shape, dtype)``;
+    a plain callable is asked for the whole table and sliced (it must itself be deterministic).
+    The random stream is keyed by the initializer's own seed if it has one, else the engine's ``seed``,
+    and by ``names`` (table, slot), so two tables never share a stream.
+    """
+    if isinstance(initializer, (int, float, np.floating, np.integer)) and not isinstance(initializer, bool):
+        out.fill(float(initializer))
+        return
+    if isinstance(initializer, Initializer):
+        own_seed = getattr(initializer, "seed", None)
+        initializer.fill(out, first_row, stream_key(seed if own_seed is None else own_seed, *names))
+        return
+    full_shape = (vocabulary_size, out.shape[1])
+    values = np.asarray(initializer(full_shape, np.float32))
+    if values.shape != full_shape and values.shape != (vocabulary_size,):
+        raise ValueError(f"initializer {initializer!r} for {'/'.join(names)} returned shape {values.shape}, "
+                         f"expected {full_shape}")
+    values = values.reshape(vocabulary_size, -1)
+    out[:] = values[first_row:first_row + out.shape[0]]

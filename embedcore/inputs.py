@@ -1,0 +1,335 @@
+"""Host-side input preparation: features -> per-physical-table occurrence lists.
+
+Accepted forms of one feature's ids (weights, when given, take the same form and structure):
+
+* a NumPy integer array ``[B]`` (one id per sample) or ``[B, k]`` (k ids per sample);
+* :class:`Ragged` ``(values, row_splits)``, or a list of lists of ints;
+* :class:`Sparse` ``(indices [N, 2], values [N], dense_shape (B, k))`` in COO form (any order).
+
+Each feature becomes a :class:`FeatureBatch` (CSR: ids, ``row_splits``, weights, position of each id in its
+sample); the features of one physical table then become one :class:`TableBatch` of occurrences, each with
+its physical row, its gain (combiner weight) and the activation row it feeds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["Ragged", "Sparse", "FeatureBatch", "TableBatch", "InputError", "to_feature_batch",
+           "build_table_batch", "flatten", "flatten_like", "unflatten"]
+
+
+class InputError(ValueError):
+    """A batch of features, weights or gradients that the engine refuses; nothing was changed."""
+
+
+class Ragged:
+    """A ragged batch: sample ``b`` holds ``values[row_splits[b]:row_splits[b + 1]]``."""
+
+    def __init__(self, values, row_splits):
+        self.values = np.asarray(values)
+        self.row_splits = np.asarray(row_splits)
+
+    @classmethod
+    def from_lists(cls, lists, dtype=None):
+        lengths = [len(x) for x in lists]
+        splits = np.zeros(len(lists) + 1, np.int64)
+        np.cumsum(lengths, out=splits[1:])
+        flat = [v for x in lists for v in x]
+        return cls(np.asarray(flat, dtype=dtype) if flat else np.zeros(0, dtype or np.int64), splits)
+
+    def __repr__(self):
+        return f"Ragged(values={self.values!r}, row_splits={self.row_splits!r})"
+
+
+class Sparse:
+    """A COO batch like ``tf.SparseTensor``: ``values[i]`` sits at ``indices[i] = (sample, position)``."""
+
+    def __init__(self, indices, values, dense_shape):
+        self.indices = np.asarray(indices)
+        self.values = np.asarray(values)
+        self.dense_shape = tuple(int(d) for d in dense_shape)
+
+    def __repr__(self):
+        return f"Sparse(indices={self.indices!r}, values={self.values!r}, dense_shape={self.dense_shape!r})"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Nested structures of features (dicts, lists, tuples), mirrored in the outputs.
+
+def flatten(structure, path=""):
+    """``[(path, leaf), ...]`` in a fixed order (dict keys sorted)."""
+    if isinstance(structure, dict):
+        out = []
+        for key in sorted(structure, key=str):
+            out += flatten(structure[key], f"{path}/{key}" if path else str(key))
+        return out
+    if isinstance(structure, (list, tuple)):
+        out = []
+        for i, item in enumerate(structure):
+            out += flatten(item, f"{path}/{i}" if path else str(i))
+        return out
+    return [(path or "<root>", structure)]
+
+
+def flatten_like(reference, value, what, path=""):
+    """The leaves of ``value`` in the order of ``flatten(reference)``; ``value`` must mirror ``reference``."""
+    where = path or "<root>"
+    if isinstance(reference, dict):
+        if not isinstance(value, dict):
+            raise InputError(f"{what} at '{where}' must be a dict like the feature config, got {type(value).__name__}")
+        if set(value) != set(reference):
+            missing = sorted(map(str, set(reference) - set(value)))
+            extra = sorted(map(str, set(value) - set(reference)))
+            raise InputError(f"{what} at '{where}' has keys that differ from the feature config: "
+                             f"missing {missing}, unexpected {extra}")
+        out = []
+        for key in sorted(reference, key=str):
+            out += flatten_like(reference[key], value[key], what, f"{path}/{key}" if path else str(key))
+        return out
+    if isinstance(reference, (list, tuple)):
+        if not isinstance(value, (list, tuple)) or len(value) != len(reference):
+            got = f"{type(value).__name__} of length {len(value)}" if isinstance(value, (list, tuple)) \
+                else type(value).__name__
+            raise InputError(f"{what} at '{where}' must be a list/tuple of {len(reference)} entries like the "
+                             f"feature config, got {got}")
+        out = []
+        for i, (r, v) in enumerate(zip(reference, value)):
+            out += flatten_like(r, v, what, f"{path}/{i}" if path else str(i))
+        return out
+    return [value]
+
+
+def unflatten(reference, leaves):
+    """Rebuild ``reference``'s structure with ``leaves`` (in ``flatten`` order)."""
+    iterator = iter(leaves)
+
+    def build(node):
+        if isinstance(node, dict):
+            built = {key: None for key in node}
+            for key in sorted(node, key=str):
+                built[key] = build(node[key])
+            return built
+        if isinstance(node, (list, tuple)):
+            items = [build(item) for item in node]
+            return type(node)(items) if isinstance(node, tuple) and not hasattr(node, "_fields") else \
+                (type(node)(*items) if isinstance(node, tuple) else items)
+        return next(iterator)
+
+    return build(reference)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# One feature.
+
+@dataclass
+class FeatureBatch:
+    """A feature's ids in CSR form: sample ``b`` owns ``ids[row_splits[b]:row_splits[b + 1]]``."""
+
+    ids: np.ndarray          # int64 [N]
+    row_splits: np.ndarray   # int64 [B + 1]
+    weights: np.ndarray | None   # float32 [N]
+    positions: np.ndarray    # int64 [N], position of each id within its sample
+
+    @property
+    def batch_size(self) -> int:
+        return self.row_splits.shape[0] - 1
+
+
+def _int_array(values, name, what):
+    values = np.asarray(values)
+    if values.dtype == np.bool_ or values.dtype.kind not in "iu":
+        raise InputError(f"{what} of feature '{name}' must be integers, got dtype {values.dtype}")
+    return values
+
+
+def _float_array(values, name):
+    values = np.asarray(values)
+    if values.dtype.kind not in "fiu" or values.dtype == np.bool_:
+        raise InputError(f"weights of feature '{name}' must be floats, got dtype {values.dtype}")
+    return values.astype(np.float32, copy=False)
+
+
+def _check_splits(splits, n_values, name, what):
+    splits = _int_array(splits, name, f"{what} row_splits")
+    if splits.ndim != 1 or splits.shape[0] < 1:
+        raise InputError(f"{what} row_splits of feature '{name}' must be a 1-D array of at least one entry")
+    if splits[0] != 0 or splits[-1] != n_values or np.any(np.diff(splits) < 0):
+        raise InputError(f"{what} row_splits of feature '{name}' must start at 0, not decrease, and end at "
+                         f"{n_values} (the number of values); got {splits.tolist()[:16]}")
+    return splits.astype(np.int64, copy=False)
+
+
+def _positions(splits, n):
+    lengths = np.diff(splits)
+    return np.arange(n, dtype=np.int64) - np.repeat(splits[:-1], lengths)
+
+
+def to_feature_batch(ids, weights, name: str, vocabulary_size: int, check_weights: bool = True) -> FeatureBatch:
+    """Validate one feature's ids (and weights) and return its :class:`FeatureBatch`.
+
+    Ids are always range-checked (an out-of-range id would read outside the table); weights must mirror
+    the ids exactly and, when ``check_weights``, be finite.
+    """
+    if isinstance(ids, list):
+        if ids and all(isinstance(x, (list, tuple, np.ndarray)) for x in ids):
+            ids = Ragged.from_lists(ids)
+        else:
+            ids = np.asarray(ids)
+        if isinstance(weights, list):
+            weights = Ragged.from_lists(weights, np.float32) if isinstance(ids, Ragged) else np.asarray(weights)
+    if isinstance(ids, Ragged):
+        values = _int_array(ids.values, name, "ids")
+        if values.ndim != 1:
+            raise InputError(f"ragged ids of feature '{name}' must have 1-D values, got shape {values.shape}")
+        splits = _check_splits(ids.row_splits, values.shape[0], name, "ids")
+        w = None
+        if weights is not None:
+            if not isinstance(weights, Ragged):
+                raise InputError(f"weights of feature '{name}' must be ragged like its ids, got "
+                                 f"{type(weights).__name__}")
+            wsplits = np.asarray(weights.row_splits)
+            if wsplits.shape != splits.shape or np.any(wsplits != splits):
+                raise InputError(f"weights of feature '{name}' have row_splits that differ from its ids")
+            w = _float_array(weights.values, name)
+            if w.shape != values.shape:
+                raise InputError(f"weights of feature '{name}' have {w.shape} values, ids have {values.shape}")
+        batch = FeatureBatch(values.astype(np.int64, copy=False), splits, w, _positions(splits, values.shape[0]))
+    elif isinstance(ids, Sparse):
+        batch = _sparse_batch(ids, weights, name)
+    elif isinstance(ids, np.ndarray) or np.isscalar(ids):
+        values = _int_array(ids, name, "ids")
+        if values.ndim == 1:
+            values = values[:, None]
+        if values.ndim != 2:
+            raise InputError(f"dense ids of feature '{name}' must have rank 1 ([B]) or 2 ([B, k]), got shape "
+                             f"{values.shape}")
+        w = None
+        if weights is not None:
+            if isinstance(weights, (Ragged, Sparse)):
+                raise InputError(f"weights of feature '{name}' must be an array like its dense ids, got "
+                                 f"{type(weights).__name__}")
+            w = _float_array(weights, name)
+            if w.shape != np.shape(ids):
+                raise InputError(f"weights of feature '{name}' have shape {w.shape}, ids have shape {np.shape(ids)}")
+            w = w.reshape(-1)
+        b, k = values.shape
+        splits = np.arange(0, b * k + 1, max(k, 1), dtype=np.int64) if k else np.zeros(b + 1, np.int64)
+        positions = np.tile(np.arange(k, dtype=np.int64), b)
+        batch = FeatureBatch(values.reshape(-1).astype(np.int64, copy=False), splits, w, positions)
+    else:
+        raise InputError(f"ids of feature '{name}' must be a NumPy integer array, a Ragged, a Sparse or a list "
+                         f"of lists; got {type(ids).__name__}")
+    _check_range(batch.ids, name, vocabulary_size, ids)
+    if check_weights and batch.weights is not None and not np.all(np.isfinite(batch.weights)):
+        bad = int(np.flatnonzero(~np.isfinite(batch.weights))[0])
+        raise InputError(f"weights of feature '{name}' hold a non-finite value {batch.weights[bad]} at flat "
+                         f"index {bad}")
+    return batch
+
+
+def _sparse_batch(sp: Sparse, weights, name) -> FeatureBatch:
+    indices = _int_array(sp.indices, name, "sparse indices")
+    values = _int_array(sp.values, name, "ids")
+    if len(sp.dense_shape) != 2:
+        raise InputError(f"sparse ids of feature '{name}' must have a 2-D dense_shape, got {sp.dense_shape}")
+    n = values.shape[0]
+    if values.ndim != 1 or indices.shape != (n, 2):
+        raise InputError(f"sparse ids of feature '{name}' need indices of shape [N, 2] and values [N]; got "
+                         f"{indices.shape} and {values.shape}")
+    b, k = sp.dense_shape
+    if n and (indices.min(axis=0) < 0).any() or n and (indices[:, 0].max() >= b or indices[:, 1].max() >= k):
+        raise InputError(f"sparse indices of feature '{name}' fall outside dense_shape {sp.dense_shape}")
+    w = None
+    if weights is not None:
+        if not isinstance(weights, Sparse):
+            raise InputError(f"weights of feature '{name}' must be Sparse like its ids, got {type(weights).__name__}")
+        if weights.dense_shape != sp.dense_shape or np.shape(weights.indices) != indices.shape or \
+                np.any(np.asarray(weights.indices) != indices):
+            raise InputError(f"weights of feature '{name}' have indices or dense_shape that differ from its ids")
+        w = _float_array(weights.values, name)
+        if w.shape != values.shape:
+            raise InputError(f"weights of feature '{name}' have {w.shape} values, ids have {values.shape}")
+    order = np.lexsort((indices[:, 1], indices[:, 0])) if n else np.zeros(0, np.int64)
+    rows = indices[order, 0].astype(np.int64)
+    splits = np.zeros(b + 1, np.int64)
+    np.cumsum(np.bincount(rows, minlength=b), out=splits[1:])
+    return FeatureBatch(values[order].astype(np.int64), splits, None if w is None else w[order],
+                        indices[order, 1].astype(np.int64))
+
+
+def _check_range(ids, name, vocabulary_size, original):
+    if ids.shape[0] == 0:
+        return
+    low, high = ids.min(), ids.max()
+    if low < 0 or high >= vocabulary_size:
+        bad_at = int(np.flatnonzero((ids < 0) | (ids >= vocabulary_size))[0])
+        raise InputError(f"feature '{name}': id {int(ids[bad_at])} (flat position {bad_at}) is outside the table's "
+                         f"vocabulary [0, {vocabulary_size})")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# All features of one physical table.
+
+@dataclass
+class TableBatch:
+    """Occurrences of one physical table, sorted by the activation row they feed.
+
+    ``act[a] = sum over o in out_ptr[a]:out_ptr[a+1] of gains[o] * table[rows[o]]``.
+    """
+
+    rows: np.ndarray      # int64 [N] physical row
+    gains: np.ndarray     # float32 [N]
+    out_row: np.ndarray   # int64 [N] activation row
+    out_ptr: np.ndarray   # int64 [n_out + 1]
+    n_out: int
+
+
+def combiner_gains(batch: FeatureBatch, combiner: str) -> np.ndarray:
+    """Per-id gains: ``sum``: w;  ``mean``: w / sum(w);  ``sqrtn``: w / sqrt(sum(w^2)) (0 for a zero sum)."""
+    n = batch.ids.shape[0]
+    w = np.ones(n, np.float32) if batch.weights is None else batch.weights
+    if combiner == "sum" or n == 0:
+        return w
+    sample = np.repeat(np.arange(batch.batch_size), np.diff(batch.row_splits))
+    if combiner == "mean":
+        denominator = np.bincount(sample, w, minlength=batch.batch_size).astype(np.float32)
+    else:
+        denominator = np.sqrt(np.bincount(sample, w * w, minlength=batch.batch_size)).astype(np.float32)
+    d = denominator[sample]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(d != 0, w / d, np.float32(0)).astype(np.float32)
+
+
+def build_table_batch(parts) -> TableBatch:
+    """Concatenate features of one physical table.
+
+    ``parts``: ``(FeatureBatch, combiner, max_sequence_length, row_offset, out_offset)`` per feature, in
+    increasing ``out_offset``; a feature with ``max_sequence_length = L > 0`` feeds activation row
+    ``out_offset + b * L + position`` (positions >= L dropped) with gain = weight, others feed
+    ``out_offset + b`` with the combiner's gain.
+    """
+    rows, gains, out_rows = [], [], []
+    n_out = 0
+    for batch, combiner, seq_len, row_offset, out_offset in parts:
+        sample = np.repeat(np.arange(batch.batch_size, dtype=np.int64), np.diff(batch.row_splits))
+        if seq_len:
+            keep = batch.positions < seq_len
+            w = np.ones(batch.ids.shape[0], np.float32) if batch.weights is None else batch.weights
+            rows.append(batch.ids[keep] + row_offset)
+            gains.append(w[keep])
+            out_rows.append(out_offset + sample[keep] * seq_len + batch.positions[keep])
+            n_out = out_offset + batch.batch_size * seq_len
+        else:
+            rows.append(batch.ids + row_offset)
+            gains.append(combiner_gains(batch, combiner))
+            out_rows.append(out_offset + sample)
+            n_out = out_offset + batch.batch_size
+    rows = np.concatenate(rows) if rows else np.zeros(0, np.int64)
+    gains = np.concatenate(gains).astype(np.float32, copy=False) if gains else np.zeros(0, np.float32)
+    out_row = np.concatenate(out_rows) if out_rows else np.zeros(0, np.int64)
+    out_ptr = np.zeros(n_out + 1, np.int64)
+    np.cumsum(np.bincount(out_row, minlength=n_out), out=out_ptr[1:])
+    return TableBatch(rows, gains, out_row, out_ptr, n_out)

@@ -1,0 +1,547 @@
+"""Optimizers: the per-row function contract, ``CustomOptimizer``, and the built-ins written in it.
+
+Every optimizer is a per-row function
+
+    f(gradient, embedding_table, slot_variables, learning_rate, hyperparameters)
+        -> new_row                               (no slots)
+        -> (new_row, new_slot_0, new_slot_1, ...)
+
+applied to each row a batch touched, with ``gradient`` the row's summed gradient, ``slot_variables`` the
+row's slot values in ``slot_names`` order (a full row for ``slot_dims`` entry 2, one float32 for entry 1),
+and ``learning_rate`` and ``hyperparameters`` float32 values evaluated once per ``apply_gradients``. Built-in
+optimizers are such functions with fixed hyperparameters, so one kernel path serves all of them.
+
+The built-ins follow TensorFlow's TPU embedding optimizers (``tf.tpu.experimental.embedding``); their common
+options act, in this order: gradient clipping (``clipvalue``), decoupled weight decay of the touched rows
+(``w <- w - weight_decay * w``, the factor multiplied by the learning rate if asked), the optimizer's own
+update, then weight clipping (``clip_weight_min`` / ``clip_weight_max``).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import numpy as np
+from numba import njit
+
+from . import compiler
+from .initializers import Initializer
+
+__all__ = ["Optimizer", "CustomOptimizer", "SGD", "Adagrad", "AdagradMomentum", "Adam", "FTRL",
+           "RowwiseAdagrad"]
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _evaluate(value, what: str, owner) -> np.float32:
+    """A float or zero-argument callable, as a finite float32."""
+    result = value() if callable(value) else value
+    try:
+        result = float(result)
+    except (TypeError, ValueError):
+        raise ValueError(f"{owner!r}: {what} must evaluate to a float, got {result!r}") from None
+    if not math.isfinite(result):
+        raise ValueError(f"{owner!r}: {what} evaluated to {result}, which is not finite")
+    return np.float32(result)
+
+
+def _check_float_or_callable(value, what: str):
+    if not (callable(value) or _is_number(value)):
+        raise ValueError(f"{what} must be a float or a zero-argument callable. Received: {value!r}")
+
+
+class Optimizer:
+    """Base class: slots, a learning rate, hyperparameters and a per-row function.
+
+    Subclasses set ``slot_names``, ``slot_initializers``, ``slot_dims``, ``learning_rate`` and implement
+    :meth:`row_function` and :meth:`hyperparameter_values`. Equality and hashing are by value (callables by
+    identity): equal optimizers on tables of equal ``dim`` share one stacked physical table.
+    """
+
+    slot_names: tuple = ()
+    slot_initializers: tuple = ()
+    slot_dims: tuple = ()
+    learning_rate = 0.01
+    lazy = True  # False: every row is updated each step, untouched rows with a zero gradient
+
+    def row_function(self):
+        """The per-row Python function (compiled with Numba by the engine)."""
+        raise NotImplementedError
+
+    def hyperparameter_values(self, step: int, learning_rate: np.float32) -> tuple:
+        """This step's hyperparameters as float32 values; ``step`` counts applied updates from 1."""
+        raise NotImplementedError
+
+    def learning_rate_value(self, step: int) -> np.float32:
+        """This step's learning rate as seen by the row function."""
+        return _evaluate(self.learning_rate, "learning_rate", self)
+
+    def step_values(self, step: int):
+        """``(learning_rate, hyperparameters)`` for ``step``, each callable called exactly once."""
+        lr = self.learning_rate_value(step)
+        return lr, self.hyperparameter_values(step, lr)
+
+    def compiled(self, dim: int) -> compiler.CompiledRowFunction:
+        """The compiled row function for rows of ``dim`` values (cached per process)."""
+        return compiler.compile_cached(self.row_function(), self.slot_dims, self.n_hyperparameters, dim)
+
+    @property
+    def n_hyperparameters(self) -> int:
+        raise NotImplementedError
+
+    def explain(self, dim: int = 8) -> str:
+        """How the engine runs this optimizer's row function, and why."""
+        c = self.compiled(dim)
+        how = "element by element, inlined" if c.elementwise else "once per row, on row views"
+        return f"{compiler.describe(c.python_function)} runs {how}: {c.reason}"
+
+    def _key(self):
+        return (type(self), tuple(sorted(vars(self).items())))
+
+    def __eq__(self, other):
+        return isinstance(other, Optimizer) and self._key() == other._key()
+
+    def __hash__(self):
+        return hash(self._key())
+
+    def __repr__(self):
+        params = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
+        return f"{type(self).__name__}({params})"
+
+
+def _check_slot_initializer(value, where):
+    if _is_number(value) or isinstance(value, Initializer) or callable(value):
+        return float(value) if _is_number(value) else value
+    raise ValueError(f"{where} must be a float, an embedcore initializer or a callable(shape, dtype). "
+                     f"Received: {value!r}")
+
+
+class CustomOptimizer(Optimizer):
+    """An optimizer given as a per-row Python function (as ``tf.tpu.experimental.embedding.CustomOptimizer``).
+
+    Args:
+        custom_computation: ``f(gradient, embedding_table, slot_variables, learning_rate, hyperparameters)``
+            written with NumPy; see the module docstring for the contract. It may start with
+            ``del slot_variables, hyperparameters`` as in TensorFlow's examples.
+        learning_rate: a float or a zero-argument callable, evaluated once per ``apply_gradients``.
+        slot_names: names of the optimizer's slot variables.
+        slot_initializers: one per slot: a float constant, an :mod:`embedcore.initializers` object, or a
+            callable ``(shape, dtype)``.
+        hyperparameters: floats or zero-argument callables, passed to the function as a tuple of float32.
+        slot_dims: one per slot: 2 (a full row per table row, the default) or 1 (one value per row).
+    """
+
+    def __init__(self, custom_computation, learning_rate=0.01, slot_names=None, slot_initializers=None,
+                 hyperparameters=None, slot_dims=None):
+        if not callable(custom_computation):
+            raise ValueError(f"custom_computation must be callable. Received: {custom_computation!r}")
+        _check_float_or_callable(learning_rate, "learning_rate")
+        slot_names = tuple(slot_names or ())
+        slot_initializers = tuple(slot_initializers or ())
+        if len(slot_names) != len(slot_initializers):
+            raise ValueError(f"The number of slot_names ({len(slot_names)}) must match the number of "
+                             f"slot_initializers ({len(slot_initializers)}).")
+        for name in slot_names:
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"slot_names must be non-empty strings. Received: {name!r}")
+        if len(set(slot_names)) != len(slot_names):
+            raise ValueError(f"slot_names must be unique. Received: {list(slot_names)}")
+        slot_dims = (2,) * len(slot_names) if slot_dims is None else tuple(slot_dims)
+        if len(slot_dims) != len(slot_names):
+            raise ValueError(f"The number of slot_dims ({len(slot_dims)}) must match the number of "
+                             f"slot_names ({len(slot_names)}).")
+        for d in slot_dims:
+            if d not in (1, 2) or isinstance(d, bool):
+                raise ValueError(f"slot_dims entries must be 1 (one value per row) or 2 (a full row). "
+                                 f"Received: {list(slot_dims)}")
+        hyperparameters = tuple(hyperparameters or ())
+        for k, h in enumerate(hyperparameters):
+            _check_float_or_callable(h, f"hyperparameters[{k}]")
+        self.custom_computation = custom_computation
+        self.learning_rate = learning_rate
+        self.slot_names = slot_names
+        self.slot_initializers = tuple(_check_slot_initializer(v, f"slot_initializers[{k}]")
+                                       for k, v in enumerate(slot_initializers))
+        self.slot_dims = tuple(int(d) for d in slot_dims)
+        self.hyperparameters = hyperparameters
+
+    def row_function(self):
+        return self.custom_computation
+
+    @property
+    def n_hyperparameters(self):
+        return len(self.hyperparameters)
+
+    def hyperparameter_values(self, step, learning_rate):
+        return tuple(_evaluate(h, f"hyperparameters[{k}]", self) for k, h in enumerate(self.hyperparameters))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Built-in optimizers. Their hyperparameter tuples start with the five common options
+#   (clip_gradient_min, clip_gradient_max, weight_decay, clip_weight_min, clip_weight_max)
+# and continue with each optimizer's own, from index 5 (Numba indexes tuples only with constants).
+_N_COMMON = 5
+
+
+@njit(inline="always")
+def _clip(x, low, high):
+    return np.minimum(np.maximum(x, low), high)
+
+
+@njit(inline="always")
+def _prologue(gradient, embedding_table, hyperparameters):
+    """Clipped gradient and decayed weights: ``(clip(g), w - decay * w)``."""
+    return (_clip(gradient, hyperparameters[0], hyperparameters[1]),
+            embedding_table - hyperparameters[2] * embedding_table)
+
+
+@njit(inline="always")
+def _epilogue(new_weights, hyperparameters):
+    """Weight clipping after the update."""
+    return _clip(new_weights, hyperparameters[3], hyperparameters[4])
+
+
+def sgd_row(gradient, embedding_table, slot_variables, learning_rate, hyperparameters):
+    """``w <- w - lr * g``."""
+    g, w = _prologue(gradient, embedding_table, hyperparameters)
+    return _epilogue(w - learning_rate * g, hyperparameters)
+
+
+def adagrad_row(gradient, embedding_table, slot_variables, learning_rate, hyperparameters):
+    """``a <- a + g^2;  w <- w - lr * g / sqrt(a)``."""
+    g, w = _prologue(gradient, embedding_table, hyperparameters)
+    accumulator = slot_variables[0] + g * g
+    return _epilogue(w - learning_rate * g / np.sqrt(accumulator), hyperparameters), accumulator
+
+
+def adagrad_momentum_row(gradient, embedding_table, slot_variables, learning_rate, hyperparameters):
+    """``a <- a + g^2`` if beta2 == 1 else ``beta2 a + (1 - beta2) g^2``; ``s = (a + eps)^(-1/exponent) g``;
+    ``m <- momentum m + s``; ``w <- w - lr * (momentum m + s if nesterov else m)``.
+
+    Hyperparameters after the common five: momentum, nesterov (0 or 1), -1/exponent, and the accumulator's
+    two coefficients (1, 1) or (beta2, 1 - beta2), then epsilon.
+    """
+    momentum, nesterov, power = hyperparameters[5], hyperparameters[6], hyperparameters[7]
+    keep, add, epsilon = hyperparameters[8], hyperparameters[9], hyperparameters[10]
+    g, w = _prologue(gradient, embedding_table, hyperparameters)
+    accumulator = keep * slot_variables[0] + add * g * g
+    scaled = np.power(accumulator + epsilon, power) * g
+    m = momentum * slot_variables[1] + scaled
+    step = nesterov * (momentum * m + scaled) + (1 - nesterov) * m
+    return _epilogue(w - learning_rate * step, hyperparameters), accumulator, m
+
+
+def adam_row(gradient, embedding_table, slot_variables, learning_rate, hyperparameters):
+    """``m <- b1 m + (1 - b1) g;  v <- b2 v + (1 - b2) g^2;  w <- w - lr_t m / d`` with
+    ``d = sqrt(v + eps^2)`` (sum inside sqrt) or ``sqrt(v) + eps``; ``lr_t`` already holds the bias correction."""
+    beta1, beta2, epsilon, inside = hyperparameters[5], hyperparameters[6], hyperparameters[7], hyperparameters[8]
+    g, w = _prologue(gradient, embedding_table, hyperparameters)
+    m = beta1 * slot_variables[0] + (1.0 - beta1) * g
+    v = beta2 * slot_variables[1] + (1.0 - beta2) * g * g
+    denominator = np.sqrt(v + inside * epsilon * epsilon) + (1.0 - inside) * epsilon
+    return _epilogue(w - learning_rate * m / denominator, hyperparameters), m, v
+
+
+def ftrl_row(gradient, embedding_table, slot_variables, learning_rate, hyperparameters):
+    """With ``p = -learning_rate_power``, ``a' = a + g^2``, ``delta = a'^p - a^p``:
+    ``L <- L + g - delta w / lr``; ``w <- (clip(L, -l1, l1) - L) / ((a'^p + beta) / lr + 2 l2)``;
+    with ``multiply_linear_by_learning_rate``: ``L <- L + lr g - delta w``;
+    ``w <- (clip(L, -lr l1, lr l1) - L) / (a'^p + 2 lr l2 + beta)``."""
+    power, l1, l2 = hyperparameters[5], hyperparameters[6], hyperparameters[7]
+    beta, multiply = hyperparameters[8], hyperparameters[9]
+    g, w = _prologue(gradient, embedding_table, hyperparameters)
+    accumulator = slot_variables[0]
+    new_accumulator = accumulator + g * g
+    new_power = np.power(new_accumulator, power)
+    delta = new_power - np.power(accumulator, power)
+    if multiply > 0.0:
+        linear = slot_variables[1] + learning_rate * g - delta * w
+        limit = learning_rate * l1
+        new_w = (_clip(linear, -limit, limit) - linear) / (new_power + 2.0 * learning_rate * l2 + beta)
+    else:
+        linear = slot_variables[1] + g - delta * w / learning_rate
+        new_w = (_clip(linear, -l1, l1) - linear) / ((new_power + beta) / learning_rate + 2.0 * l2)
+    return _epilogue(new_w, hyperparameters), new_accumulator, linear
+
+
+def rowwise_adagrad_row(gradient, embedding_table, slot_variables, learning_rate, hyperparameters):
+    """``a <- a + mean(g^2)`` (one value per row);  ``w <- w - lr * g / (sqrt(a) + eps)``.
+
+    Written as loops that update the row in place: it reduces over the row, so it runs once per row, and
+    this way allocates nothing per row.
+    """
+    low, high, decay = hyperparameters[0], hyperparameters[1], hyperparameters[2]
+    w_low, w_high, epsilon = hyperparameters[3], hyperparameters[4], hyperparameters[5]
+    n = gradient.shape[0]
+    total = 0.0
+    for j in range(n):
+        g = min(max(gradient[j], low), high)
+        total += g * g
+    accumulator = slot_variables[0] + np.float32(total / n)
+    scale = learning_rate / (np.sqrt(accumulator) + epsilon)
+    for j in range(n):
+        g = min(max(gradient[j], low), high)
+        w = embedding_table[j] - decay * embedding_table[j] - scale * g
+        embedding_table[j] = min(max(w, w_low), w_high)
+    return embedding_table, accumulator
+
+
+class _BuiltinOptimizer(Optimizer):
+    """TensorFlow's common optimizer options, turned into the first five hyperparameters."""
+
+    _row = None
+    _n_specific = 0
+
+    def __init__(self, learning_rate, use_gradient_accumulation, clip_weight_min, clip_weight_max,
+                 weight_decay_factor, multiply_weight_decay_factor_by_learning_rate, clipvalue,
+                 slot_variable_creation_fn=None, low_dimensional_packing_status=False):
+        name = type(self).__name__
+        _check_float_or_callable(learning_rate, f"{name}: learning_rate")
+        if not use_gradient_accumulation and clipvalue is not None:
+            raise ValueError(f"{name}: when `use_gradient_accumulation` is False, gradient clipping cannot be "
+                             f"used and `clipvalue` should be left as None. Received: {clipvalue!r}")
+        if slot_variable_creation_fn is not None:
+            raise ValueError(f"{name}: slot_variable_creation_fn creates TensorFlow variables and is not "
+                             f"supported; slots are created by the engine")
+        if clipvalue is None:
+            clip = (None, None)
+        elif isinstance(clipvalue, tuple):
+            if len(clipvalue) != 2:
+                raise ValueError(f"{name}: clipvalue must be a float or a (min, max) tuple. Received: {clipvalue!r}")
+            clip = clipvalue
+        else:
+            if not _is_number(clipvalue) or clipvalue < 0:
+                raise ValueError(f"{name}: a scalar clipvalue must be a float >= 0. Received: {clipvalue!r}")
+            clip = (-clipvalue, clipvalue)
+        for what, value in (("clipvalue", clip[0]), ("clipvalue", clip[1]), ("clip_weight_min", clip_weight_min),
+                            ("clip_weight_max", clip_weight_max)):
+            if value is not None and not _is_number(value):
+                raise ValueError(f"{name}: {what} must be a float or None. Received: {value!r}")
+        if None not in clip and clip[0] > clip[1]:
+            raise ValueError(f"{name}: clipvalue minimum {clip[0]} is greater than its maximum {clip[1]}")
+        if clip_weight_min is not None and clip_weight_max is not None and clip_weight_min > clip_weight_max:
+            raise ValueError(f"{name}: clip_weight_min ({clip_weight_min}) is greater than clip_weight_max "
+                             f"({clip_weight_max})")
+        if weight_decay_factor is not None and (not _is_number(weight_decay_factor) or weight_decay_factor < 0):
+            raise ValueError(f"{name}: weight_decay_factor must be a float >= 0 or None. "
+                             f"Received: {weight_decay_factor!r}")
+        self.learning_rate = learning_rate
+        self.use_gradient_accumulation = bool(use_gradient_accumulation)
+        self.clip_gradient_min, self.clip_gradient_max = clip
+        self.clip_weight_min = clip_weight_min
+        self.clip_weight_max = clip_weight_max
+        self.weight_decay_factor = weight_decay_factor
+        self.multiply_weight_decay_factor_by_learning_rate = bool(multiply_weight_decay_factor_by_learning_rate)
+        self.low_dimensional_packing_status = low_dimensional_packing_status
+
+    def row_function(self):
+        return type(self)._row
+
+    @property
+    def n_hyperparameters(self):
+        return _N_COMMON + self._n_specific
+
+    def _specific(self, step):
+        return ()
+
+    def hyperparameter_values(self, step, learning_rate):
+        decay = self.weight_decay_factor or 0.0
+        if self.multiply_weight_decay_factor_by_learning_rate:
+            decay *= float(_evaluate(self.learning_rate, "learning_rate", self))
+        inf = float("inf")
+        common = (-inf if self.clip_gradient_min is None else self.clip_gradient_min,
+                  inf if self.clip_gradient_max is None else self.clip_gradient_max,
+                  decay,
+                  -inf if self.clip_weight_min is None else self.clip_weight_min,
+                  inf if self.clip_weight_max is None else self.clip_weight_max)
+        return tuple(np.float32(v) for v in common + tuple(self._specific(step)))
+
+
+_COMMON_DOC = """
+    Common options (as TensorFlow's): ``use_gradient_accumulation`` (gradients of duplicate ids are always
+    summed before the update; ``False`` only forbids ``clipvalue``, as in TensorFlow), ``clip_weight_min`` /
+    ``clip_weight_max``, ``weight_decay_factor``, ``multiply_weight_decay_factor_by_learning_rate``,
+    ``clipvalue`` (a float c for [-c, c], or a ``(min, max)`` tuple whose entries may be None)."""
+
+
+class SGD(_BuiltinOptimizer):
+    __doc__ = """Stochastic gradient descent: ``w <- w - lr * g``.""" + _COMMON_DOC
+    _row = sgd_row
+
+    def __init__(self, learning_rate=0.01, use_gradient_accumulation=True, clip_weight_min=None,
+                 clip_weight_max=None, weight_decay_factor=None, multiply_weight_decay_factor_by_learning_rate=None,
+                 clipvalue=None, low_dimensional_packing_status=False):
+        super().__init__(learning_rate, use_gradient_accumulation, clip_weight_min, clip_weight_max,
+                         weight_decay_factor, multiply_weight_decay_factor_by_learning_rate, clipvalue,
+                         None, low_dimensional_packing_status)
+
+
+class Adagrad(_BuiltinOptimizer):
+    __doc__ = """Adagrad: ``a <- a + g^2;  w <- w - lr * g / sqrt(a)``, ``a`` starting at
+    ``initial_accumulator_value`` (> 0).""" + _COMMON_DOC
+    _row = adagrad_row
+    slot_names = ("accumulators",)
+    slot_dims = (2,)
+
+    def __init__(self, learning_rate=0.001, initial_accumulator_value=0.1, use_gradient_accumulation=True,
+                 clip_weight_min=None, clip_weight_max=None, weight_decay_factor=None,
+                 multiply_weight_decay_factor_by_learning_rate=None, slot_variable_creation_fn=None,
+                 clipvalue=None, low_dimensional_packing_status=False):
+        super().__init__(learning_rate, use_gradient_accumulation, clip_weight_min, clip_weight_max,
+                         weight_decay_factor, multiply_weight_decay_factor_by_learning_rate, clipvalue,
+                         slot_variable_creation_fn, low_dimensional_packing_status)
+        if not _is_number(initial_accumulator_value) or initial_accumulator_value <= 0:
+            raise ValueError(f"Adagrad initial_accumulator_value must be a positive float, got "
+                             f"{initial_accumulator_value!r}.")
+        self.initial_accumulator_value = float(initial_accumulator_value)
+        self.slot_initializers = (self.initial_accumulator_value,)
+
+
+class AdagradMomentum(_BuiltinOptimizer):
+    __doc__ = """Adagrad with momentum (TensorFlow's TPU formula):
+    ``a <- a + g^2`` if beta2 == 1 else ``beta2 a + (1 - beta2) g^2``;  ``s = (a + epsilon)^(-1/exponent) g``;
+    ``m <- momentum m + s``;  ``w <- w - lr * (momentum m + s)`` with Nesterov, else ``w - lr * m``.
+    Slots ``accumulators`` and ``momenta`` start at 0.""" + _COMMON_DOC
+    _row = adagrad_momentum_row
+    _n_specific = 6
+    slot_names = ("accumulators", "momenta")
+    slot_dims = (2, 2)
+    slot_initializers = (0.0, 0.0)
+
+    def __init__(self, learning_rate=0.001, momentum=0.0, use_nesterov=False, exponent=2, beta2=1,
+                 epsilon=1e-10, use_gradient_accumulation=True, clip_weight_min=None, clip_weight_max=None,
+                 weight_decay_factor=None, multiply_weight_decay_factor_by_learning_rate=None,
+                 slot_variable_creation_fn=None, clipvalue=None, low_dimensional_packing_status=False):
+        super().__init__(learning_rate, use_gradient_accumulation, clip_weight_min, clip_weight_max,
+                         weight_decay_factor, multiply_weight_decay_factor_by_learning_rate, clipvalue,
+                         slot_variable_creation_fn, low_dimensional_packing_status)
+        if not _is_number(epsilon) or epsilon <= 0:
+            raise ValueError(f"Adagrad momentum: epsilon must be positive, got {epsilon!r}")
+        if not _is_number(exponent) or exponent <= 0:
+            raise ValueError(f"Adagrad momentum: Precondition exponent must be > 0, got {exponent!r}")
+        if not _is_number(momentum) or not _is_number(beta2) or not 0 <= beta2 <= 1:
+            raise ValueError(f"Adagrad momentum: momentum must be a float and beta2 a float in [0, 1]; got "
+                             f"momentum={momentum!r}, beta2={beta2!r}")
+        self.momentum, self.use_nesterov = float(momentum), bool(use_nesterov)
+        self.exponent, self.beta2, self.epsilon = float(exponent), float(beta2), float(epsilon)
+
+    def _specific(self, step):
+        keep, add = (1.0, 1.0) if self.beta2 == 1.0 else (self.beta2, 1.0 - self.beta2)
+        return (self.momentum, float(self.use_nesterov), -1.0 / self.exponent, keep, add, self.epsilon)
+
+
+class Adam(_BuiltinOptimizer):
+    __doc__ = """Adam (TensorFlow's TPU formula):
+    ``m <- b1 m + (1 - b1) g;  v <- b2 v + (1 - b2) g^2;  w <- w - lr_t * m / d``,
+    ``d = sqrt(v + epsilon^2)`` if ``sum_inside_sqrt`` else ``sqrt(v) + epsilon``, and the bias correction
+    folded into the learning rate: ``lr_t = lr * sqrt(1 - b2^t) / (1 - b1^t)``, t the engine step from 1.
+    ``lazy_adam=True`` updates only touched rows; ``False`` updates every row, untouched ones with a zero
+    gradient (their moments decay and their weights keep moving). Slots ``momenta``, ``velocities`` start
+    at 0.""" + _COMMON_DOC
+    _row = adam_row
+    _n_specific = 4
+    slot_names = ("momenta", "velocities")
+    slot_dims = (2, 2)
+    slot_initializers = (0.0, 0.0)
+
+    def __init__(self, learning_rate=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-07, lazy_adam=True,
+                 sum_inside_sqrt=True, use_gradient_accumulation=True, clip_weight_min=None,
+                 clip_weight_max=None, weight_decay_factor=None, multiply_weight_decay_factor_by_learning_rate=None,
+                 slot_variable_creation_fn=None, clipvalue=None, low_dimensional_packing_status=False):
+        super().__init__(learning_rate, use_gradient_accumulation, clip_weight_min, clip_weight_max,
+                         weight_decay_factor, multiply_weight_decay_factor_by_learning_rate, clipvalue,
+                         slot_variable_creation_fn, low_dimensional_packing_status)
+        if not _is_number(beta_1) or beta_1 < 0.0 or beta_1 >= 1.0:
+            raise ValueError(f"Adam: beta_1 must be in [0, 1); got {beta_1!r}.")
+        if not _is_number(beta_2) or beta_2 < 0.0 or beta_2 >= 1.0:
+            raise ValueError(f"Adam: beta_2 must be in [0, 1); got {beta_2!r}.")
+        if not _is_number(epsilon) or epsilon <= 0.0:
+            raise ValueError(f"Adam: epsilon must be positive; got {epsilon!r}.")
+        if not use_gradient_accumulation and not lazy_adam:
+            raise ValueError("Adam: when `use_gradient_accumulation` is False, lazy_adam must be True.")
+        self.beta_1, self.beta_2, self.epsilon = float(beta_1), float(beta_2), float(epsilon)
+        self.lazy_adam, self.sum_inside_sqrt = bool(lazy_adam), bool(sum_inside_sqrt)
+        self.lazy = self.lazy_adam
+
+    def learning_rate_value(self, step):
+        lr = float(super().learning_rate_value(step))
+        return np.float32(lr * math.sqrt(1.0 - self.beta_2 ** step) / (1.0 - self.beta_1 ** step))
+
+    def _specific(self, step):
+        return (self.beta_1, self.beta_2, self.epsilon, float(self.sum_inside_sqrt))
+
+
+class FTRL(_BuiltinOptimizer):
+    __doc__ = """FTRL-proximal (TensorFlow's TPU formula; see :func:`ftrl_row`). Slots ``accumulators`` (start at
+    ``initial_accumulator_value`` > 0) and ``linears`` (start at 0).""" + _COMMON_DOC
+    _row = ftrl_row
+    _n_specific = 5
+    slot_names = ("accumulators", "linears")
+    slot_dims = (2, 2)
+
+    def __init__(self, learning_rate=0.001, learning_rate_power=-0.5, l1_regularization_strength=0.0,
+                 l2_regularization_strength=0.0, beta=0.0, initial_accumulator_value=0.1,
+                 use_gradient_accumulation=True, clip_weight_min=None, clip_weight_max=None,
+                 weight_decay_factor=None, multiply_weight_decay_factor_by_learning_rate=None,
+                 slot_variable_creation_fn=None, clipvalue=None, multiply_linear_by_learning_rate=False,
+                 allow_zero_accumulator=False, low_dimensional_packing_status=False):
+        super().__init__(learning_rate, use_gradient_accumulation, clip_weight_min, clip_weight_max,
+                         weight_decay_factor, multiply_weight_decay_factor_by_learning_rate, clipvalue,
+                         slot_variable_creation_fn, low_dimensional_packing_status)
+        if not _is_number(initial_accumulator_value) or initial_accumulator_value <= 0:
+            raise ValueError(f"FTRL: initial_accumulator_value must be a positive float, got "
+                             f"{initial_accumulator_value!r}.")
+        if not _is_number(learning_rate_power) or learning_rate_power > 0:
+            raise ValueError(f"FTRL: learning_rate_power must be <= 0, got {learning_rate_power!r}.")
+        for what, v in (("l1_regularization_strength", l1_regularization_strength),
+                        ("l2_regularization_strength", l2_regularization_strength), ("beta", beta)):
+            if not _is_number(v) or v < 0:
+                raise ValueError(f"FTRL: {what} must be a float >= 0, got {v!r}.")
+        self.learning_rate_power = float(learning_rate_power)
+        self.l1_regularization_strength = float(l1_regularization_strength)
+        self.l2_regularization_strength = float(l2_regularization_strength)
+        self.beta = float(beta)
+        self.initial_accumulator_value = float(initial_accumulator_value)
+        self.multiply_linear_by_learning_rate = bool(multiply_linear_by_learning_rate)
+        self.allow_zero_accumulator = bool(allow_zero_accumulator)
+        self.slot_initializers = (self.initial_accumulator_value, 0.0)
+
+    def _specific(self, step):
+        return (-self.learning_rate_power, self.l1_regularization_strength, self.l2_regularization_strength,
+                self.beta, float(self.multiply_linear_by_learning_rate))
+
+
+class RowwiseAdagrad(_BuiltinOptimizer):
+    __doc__ = """Row-wise Adagrad, the recommender-industry default: one accumulator per row,
+    ``a <- a + mean(g^2);  w <- w - lr * g / (sqrt(a) + epsilon)``; ``a`` starts at
+    ``initial_accumulator_value``. With 0 and ``epsilon > 0`` this is FBGEMM's ``EXACT_ROWWISE_ADAGRAD``.
+    One of ``initial_accumulator_value`` and ``epsilon`` must be positive.""" + _COMMON_DOC
+    _row = rowwise_adagrad_row
+    _n_specific = 1
+    slot_names = ("accumulators",)
+    slot_dims = (1,)
+
+    def __init__(self, learning_rate=0.001, initial_accumulator_value=0.1, epsilon=0.0,
+                 use_gradient_accumulation=True, clip_weight_min=None, clip_weight_max=None,
+                 weight_decay_factor=None, multiply_weight_decay_factor_by_learning_rate=None,
+                 clipvalue=None, low_dimensional_packing_status=False):
+        super().__init__(learning_rate, use_gradient_accumulation, clip_weight_min, clip_weight_max,
+                         weight_decay_factor, multiply_weight_decay_factor_by_learning_rate, clipvalue,
+                         None, low_dimensional_packing_status)
+        if not _is_number(initial_accumulator_value) or initial_accumulator_value < 0:
+            raise ValueError(f"RowwiseAdagrad: initial_accumulator_value must be a float >= 0, got "
+                             f"{initial_accumulator_value!r}.")
+        if not _is_number(epsilon) or epsilon < 0:
+            raise ValueError(f"RowwiseAdagrad: epsilon must be a float >= 0, got {epsilon!r}.")
+        if initial_accumulator_value == 0 and epsilon == 0:
+            raise ValueError("RowwiseAdagrad: initial_accumulator_value and epsilon cannot both be 0 "
+                             "(the first update would divide by zero).")
+        self.initial_accumulator_value = float(initial_accumulator_value)
+        self.epsilon = float(epsilon)
+        self.slot_initializers = (self.initial_accumulator_value,)
+
+    def _specific(self, step):
+        return (self.epsilon,)
