@@ -88,7 +88,7 @@ class TruncatedNormal(Initializer):
         self.mean, self.stddev, self.seed = float(mean), float(stddev), seed
 
     def fill(self, out, first_row, key):
-        _random.fill_truncated_normal(out, first_row, key, self.mean, self.stddev)
+        _random.fill_truncated_normal(out, first_row, np.uint64(key), self.mean, self.stddev)
 
 
 class RandomUniform(Initializer):
@@ -100,7 +100,7 @@ class RandomUniform(Initializer):
         self.minval, self.maxval, self.seed = float(minval), float(maxval), seed
 
     def fill(self, out, first_row, key):
-        _random.fill_uniform(out, first_row, key, self.minval, self.maxval)
+        _random.fill_uniform(out, first_row, np.uint64(key), self.minval, self.maxval)
 
 
 class RowId(Initializer):
