@@ -137,7 +137,7 @@ def compile_row_function(fn, slot_dims, n_hyperparameters, dim) -> CompiledRowFu
     slot_dims = tuple(slot_dims)
     dispatcher = _DISPATCHERS.get(fn)
     if dispatcher is None:
-        dispatcher = _DISPATCHERS[fn] = numba.njit(strip_del(fn))
+        dispatcher = _DISPATCHERS[fn] = numba.njit(strip_del(fn), inline="always", error_model="numpy")
     signature = row_signature(slot_dims, n_hyperparameters)
     try:
         dispatcher.compile(signature)

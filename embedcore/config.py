@@ -92,12 +92,11 @@ class FeatureConfig:
                 f"Argument `validate_weights_and_indices` must be a boolean. Received: "
                 f"{validate_weights_and_indices!r}")
         if output_shape is not None:
-            try:
-                output_shape = tuple(int(d) for d in output_shape)
-            except TypeError:
+            if isinstance(output_shape, (str, bytes)) or not hasattr(output_shape, "__iter__") or \
+                    not all(_is_int(d) for d in output_shape):
                 raise ValueError(
-                    f"Argument `output_shape` must be a sequence of ints or None. Received: {output_shape!r}"
-                ) from None
+                    f"Argument `output_shape` must be a sequence of ints or None. Received: {output_shape!r}")
+            output_shape = tuple(int(d) for d in output_shape)
             if any(d < 1 for d in output_shape):
                 raise ValueError(f"Argument `output_shape` must hold positive ints. Received: {output_shape!r}")
         if name is not None and not isinstance(name, str):

@@ -18,7 +18,7 @@ from .config import FeatureConfig, TableConfig
 from .initializers import TruncatedNormal, fill_rows
 from .inputs import InputError
 from .kernels.dedup import unique_rows
-from .kernels.rows import gather_combine, reduce_gradients
+from .kernels.rows import count_non_finite, gather_combine
 from .kernels.update import update_kernel
 from .kernels.workspace import Workspace
 from .optimizers import Optimizer
@@ -260,29 +260,36 @@ class Embedding:
             if tb is None and group.optimizer.lazy:
                 continue
             ws = group.workspace
-            n_out = tb.n_out if tb else 0
-            d_act = ws.array("d_act", (n_out, group.dim), np.float32)
-            for grad, s in zip(checked, ctx.features):
-                if s.group == g:
-                    d_act[s.out_offset:s.out_offset + s.n_rows] = grad.reshape(s.n_rows, group.dim)
-            if tb is not None:
-                uniq, ptr, order = unique_rows(tb.rows, group.n_rows, ws)
-            else:
-                uniq, ptr, order = np.zeros(0, np.int64), np.zeros(1, np.int64), np.zeros(0, np.int64)
-            grads = ws.array("grads", (uniq.shape[0], group.dim), np.float32)
-            if tb is not None:
-                reduce_gradients(d_act, tb.gains, tb.out_row, order, ptr, grads)
+            if tb is None:
+                tb = inputs.build_table_batch([])
+            d_act = self._gradient_rows(g, group, tb, checked, ctx.features)
+            uniq, ptr, order = unique_rows(tb.rows, group.n_rows, ws)
             lr, hyper = values[id(group.optimizer)]
             errors = np.zeros(1, np.int64)
             kernel = update_kernel(group.row_function, lazy=group.optimizer.lazy)
-            kernel(group.weights, group.slots, uniq, grads, lr, hyper, errors)
+            kernel(group.weights, group.slots, uniq, ptr, order, tb.out_row, tb.gains, d_act, lr, hyper, errors)
             if errors[0]:
                 from .compiler import RowFunctionError, describe
                 raise RowFunctionError(f"{describe(group.row_function.python_function)} returned rows of the wrong "
-                                       f"length for some row(s) of table(s) "
-                                       f"{[t.name for t in group.tables]}")
+                                       f"length for some row(s) of table(s) {[t.name for t in group.tables]}")
         self.step = step
         ctx.consumed = True
+
+
+    @staticmethod
+    def _gradient_rows(g, group, tb, gradients, features):
+        """The activation gradients of physical table ``g`` as one ``[n_out, dim]`` float32 array.
+
+        A table fed by one feature whose gradient is already float32 and contiguous is used as it is;
+        otherwise the features' gradients are copied into a reused workspace.
+        """
+        mine = [(grad, s) for grad, s in zip(gradients, features) if s.group == g]
+        if len(mine) == 1 and mine[0][0].dtype == np.float32 and mine[0][0].flags.c_contiguous:
+            return mine[0][0].reshape(tb.n_out, group.dim)
+        d_act = group.workspace.array("d_act", (tb.n_out, group.dim), np.float32)
+        for grad, s in mine:
+            d_act[s.out_offset:s.out_offset + s.n_rows] = grad.reshape(s.n_rows, group.dim)
+        return d_act
 
 
 def _check_gradient(grad, s: _FeatureSlot) -> np.ndarray:
@@ -296,9 +303,9 @@ def _check_gradient(grad, s: _FeatureSlot) -> np.ndarray:
         raise InputError(f"gradient of feature '{name}' must hold floats, got dtype {grad.dtype}")
     if grad.shape != s.shape:
         raise InputError(f"gradient of feature '{name}' has shape {grad.shape}, its activations have {s.shape}")
-    finite = np.isfinite(grad)
-    if not finite.all():
-        bad = np.unravel_index(int(np.flatnonzero(~finite.reshape(-1))[0]), grad.shape)
+    flat = grad.reshape(-1)
+    if count_non_finite(flat if flat.dtype in (np.float32, np.float64) else flat.astype(np.float32)):
+        bad = np.unravel_index(int(np.flatnonzero(~np.isfinite(flat))[0]), grad.shape)
         raise InputError(f"gradient of feature '{name}' holds {grad[bad]} at index {tuple(int(i) for i in bad)}; "
                          f"NaN/Inf gradients are refused (nothing was updated)")
     return grad

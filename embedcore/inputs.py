@@ -222,7 +222,7 @@ def to_feature_batch(ids, weights, name: str, vocabulary_size: int, check_weight
     else:
         raise InputError(f"ids of feature '{name}' must be a NumPy integer array, a Ragged, a Sparse or a list "
                          f"of lists; got {type(ids).__name__}")
-    _check_range(batch.ids, name, vocabulary_size, ids)
+    _check_range(batch.ids, name, vocabulary_size, ids.values if isinstance(ids, (Ragged, Sparse)) else ids)
     if check_weights and batch.weights is not None and not np.all(np.isfinite(batch.weights)):
         bad = int(np.flatnonzero(~np.isfinite(batch.weights))[0])
         raise InputError(f"weights of feature '{name}' hold a non-finite value {batch.weights[bad]} at flat "
@@ -261,12 +261,15 @@ def _sparse_batch(sp: Sparse, weights, name) -> FeatureBatch:
 
 
 def _check_range(ids, name, vocabulary_size, original):
-    if ids.shape[0] == 0:
+    """Ids must lie in ``[0, vocabulary_size)``; checked on the caller's array so that no cast hides a value
+    (a uint64 id of 2**64 - 1 would read as -1 after the cast to int64)."""
+    original = np.asarray(original).reshape(-1)
+    if original.shape[0] == 0:
         return
-    low, high = ids.min(), ids.max()
-    if low < 0 or high >= vocabulary_size:
-        bad_at = int(np.flatnonzero((ids < 0) | (ids >= vocabulary_size))[0])
-        raise InputError(f"feature '{name}': id {int(ids[bad_at])} (flat position {bad_at}) is outside the table's "
+    if original.min() < 0 or original.max() >= vocabulary_size:
+        bad = (original < 0) | (original >= vocabulary_size)
+        bad_at = int(np.flatnonzero(bad)[0])
+        raise InputError(f"feature '{name}': id {original[bad_at]} (flat position {bad_at}) is outside the table's "
                          f"vocabulary [0, {vocabulary_size})")
 
 

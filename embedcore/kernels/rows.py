@@ -13,7 +13,7 @@ Sums run in a fixed order, so results do not depend on the number of threads.
 import numpy as np
 from numba import njit, prange
 
-__all__ = ["gather_combine", "reduce_gradients"]
+__all__ = ["gather_combine", "sum_gradient"]
 
 
 @njit(cache=True, parallel=True)
@@ -29,15 +29,26 @@ def gather_combine(table, rows, gains, out_ptr, act):
                 act[a, j] += w * table[r, j]
 
 
-@njit(cache=True, parallel=True)
-def reduce_gradients(d_act, gains, out_row, order, ptr, grads):
-    n_unique, dim = grads.shape
-    for u in prange(n_unique):
+@njit(cache=True, inline="always")
+def sum_gradient(g_row, u, ptr, order, out_row, gains, d_act):
+    """``g_row = sum over occurrences o of unique row u (in order) of gains[o] * d_act[out_row[o]]``."""
+    dim = g_row.shape[0]
+    for j in range(dim):
+        g_row[j] = 0.0
+    for k in range(ptr[u], ptr[u + 1]):
+        o = order[k]
+        w = gains[o]
+        a = out_row[o]
         for j in range(dim):
-            grads[u, j] = 0.0
-        for k in range(ptr[u], ptr[u + 1]):
-            o = order[k]
-            w = gains[o]
-            a = out_row[o]
-            for j in range(dim):
-                grads[u, j] += w * d_act[a, j]
+            g_row[j] += w * d_act[a, j]
+
+
+@njit(cache=True, parallel=True)
+def count_non_finite(values):
+    """Number of NaN/Inf entries of a flat float array (no temporary array, unlike ``np.isfinite``)."""
+    n = values.shape[0]
+    bad = 0
+    for i in prange(n):
+        if not np.isfinite(values[i]):
+            bad += 1
+    return bad

@@ -1,6 +1,6 @@
 """The fused, in-place optimizer update over the rows a batch touched.
 
-For each unique row ``r`` (in parallel) with summed gradient ``g``::
+For each unique row ``r`` (in parallel), its gradient ``g`` is summed into a scratch row, then::
 
     row[r], slot_0[r], ... = f(g, row[r], (slot_0[r], ...), learning_rate, hyperparameters)
 
@@ -21,9 +21,11 @@ import numpy as np
 from numba import njit, prange, types  # noqa: F401  (prange is used by the generated source)
 from numba.extending import overload
 
-__all__ = ["update_kernel", "DENSE_CHUNK_ROWS"]
+from .rows import sum_gradient
 
-DENSE_CHUNK_ROWS = 4096
+__all__ = ["update_kernel", "CHUNK_ROWS"]
+
+CHUNK_ROWS = 256
 
 
 def store_row(dst, value):
@@ -51,34 +53,39 @@ def _store_row_impl(dst, value):
 
 
 _TEMPLATE = '''
-def kernel(table, slots, uniq, grads, learning_rate, hyperparameters, errors):
+def kernel(table, slots, uniq, ptr, order, out_row, gains, d_act, learning_rate, hyperparameters, errors):
 {unpack}
     n_unique = uniq.shape[0]
     dim = table.shape[1]
 {loop}
 '''
 
+# Lazy: unique rows in chunks (one scratch gradient row per chunk, none per row).
 _LAZY_LOOP = '''
-    for u in prange(n_unique):
-        r = uniq[u]
-        g_row = grads[u]
+    n_chunks = (n_unique + CHUNK - 1) // CHUNK
+    for c in prange(n_chunks):
+        g_row = np.empty(dim, np.float32)
+        for u in range(c * CHUNK, min(n_unique, (c + 1) * CHUNK)):
+            r = uniq[u]
+            sum_gradient(g_row, u, ptr, order, out_row, gains, d_act)
 {body}
 '''
 
+# Dense: every row of the table, in chunks; rows the batch did not touch get a zero gradient.
 _DENSE_LOOP = '''
     n_rows = table.shape[0]
     n_chunks = (n_rows + CHUNK - 1) // CHUNK
     for c in prange(n_chunks):
         lo = c * CHUNK
         hi = min(n_rows, lo + CHUNK)
-        zero = np.zeros(dim, np.float32)
+        g_row = np.empty(dim, np.float32)
         u = np.searchsorted(uniq, lo)
         for r in range(lo, hi):
             if u < n_unique and uniq[u] == r:
-                g_row = grads[u]
+                sum_gradient(g_row, u, ptr, order, out_row, gains, d_act)
                 u += 1
             else:
-                g_row = zero
+                g_row[:] = 0.0
 {body}
 '''
 
@@ -125,8 +132,10 @@ _KERNELS: dict = {}
 def update_kernel(row_function, lazy=True):
     """The jitted update kernel for a :class:`~embedcore.compiler.CompiledRowFunction`.
 
-    ``kernel(table, slots, uniq, grads, learning_rate, hyperparameters, errors)`` updates ``table`` rows
-    ``uniq`` (sorted, unique) with gradient rows ``grads``; ``errors[0]`` is set to 1 if the function
+    ``kernel(table, slots, uniq, ptr, order, out_row, gains, d_act, learning_rate, hyperparameters, errors)``
+    updates ``table`` rows ``uniq`` (sorted, unique); the gradient of ``uniq[u]`` is summed on the fly from
+    the activation gradients ``d_act`` (see :func:`~embedcore.kernels.rows.sum_gradient`), so it is never
+    written to memory; ``errors[0]`` is set to 1 if the function
     returned a row of the wrong length for some row (those rows are left as the function's in-place edits made them).
     """
     key = (row_function.dispatcher, row_function.slot_dims, row_function.elementwise, lazy)
@@ -134,15 +143,15 @@ def update_kernel(row_function, lazy=True):
     if kernel is None:
         slot_dims = row_function.slot_dims
         unpack = [f"s{k} = slots[{k}]" for k in range(len(slot_dims))] or ["pass"]
-        depth = 2 if lazy else 3
+        depth = 3
         loop = (_LAZY_LOOP if lazy else _DENSE_LOOP).format(
             body=_indent(_body(slot_dims, row_function.elementwise), depth))
         source = _TEMPLATE.format(unpack=_indent(unpack, 1), loop=loop)
         namespace = {"np": np, "prange": prange, "fn": row_function.dispatcher, "store_row": store_row,
-                     "CHUNK": DENSE_CHUNK_ROWS}
+                     "sum_gradient": sum_gradient, "CHUNK": CHUNK_ROWS}
         exec(compile(source, f"<embedcore update kernel for {row_function.python_function!r}>", "exec"),
              namespace)
-        kernel = njit(parallel=True, fastmath=False)(namespace["kernel"])
+        kernel = njit(parallel=True, error_model="numpy")(namespace["kernel"])
         kernel.source = source
         _KERNELS[key] = kernel
     return kernel
