@@ -177,7 +177,7 @@ def to_feature_batch(ids, weights, name: str, vocabulary_size: int, check_weight
         if ids and all(isinstance(x, (list, tuple, np.ndarray)) for x in ids):
             ids = Ragged.from_lists(ids)
         else:
-            ids = np.asarray(ids)
+            ids = np.asarray(ids) if ids else np.zeros(0, np.int64)  # [] is a batch of no samples
         if isinstance(weights, list):
             weights = Ragged.from_lists(weights, np.float32) if isinstance(ids, Ragged) else np.asarray(weights)
     if isinstance(ids, Ragged):

@@ -1,0 +1,30 @@
+"""The README's first command, on a tiny run, and CLI argument errors."""
+
+import subprocess
+import sys
+
+import pytest
+
+from embedcore.cli import main
+from embedcore.quickstart import run
+
+
+def test_quickstart_learns_the_planted_values():
+    lines = []
+    result = run(steps=120, batch_size=128, log_every=60, out=lines.append)
+    assert result["step"] == 120
+    assert result["losses"][-1] < 0.1 * result["losses"][0]
+    assert result["user_corr"] > 0.9 and result["item_corr"] > 0.9
+    assert any("element by element" in line for line in lines)
+
+
+def test_cli_rejects_bad_arguments(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["demo", "--steps", "0"])
+    assert exc.value.code == 2
+    assert "--steps" in capsys.readouterr().err
+
+
+def test_module_entry_point_help():
+    out = subprocess.run([sys.executable, "-m", "embedcore", "--help"], capture_output=True, text=True, check=True)
+    assert "demo" in out.stdout

@@ -1,0 +1,99 @@
+"""Lookups against the oracle: input forms, combiners, weights, sequences, output shapes, nesting."""
+
+import itertools
+
+import numpy as np
+import pytest
+
+import embedcore as ec
+
+from . import reference as ref
+from .harness import as_input, random_samples, random_weights
+
+
+@pytest.fixture(scope="module")
+def emb():
+    t_sum = ec.TableConfig(25, 3, combiner="sum", name="t_sum", initializer=ec.RandomUniform(-1, 1))
+    t_mean = ec.TableConfig(9, 3, combiner="mean", name="t_mean", initializer=ec.RandomUniform(-1, 1))
+    t_sqrtn = ec.TableConfig(1, 3, combiner="sqrtn", name="t_sqrtn", initializer=ec.RandomUniform(-1, 1))
+    features = {"sum": ec.FeatureConfig(t_sum), "mean": ec.FeatureConfig(t_mean),
+                "sqrtn": ec.FeatureConfig(t_sqrtn), "seq": ec.FeatureConfig(t_sum, max_sequence_length=2)}
+    return ec.Embedding(features, ec.SGD(0.1))
+
+
+@pytest.mark.parametrize("form,weighted", list(itertools.product(["lists", "ragged", "sparse"], [False, True])))
+def test_lookup_matches_oracle_for_every_input_form(emb, form, weighted):
+    rng = np.random.default_rng(4)
+    batch, weights, expected = {}, {}, {}
+    for name, seq in (("sum", 0), ("mean", 0), ("sqrtn", 0), ("seq", 2)):
+        table_name = emb._feature_config[name].table.name
+        table = emb.embedding_tables[table_name].astype(np.float64)
+        samples = random_samples(rng, 9, table.shape[0], 5)
+        samples[0] = []  # an empty sample gives zeros
+        w = random_weights(rng, samples) if weighted else [[1.0] * len(s) for s in samples]
+        batch[name], weights[name] = as_input(samples, w if weighted else None, form)
+        expected[name] = ref.lookup(table, samples, w, emb.tables[table_name].combiner, seq)
+    acts, _ = emb(batch, weights if weighted else None)
+    for name in batch:
+        np.testing.assert_allclose(acts[name], expected[name], rtol=1e-5, atol=1e-6, err_msg=name)
+        assert acts[name].dtype == np.float32
+    np.testing.assert_array_equal(acts["sum"][0], 0.0)
+    assert acts["seq"].shape == (9, 2, 3)
+
+
+def test_dense_inputs_rank_one_and_two(emb):
+    table = emb.embedding_tables["t_sum"]
+    acts, _ = emb({"sum": np.array([[1, 2], [3, 3]], np.int32), "mean": np.array([4, 5], np.uint8),
+                   "sqrtn": np.zeros((2, 2), np.int64), "seq": np.array([[7, 8, 9], [1, 0, 0]])})
+    np.testing.assert_allclose(acts["sum"], [table[1] + table[2], 2 * table[3]], rtol=1e-6)
+    np.testing.assert_allclose(acts["mean"], emb.embedding_tables["t_mean"][[4, 5]], rtol=1e-6)
+    # sqrtn of two equal ids: 2 x / sqrt(2)
+    np.testing.assert_allclose(acts["sqrtn"], np.sqrt(2) * np.repeat(emb.embedding_tables["t_sqrtn"], 2, 0),
+                               rtol=1e-6)
+    np.testing.assert_allclose(acts["seq"], np.stack([table[[7, 8]], table[[1, 0]]]), rtol=1e-6)  # truncated
+
+
+def test_sequence_feature_is_zero_padded_and_weighted(emb):
+    table = emb.embedding_tables["t_sum"]
+    acts, _ = emb({"sum": [[1]], "mean": [[1]], "sqrtn": [[0]], "seq": [[5]]},
+                  {"sum": [[1.0]], "mean": [[1.0]], "sqrtn": [[1.0]], "seq": [[0.5]]})
+    np.testing.assert_allclose(acts["seq"][0, 0], 0.5 * table[5], rtol=1e-6)
+    np.testing.assert_array_equal(acts["seq"][0, 1], 0.0)
+
+
+def test_zero_weight_sum_gives_zero_for_mean_and_sqrtn(emb):
+    acts, _ = emb({"sum": [[1]], "mean": [[1, 2]], "sqrtn": [[0]], "seq": [[]]},
+                  {"sum": [[1.0]], "mean": [[1.0, -1.0]], "sqrtn": [[0.0]], "seq": [[]]})
+    np.testing.assert_array_equal(acts["mean"], 0.0)
+    np.testing.assert_array_equal(acts["sqrtn"], 0.0)
+
+
+def test_nested_structure_and_output_shape_are_mirrored():
+    table = ec.TableConfig(10, 2, name="nest", initializer=ec.RowId(), combiner="sum")
+    config = {"outer": [ec.FeatureConfig(table), (ec.FeatureConfig(table, output_shape=(2, 3)),)],
+              "seq": ec.FeatureConfig(table, max_sequence_length=2, output_shape=[4])}
+    emb = ec.Embedding(config, ec.SGD(0.1))
+    features = {"outer": [np.array([1, 2]), (np.arange(6),)], "seq": [[1, 2, 9], [4]]}
+    acts, ctx = emb(features)
+    assert isinstance(acts["outer"], list) and isinstance(acts["outer"][1], tuple)
+    assert acts["outer"][0].shape == (2, 2)
+    assert acts["outer"][1][0].shape == (2, 3, 2)
+    np.testing.assert_array_equal(acts["outer"][1][0][1, 2], [5, 5])
+    np.testing.assert_array_equal(acts["seq"][:, 0], [1, 2, 4, 0])
+    grads = {"outer": [np.ones((2, 2), np.float32), (np.ones((2, 3, 2), np.float32),)],
+             "seq": np.ones((4, 2), np.float32)}
+    emb.apply_gradients(grads, ctx)
+    # row 1: outer/0 sample 0 (1) + outer/1 id 1 (1) + seq position 0 (1) -> 1 - 0.1 * 3
+    np.testing.assert_allclose(emb.embedding_tables["nest"][1], 1 - 0.3, rtol=1e-6)
+    np.testing.assert_allclose(emb.embedding_tables["nest"][9], 9.0)  # truncated away: untouched
+
+
+def test_empty_batch():
+    table = ec.TableConfig(5, 2, name="empty", combiner="sum")
+    emb = ec.Embedding(ec.FeatureConfig(table), ec.Adagrad(0.1))
+    before = emb.embedding_tables["empty"].copy()
+    acts, ctx = emb(np.zeros(0, np.int64))
+    assert acts.shape == (0, 2)
+    emb.apply_gradients(np.zeros((0, 2), np.float32), ctx)
+    np.testing.assert_array_equal(emb.embedding_tables["empty"], before)
+    assert emb.step == 1
