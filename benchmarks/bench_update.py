@@ -22,8 +22,9 @@ steps; medians are over all steps of all rounds):
    then only ``emb.apply_gradients(grads, ctx)`` is timed (validation + dedup + gradient reduction + fused
    update).
 2. ``embedcore kernels``: the three kernels that ``Embedding._apply`` calls, called directly on a separate
-   copy of the table: ``kernels.dedup.unique_rows`` (radix sort), ``kernels.rows.reduce_gradients`` and the
-   update kernel from ``kernels.update.update_kernel``. Each phase is timed too.
+   copy of the table: ``kernels.dedup.unique_rows`` (radix sort) and the fused
+   update kernel from ``kernels.update.update_kernel`` (it sums each row's gradient as it updates the row).
+   Each phase is timed too.
 3. ``numpy add.at``: ``np.unique(return_inverse=True)``, ``np.add.at`` to sum gradients per unique id,
    fancy-index gather, Adagrad math, scatter back (own copy of the table).
 4. ``numpy argsort+reduceat``: the same with a stable ``argsort`` and ``np.add.reduceat`` instead of
@@ -66,7 +67,6 @@ from numba import njit, prange
 
 import embedcore
 from embedcore.kernels.dedup import unique_rows
-from embedcore.kernels.rows import reduce_gradients
 from embedcore.kernels.update import update_kernel
 from embedcore.kernels.workspace import Workspace
 
@@ -153,7 +153,7 @@ def numpy_update_sort(table, slot, ids, grads, lr):
 class KernelPath:
     """What ``Embedding._apply`` does for one physical table, kernel by kernel, on its own arrays."""
 
-    PHASES = ("dedup", "reduce", "update")
+    PHASES = ("dedup", "reduce+update")
 
     def __init__(self, emb, rows, dim):
         group = emb._groups[0]
@@ -174,15 +174,12 @@ class KernelPath:
         t0 = time.perf_counter()
         uniq, ptr, order = unique_rows(tb.rows, self.n_rows, self.ws)
         t1 = time.perf_counter()
-        grads = self.ws.array("grads", (uniq.shape[0], self.table.shape[1]), np.float32)
-        reduce_gradients(d_act, tb.gains, tb.out_row, order, ptr, grads)
-        t2 = time.perf_counter()
         errors = np.zeros(1, np.int64)
         kernel = update_kernel(self.row_function, lazy=self.lazy)
-        kernel(self.table, self.slots, uniq, grads, lr, hyper, errors)
-        t3 = time.perf_counter()
+        kernel(self.table, self.slots, uniq, ptr, order, tb.out_row, tb.gains, d_act, lr, hyper, errors)
+        t2 = time.perf_counter()
         assert errors[0] == 0
-        return uniq.shape[0], {"dedup": t1 - t0, "reduce": t2 - t1, "update": t3 - t2}
+        return uniq.shape[0], {"dedup": t1 - t0, "reduce+update": t2 - t1}
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import inputs
+from .compiler import RowFunctionError, describe
 from .config import FeatureConfig, TableConfig
 from .initializers import TruncatedNormal, fill_rows
 from .inputs import InputError
@@ -269,7 +270,6 @@ class Embedding:
             kernel = update_kernel(group.row_function, lazy=group.optimizer.lazy)
             kernel(group.weights, group.slots, uniq, ptr, order, tb.out_row, tb.gains, d_act, lr, hyper, errors)
             if errors[0]:
-                from .compiler import RowFunctionError, describe
                 raise RowFunctionError(f"{describe(group.row_function.python_function)} returned rows of the wrong "
                                        f"length for some row(s) of table(s) {[t.name for t in group.tables]}")
         self.step = step

@@ -108,14 +108,13 @@ def unflatten(reference, leaves):
 
     def build(node):
         if isinstance(node, dict):
-            built = {key: None for key in node}
-            for key in sorted(node, key=str):
-                built[key] = build(node[key])
-            return built
-        if isinstance(node, (list, tuple)):
+            built = {key: build(node[key]) for key in sorted(node, key=str)}
+            return {key: built[key] for key in node}  # the caller's key order
+        if isinstance(node, list):
+            return [build(item) for item in node]
+        if isinstance(node, tuple):
             items = [build(item) for item in node]
-            return type(node)(items) if isinstance(node, tuple) and not hasattr(node, "_fields") else \
-                (type(node)(*items) if isinstance(node, tuple) else items)
+            return type(node)(*items) if hasattr(node, "_fields") else tuple(items)  # namedtuples too
         return next(iterator)
 
     return build(reference)
