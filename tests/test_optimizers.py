@@ -7,6 +7,7 @@ import pytest
 
 import embedcore as ec
 from embedcore.kernels.update import update_kernel
+from embedcore.quickstart import custom_adagrad, custom_sgd
 
 from . import reference as ref
 from .harness import OracleRun
@@ -94,17 +95,8 @@ def test_non_lazy_adam_moves_untouched_rows():
 # ----------------------------------------------------------------------------------------------------------
 # TensorFlow's documented custom computations.
 
-def tf_doc_sgd(gradient, embedding_table, slot_variables, learning_rate, hyperparameters):
-    del slot_variables, hyperparameters
-    return embedding_table - gradient * learning_rate
-
-
-def tf_doc_adagrad(gradient, embedding_table, slot_variables, learning_rate, hyperparameters):
-    del hyperparameters
-    accumulator = slot_variables[0]
-    new_accumulator = accumulator + gradient * gradient
-    updated_embedding_table = embedding_table - learning_rate * gradient / np.sqrt(new_accumulator)
-    return (updated_embedding_table, new_accumulator)
+# The quickstart holds them exactly as TensorFlow documents them (del statements included).
+tf_doc_sgd, tf_doc_adagrad = custom_sgd, custom_adagrad
 
 
 def test_tensorflow_documented_custom_computations_global_and_override():
