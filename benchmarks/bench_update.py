@@ -122,10 +122,8 @@ def _numba_copy(dst, src):
         dst[i] = src[i]
 
 
-def numpy_update_add_at(table, slot, ids, grads, lr):
-    uniq, inverse = np.unique(ids, return_inverse=True)
-    g = np.zeros((uniq.shape[0], table.shape[1]), np.float32)
-    np.add.at(g, inverse, grads)
+def _adagrad_rows(table, slot, uniq, g, lr):
+    """Adagrad on rows ``uniq`` with summed gradients ``g``: gather, update, scatter back."""
     w = table[uniq]
     a = slot[uniq]
     a += g * g
@@ -133,6 +131,13 @@ def numpy_update_add_at(table, slot, ids, grads, lr):
     table[uniq] = w
     slot[uniq] = a
     return uniq.shape[0]
+
+
+def numpy_update_add_at(table, slot, ids, grads, lr):
+    uniq, inverse = np.unique(ids, return_inverse=True)
+    g = np.zeros((uniq.shape[0], table.shape[1]), np.float32)
+    np.add.at(g, inverse, grads)
+    return _adagrad_rows(table, slot, uniq, g, lr)
 
 
 def numpy_update_sort(table, slot, ids, grads, lr):
@@ -141,13 +146,7 @@ def numpy_update_sort(table, slot, ids, grads, lr):
     starts = np.flatnonzero(np.concatenate(([True], sorted_ids[1:] != sorted_ids[:-1])))
     uniq = sorted_ids[starts]
     g = np.add.reduceat(grads[order], starts, axis=0)
-    w = table[uniq]
-    a = slot[uniq]
-    a += g * g
-    w -= lr * g / np.sqrt(a)
-    table[uniq] = w
-    slot[uniq] = a
-    return uniq.shape[0]
+    return _adagrad_rows(table, slot, uniq, g, lr)
 
 
 class KernelPath:
