@@ -8,66 +8,25 @@ kernel pass; ``stack_tables=False`` keeps one array per table (results are ident
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from dataclasses import dataclass, field
 
 import numpy as np
 
 from . import inputs
 from .compiler import RowFunctionError, describe
-from .config import FeatureConfig, TableConfig
 from .initializers import TruncatedNormal, fill_rows
 from .inputs import InputError
 from .kernels.dedup import unique_rows
-from .kernels.rows import count_non_finite, gather_combine
+from .kernels.rows import count_non_finite
 from .kernels.update import update_kernel
-from .kernels.workspace import Workspace
+from .lookup import LookupContext, TableLookup, _FeatureSlot, _PhysicalTable
 from .optimizers import Optimizer
 
 __all__ = ["Embedding", "LookupContext"]
 
 
-@dataclass
-class _PhysicalTable:
-    """One array holding the rows of one or more stacked tables, plus their slots."""
-
-    tables: list            # TableConfig, in stacking order
-    offsets: list           # first physical row of each table
-    dim: int
-    optimizer: Optimizer
-    weights: np.ndarray = None
-    slots: tuple = ()
-    row_function: object = None
-    workspace: Workspace = field(default_factory=Workspace)
-
-    @property
-    def n_rows(self) -> int:
-        return self.offsets[-1] + self.tables[-1].vocabulary_size
-
-
-@dataclass
-class _FeatureSlot:
-    """Where a feature's activations live: physical table, activation rows and shape."""
-
-    path: str
-    config: FeatureConfig
-    group: int
-    out_offset: int
-    n_rows: int
-    shape: tuple
-
-
-@dataclass
-class LookupContext:
-    """What :meth:`Embedding.apply_gradients` needs from the lookup that produced the activations."""
-
-    engine_id: int
-    table_batches: list
-    features: list
-    consumed: bool = False
-
-
-class Embedding:
+class Embedding(TableLookup):
     """Embedding tables with fused, sparse, per-row optimizers.
 
     Args:
@@ -78,51 +37,21 @@ class Embedding:
     """
 
     def __init__(self, feature_config, optimizer=None, *, seed=0, stack_tables=True):
+        self._setup(feature_config, optimizer, seed, stack_tables, fill=True)
+
+    def _setup(self, feature_config, optimizer, seed, stack_tables, fill):
         if optimizer is not None and not isinstance(optimizer, Optimizer):
             raise ValueError(f"optimizer must be an embedcore optimizer or None, got {optimizer!r}")
-        self._feature_config = feature_config
-        self._features = inputs.flatten(feature_config)
-        if not self._features:
-            raise ValueError("feature_config holds no FeatureConfig")
-        for path, feature in self._features:
-            if not isinstance(feature, FeatureConfig):
-                raise ValueError(f"feature_config entry '{path}' must be a FeatureConfig, got {feature!r}")
+        tables = self._init_features(feature_config)
+        self._optimizer = optimizer
         self.seed = int(seed)
         self.step = 0
         self._lock = threading.Lock()
-        tables = self._collect_tables()
-        self._table_configs = {t.name: t for t in tables}
-        self._groups = self._stack(tables, optimizer, stack_tables)
-        self._group_of = {}
-        for g, group in enumerate(self._groups):
-            for table, offset in zip(group.tables, group.offsets):
-                self._group_of[id(table)] = (g, offset)
+        self._index_groups(self._stack(tables, optimizer, stack_tables))
         for group in self._groups:
-            self._build(group)
+            self._build(group, fill)
 
     # -- construction ------------------------------------------------------------------------------------
-    def _collect_tables(self):
-        tables, seen = [], set()
-        for _, feature in self._features:
-            if id(feature.table) not in seen:
-                seen.add(id(feature.table))
-                tables.append(feature.table)
-        names = {}
-        for table in tables:
-            if table.name is not None:
-                if table.name in names:
-                    raise ValueError(f"two different tables are named '{table.name}': {names[table.name]!r} and "
-                                     f"{table!r}")
-                names[table.name] = table
-        k = 0
-        for table in tables:
-            if table.name is None:
-                while f"table_{k}" in names:
-                    k += 1
-                table.name = f"table_{k}"
-                names[table.name] = table
-        return tables
-
     @staticmethod
     def _stack(tables, optimizer, stack_tables):
         groups, by_key = [], {}
@@ -140,12 +69,14 @@ class Embedding:
             group.tables.append(table)
         return groups
 
-    def _build(self, group: _PhysicalTable):
+    def _build(self, group: _PhysicalTable, fill: bool):
         opt = group.optimizer
         group.row_function = opt.compiled(group.dim)
         group.weights = np.empty((group.n_rows, group.dim), np.float32)
         group.slots = tuple(np.empty((group.n_rows, group.dim) if d == 2 else (group.n_rows,), np.float32)
                             for d in opt.slot_dims)
+        if not fill:
+            return
         for table, offset in zip(group.tables, group.offsets):
             rows = slice(offset, offset + table.vocabulary_size)
             init = table.initializer or TruncatedNormal(0.0, 1.0 / np.sqrt(table.dim))
@@ -153,16 +84,6 @@ class Embedding:
             for name, slot_init, slot in zip(opt.slot_names, opt.slot_initializers, group.slots):
                 view = slot[rows] if slot.ndim == 2 else slot[rows][:, None]
                 fill_rows(slot_init, view, 0, table.vocabulary_size, self.seed, table.name, name)
-
-    # -- state -------------------------------------------------------------------------------------------
-    @property
-    def embedding_tables(self) -> dict:
-        """Table name -> its ``[vocabulary_size, dim]`` float32 array (a view of the engine's storage)."""
-        out = {}
-        for group in self._groups:
-            for table, offset in zip(group.tables, group.offsets):
-                out[table.name] = group.weights[offset:offset + table.vocabulary_size]
-        return out
 
     @property
     def slot_variables(self) -> dict:
@@ -175,11 +96,6 @@ class Embedding:
         return out
 
     @property
-    def tables(self) -> dict:
-        """Table name -> :class:`TableConfig`."""
-        return dict(self._table_configs)
-
-    @property
     def num_physical_tables(self) -> int:
         return len(self._groups)
 
@@ -188,46 +104,48 @@ class Embedding:
                            f"{type(g.optimizer).__name__}]" for g in self._groups)
         return f"Embedding({len(self._features)} features; {groups}; step={self.step})"
 
-    # -- lookup ------------------------------------------------------------------------------------------
-    def __call__(self, features, weights=None):
-        """Look up activations: returns ``(activations, ctx)``, activations mirroring ``features``."""
-        return self.lookup(features, weights)
+    # -- checkpoints -------------------------------------------------------------------------------------
+    def save(self, path, extra=None, metadata=None, keep: int = 1) -> str:
+        """Write a checkpoint of tables, slots, ``step`` and the configuration to the directory ``path``.
 
-    def lookup(self, features, weights=None):
-        id_leaves = inputs.flatten_like(self._feature_config, features, "features")
-        weight_leaves = ([None] * len(id_leaves) if weights is None
-                         else inputs.flatten_like(self._feature_config, weights, "weights"))
-        parts = [[] for _ in self._groups]
-        out_rows = [0] * len(self._groups)
-        slots = []
-        for (path, feature), ids, w in zip(self._features, id_leaves, weight_leaves):
-            name = feature.name or path
-            g, row_offset = self._group_of[id(feature.table)]
-            batch = inputs.to_feature_batch(ids, w, name, feature.table.vocabulary_size,
-                                            feature.validate_weights_and_indices)
-            seq_len = feature.max_sequence_length
-            n = batch.batch_size * max(seq_len, 1)
-            shape = (batch.batch_size, seq_len, feature.table.dim) if seq_len else \
-                (batch.batch_size, feature.table.dim)
-            if feature.output_shape is not None:
-                if int(np.prod(feature.output_shape)) != n:
-                    raise InputError(f"feature '{name}': output_shape {feature.output_shape} holds "
-                                     f"{int(np.prod(feature.output_shape))} activation rows, the batch gives {n}")
-                shape = feature.output_shape + (feature.table.dim,)
-            parts[g].append((batch, feature.table.combiner, seq_len, row_offset, out_rows[g]))
-            slots.append(_FeatureSlot(path, feature, g, out_rows[g], n, shape))
-            out_rows[g] += n
-        table_batches, acts = [], []
-        for group, group_parts in zip(self._groups, parts):
-            tb = inputs.build_table_batch(group_parts) if group_parts else None
-            act = np.zeros((tb.n_out if tb else 0, group.dim), np.float32)
-            if tb is not None and tb.n_out:
-                gather_combine(group.weights, tb.rows, tb.gains, tb.out_ptr, act)
-            table_batches.append(tb)
-            acts.append(act)
-        activations = [acts[s.group][s.out_offset:s.out_offset + s.n_rows].reshape(s.shape) for s in slots]
-        ctx = LookupContext(id(self), table_batches, slots)
-        return inputs.unflatten(self._feature_config, activations), ctx
+        The write is atomic (a crash leaves the previous checkpoint in place) and every tensor is
+        checksummed; see :mod:`embedcore.checkpoint`. ``extra`` (name -> array) and ``metadata`` (a JSON
+        value) are stored alongside, e.g. a dense model's parameters and a data position.
+        """
+        from .checkpoint import save
+        with self._exclusive("save"):
+            return save(self, path, extra=extra, metadata=metadata, keep=keep)
+
+    def load(self, path, strict: bool = True) -> None:
+        """Replace tables, slots and ``step`` with a checkpoint's; verified in full before anything changes.
+
+        ``strict`` requires the checkpoint's configuration to equal this engine's (optimizers and
+        hyperparameters included); ``strict=False`` only requires the same tables, shapes and slots.
+        """
+        from .checkpoint import load_into
+        with self._exclusive("load"):
+            load_into(self, path, strict=strict)
+
+    @classmethod
+    def restore(cls, path, *, functions=None, allow_import: bool = False, stack_tables: bool = True):
+        """A new engine built from a checkpoint's configuration, holding its tables, slots and ``step``.
+
+        A function named by the checkpoint (a custom computation, a callable learning rate) is imported
+        only if ``allow_import`` or found in ``functions`` (``{"module:name": f}`` or a list of functions).
+        """
+        from .checkpoint import restore
+        return restore(cls, path, functions=functions, allow_import=allow_import, stack_tables=stack_tables)
+
+    @contextlib.contextmanager
+    def _exclusive(self, what: str):
+        """Hold the engine's lock for ``what``; a second thread gets an error instead of waiting."""
+        if not self._lock.acquire(blocking=False):
+            raise RuntimeError(f"cannot {what}: another thread is using this Embedding's state "
+                               f"(apply_gradients, save or load)")
+        try:
+            yield
+        finally:
+            self._lock.release()
 
     # -- update ------------------------------------------------------------------------------------------
     def apply_gradients(self, gradients, ctx: LookupContext):
@@ -238,12 +156,8 @@ class Embedding:
         """
         if not isinstance(ctx, LookupContext) or ctx.engine_id != id(self):
             raise InputError("ctx must be the context returned by this engine's lookup")
-        if not self._lock.acquire(blocking=False):
-            raise RuntimeError("apply_gradients is already running on this Embedding in another thread")
-        try:
+        with self._exclusive("apply_gradients"):
             self._apply(gradients, ctx)
-        finally:
-            self._lock.release()
 
     def _apply(self, gradients, ctx):
         if ctx.consumed:

@@ -1,0 +1,163 @@
+"""Looking up activations: the part of an engine that training and serving share.
+
+A :class:`TableLookup` holds the feature structure, the tables (stacked into physical arrays, each table at
+a row offset) and turns a batch of features into activations. :class:`~embedcore.Embedding` adds the
+optimizers and ``apply_gradients``; :class:`~embedcore.serving.ServingEmbedding` adds read-only tables
+memory-mapped from a checkpoint.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import inputs
+from .config import FeatureConfig
+from .inputs import InputError
+from .kernels.rows import gather_combine
+from .kernels.workspace import Workspace
+from .optimizers import Optimizer
+
+__all__ = ["TableLookup", "LookupContext"]
+
+
+@dataclass
+class _PhysicalTable:
+    """One array holding the rows of one or more stacked tables, plus their slots."""
+
+    tables: list            # TableConfig, in stacking order
+    offsets: list           # first physical row of each table
+    dim: int
+    optimizer: Optimizer
+    weights: np.ndarray = None
+    slots: tuple = ()
+    row_function: object = None
+    workspace: Workspace = field(default_factory=Workspace)
+
+    @property
+    def n_rows(self) -> int:
+        return self.offsets[-1] + self.tables[-1].vocabulary_size
+
+
+@dataclass
+class _FeatureSlot:
+    """Where a feature's activations live: physical table, activation rows and shape."""
+
+    path: str
+    config: FeatureConfig
+    group: int
+    out_offset: int
+    n_rows: int
+    shape: tuple
+
+
+@dataclass
+class LookupContext:
+    """What :meth:`Embedding.apply_gradients` needs from the lookup that produced the activations."""
+
+    engine_id: int
+    table_batches: list
+    features: list
+    consumed: bool = False
+
+
+class TableLookup:
+    """Features, tables and lookups; subclasses build ``self._groups`` (the physical tables)."""
+
+    def _init_features(self, feature_config):
+        self._feature_config = feature_config
+        self._features = inputs.flatten(feature_config)
+        if not self._features:
+            raise ValueError("feature_config holds no FeatureConfig")
+        for path, feature in self._features:
+            if not isinstance(feature, FeatureConfig):
+                raise ValueError(f"feature_config entry '{path}' must be a FeatureConfig, got {feature!r}")
+        tables = self._collect_tables()
+        self._table_configs = {t.name: t for t in tables}
+        return tables
+
+    def _index_groups(self, groups):
+        self._groups = groups
+        self._group_of = {}
+        for g, group in enumerate(groups):
+            for table, offset in zip(group.tables, group.offsets):
+                self._group_of[id(table)] = (g, offset)
+
+    def _collect_tables(self):
+        tables, seen = [], set()
+        for _, feature in self._features:
+            if id(feature.table) not in seen:
+                seen.add(id(feature.table))
+                tables.append(feature.table)
+        names = {}
+        for table in tables:
+            if table.name is not None:
+                if table.name in names:
+                    raise ValueError(f"two different tables are named '{table.name}': {names[table.name]!r} and "
+                                     f"{table!r}")
+                names[table.name] = table
+        k = 0
+        for table in tables:
+            if table.name is None:
+                while f"table_{k}" in names:
+                    k += 1
+                table.name = f"table_{k}"
+                names[table.name] = table
+        return tables
+
+    # -- state -------------------------------------------------------------------------------------------
+    @property
+    def embedding_tables(self) -> dict:
+        """Table name -> its ``[vocabulary_size, dim]`` float32 array (a view of the engine's storage)."""
+        out = {}
+        for group in self._groups:
+            for table, offset in zip(group.tables, group.offsets):
+                out[table.name] = group.weights[offset:offset + table.vocabulary_size]
+        return out
+
+    @property
+    def tables(self) -> dict:
+        """Table name -> :class:`TableConfig`."""
+        return dict(self._table_configs)
+
+    # -- lookup ------------------------------------------------------------------------------------------
+    def __call__(self, features, weights=None):
+        """Look up activations: returns ``(activations, ctx)``, activations mirroring ``features``."""
+        return self.lookup(features, weights)
+
+    def lookup(self, features, weights=None):
+        id_leaves = inputs.flatten_like(self._feature_config, features, "features")
+        weight_leaves = ([None] * len(id_leaves) if weights is None
+                         else inputs.flatten_like(self._feature_config, weights, "weights"))
+        parts = [[] for _ in self._groups]
+        out_rows = [0] * len(self._groups)
+        slots = []
+        for (path, feature), ids, w in zip(self._features, id_leaves, weight_leaves):
+            name = feature.name or path
+            g, row_offset = self._group_of[id(feature.table)]
+            batch = inputs.to_feature_batch(ids, w, name, feature.table.vocabulary_size,
+                                            feature.validate_weights_and_indices)
+            seq_len = feature.max_sequence_length
+            n = batch.batch_size * max(seq_len, 1)
+            shape = (batch.batch_size, seq_len, feature.table.dim) if seq_len else \
+                (batch.batch_size, feature.table.dim)
+            if feature.output_shape is not None:
+                if int(np.prod(feature.output_shape)) != n:
+                    raise InputError(f"feature '{name}': output_shape {feature.output_shape} holds "
+                                     f"{int(np.prod(feature.output_shape))} activation rows, the batch gives {n}")
+                shape = feature.output_shape + (feature.table.dim,)
+            parts[g].append((batch, feature.table.combiner, seq_len, row_offset, out_rows[g]))
+            slots.append(_FeatureSlot(path, feature, g, out_rows[g], n, shape))
+            out_rows[g] += n
+        table_batches, acts = [], []
+        for group, group_parts in zip(self._groups, parts):
+            tb = inputs.build_table_batch(group_parts) if group_parts else None
+            act = np.zeros((tb.n_out if tb else 0, group.dim), np.float32)
+            if tb is not None and tb.n_out:
+                gather_combine(group.weights, tb.rows, tb.gains, tb.out_ptr, act)
+            table_batches.append(tb)
+            acts.append(act)
+        activations = [acts[s.group][s.out_offset:s.out_offset + s.n_rows].reshape(s.shape) for s in slots]
+        ctx = LookupContext(id(self), table_batches, slots)
+        return inputs.unflatten(self._feature_config, activations), ctx
