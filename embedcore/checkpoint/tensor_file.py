@@ -1,0 +1,130 @@
+"""Reading and writing safetensors files: named, contiguous arrays behind a JSON header, no code.
+
+The layout (the safetensors format, so other tools can read our checkpoints):
+
+    8 bytes      little-endian u64 N, the header's length
+    N bytes      JSON: {name: {"dtype": "F32", "shape": [...], "data_offsets": [begin, end]}, ...,
+                        "__metadata__": {str: str}}, padded with spaces
+    the data     each tensor's bytes in C order, little endian, at data_offsets from the data's start
+
+We pad the header so the data starts on a 64-byte boundary, which lets readers memory-map float32
+tables without copying. Readers check everything a corrupt or truncated file could break: the header's
+length and JSON, dtypes, shapes against byte ranges, ranges inside the file and not overlapping.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+
+import numpy as np
+
+__all__ = ["TensorFileError", "write_tensors", "read_header", "open_tensors", "sha256_of"]
+
+_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "I64": np.int64, "I32": np.int32,
+           "I16": np.int16, "I8": np.int8, "U64": np.uint64, "U32": np.uint32, "U16": np.uint16, "U8": np.uint8,
+           "BOOL": np.bool_}
+_NAMES = {np.dtype(v): k for k, v in _DTYPES.items()}
+_ALIGN = 64
+_MAX_HEADER = 100 * 2 ** 20
+
+
+class TensorFileError(ValueError):
+    """A tensor file that is truncated, corrupt or not a safetensors file."""
+
+
+def sha256_of(array: np.ndarray) -> str:
+    """Hex SHA-256 of an array's bytes in C order."""
+    return hashlib.sha256(memoryview(np.ascontiguousarray(array)).cast("B")).hexdigest()
+
+
+def write_tensors(path: str, tensors: dict, metadata: dict | None = None) -> dict:
+    """Write ``tensors`` (name -> array) to ``path`` and fsync it; returns name -> SHA-256 of its bytes."""
+    header, offset, arrays = {}, 0, []
+    for name, array in tensors.items():
+        array = np.asarray(array)
+        if array.dtype not in _NAMES:
+            raise TypeError(f"tensor '{name}' has dtype {array.dtype}, which safetensors cannot store")
+        array = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<"))
+        header[name] = {"dtype": _NAMES[array.dtype], "shape": list(array.shape),
+                        "data_offsets": [offset, offset + array.nbytes]}
+        offset += array.nbytes
+        arrays.append((name, array))
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    text = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    text += b" " * (-(8 + len(text)) % _ALIGN)
+    digests = {}
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)))
+        f.write(text)
+        for name, array in arrays:
+            view = memoryview(array).cast("B") if array.nbytes else b""
+            digests[name] = hashlib.sha256(view).hexdigest()
+            f.write(view)
+        f.flush()
+        os.fsync(f.fileno())
+    return digests
+
+
+def read_header(path: str) -> tuple[dict, dict, int]:
+    """``(tensors, metadata, data_start)`` of a safetensors file, every entry checked against the file."""
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise TensorFileError(f"{path}: {size} bytes is too short for a safetensors file")
+            (n,) = struct.unpack("<Q", head)
+            if n > min(size - 8, _MAX_HEADER):
+                raise TensorFileError(f"{path}: header length {n} does not fit in the file ({size} bytes); the "
+                                      f"file is truncated or not a safetensors file")
+            raw = f.read(n)
+    except OSError as e:
+        raise TensorFileError(f"{path}: cannot read ({e.strerror})") from None
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise TensorFileError(f"{path}: the header is not valid JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise TensorFileError(f"{path}: the header is not a JSON object")
+    metadata = header.pop("__metadata__", None) or {}
+    data_start, data_size = 8 + n, size - 8 - n
+    ranges = []
+    for name, entry in header.items():
+        try:
+            dtype = np.dtype(_DTYPES[entry["dtype"]]).newbyteorder("<")
+            shape = tuple(int(d) for d in entry["shape"])
+            begin, end = (int(x) for x in entry["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise TensorFileError(f"{path}: tensor '{name}' has a malformed header entry {entry!r}") from None
+        count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+        if any(d < 0 for d in shape) or end - begin != count * dtype.itemsize or begin < 0 or end > data_size:
+            raise TensorFileError(f"{path}: tensor '{name}' (shape {shape}, bytes {begin}..{end}) does not fit "
+                                  f"the {data_size} data bytes; the file is truncated or corrupt")
+        ranges.append((begin, end, name))
+        header[name] = {"dtype": dtype, "shape": shape, "begin": begin, "end": end}
+    ranges.sort()
+    for (b0, e0, n0), (b1, e1, n1) in zip(ranges, ranges[1:]):
+        if b1 < e0:
+            raise TensorFileError(f"{path}: tensors '{n0}' and '{n1}' overlap")
+    return header, metadata, data_start
+
+
+def open_tensors(path: str, names=None, writable: bool = False) -> dict:
+    """Memory-map tensors of a safetensors file: name -> read-only (or copy-on-write) NumPy array."""
+    header, _, data_start = read_header(path)
+    out = {}
+    for name in header if names is None else names:
+        if name not in header:
+            raise TensorFileError(f"{path}: has no tensor '{name}' (it holds {sorted(header)})")
+        entry = header[name]
+        if entry["end"] == entry["begin"]:
+            out[name] = np.zeros(entry["shape"], entry["dtype"])
+            continue
+        mapped = np.memmap(path, dtype=entry["dtype"], mode="c" if writable else "r",
+                           offset=data_start + entry["begin"], shape=entry["shape"], order="C")
+        out[name] = mapped.view(np.ndarray)  # a plain array (kernels take it), still backed by the mapping
+    return out
