@@ -90,3 +90,17 @@ def test_elementwise_decision_and_both_paths_match_numpy(kind, elementwise):
     for row, g in ((1, grad[0]), (4, grad[1] + grad[2])):
         expected[row] = fn(g.astype(np.float64), before[row], (), 0.1, (1.0,))
     np.testing.assert_allclose(emb.embedding_tables[table.name], expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_count_non_finite_serial_and_parallel(dtype):
+    from embedcore.kernels import rows
+    rng = np.random.default_rng(5)
+    for n in (0, 1, 1000, rows.PARALLEL_MIN + 3):
+        values = rng.standard_normal(n).astype(dtype)
+        bad = rng.choice(n, size=min(n, 7), replace=False) if n else np.zeros(0, int)
+        values[bad] = rng.choice([np.nan, np.inf, -np.inf], size=bad.size)
+        expected = int((~np.isfinite(values)).sum())
+        assert rows._count_non_finite_serial(values) == expected
+        assert rows._count_non_finite_parallel(values) == expected
+        assert rows.count_non_finite(values) == expected

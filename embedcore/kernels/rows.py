@@ -43,12 +43,28 @@ def sum_gradient(g_row, u, ptr, order, out_row, gains, d_act):
             g_row[j] += w * d_act[a, j]
 
 
-@njit(cache=True, parallel=True)
-def count_non_finite(values):
-    """Number of NaN/Inf entries of a flat float array (no temporary array, unlike ``np.isfinite``)."""
-    n = values.shape[0]
+@njit(cache=True)
+def _count_non_finite_serial(values):
     bad = 0
-    for i in prange(n):
+    for i in range(values.shape[0]):
         if not np.isfinite(values[i]):
             bad += 1
     return bad
+
+
+@njit(cache=True, parallel=True)
+def _count_non_finite_parallel(values):
+    bad = 0
+    for i in prange(values.shape[0]):
+        if not np.isfinite(values[i]):
+            bad += 1
+    return bad
+
+
+PARALLEL_MIN = 1 << 20  # below this, waking the worker threads costs more than the scan
+
+
+def count_non_finite(values) -> int:
+    """Number of NaN/Inf entries of a flat float array (no temporary array, unlike ``np.isfinite``)."""
+    kernel = _count_non_finite_parallel if values.shape[0] >= PARALLEL_MIN else _count_non_finite_serial
+    return int(kernel(values))
