@@ -1,25 +1,104 @@
-"""Command line: ``embedcore demo`` (and ``python -m embedcore demo``)."""
+"""Command line: ``embedcore demo``, ``embedcore train --config FILE``, ``embedcore quickstart``."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+
+# The demo: TensorFlow's documented custom Adagrad for every table. Its accumulators start at 1e-3, not
+# the 0.1 of TensorFlow's example: gradients of a mean loss over 1,024 samples are ~1e-3 per row, and an
+# accumulator of 0.1 would shrink the first steps a hundredfold.
+DEMO_OVERRIDES = {
+    "data": {"kind": "synthetic", "n_train": 300_000, "n_eval": 50_000, "seed": 0},
+    "embedding": {"dim": 16, "optimizer": "embedcore.quickstart:custom_adagrad", "learning_rate": 0.05,
+                  "slot_names": ["accumulators"], "slot_initializers": [0.001]},
+    "train": {"epochs": 3, "batch_size": 1024, "output": "runs/demo", "eval_every": 50},
+}
+DEMO_VOCABULARY_SCALE = 0.01  # Criteo-like vocabularies / 100: 10 .. 10^4 rows, learnable in a minute
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="embedcore", description="Train embedding tables with fused, sparse, "
+                                     "user-programmable optimizers.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("demo", help="train a DLRM on the built-in Criteo-like click log with TensorFlow's "
+                                       "CustomOptimizer Adagrad; print log loss and AUC beside the optimum; "
+                                       "write metrics.json and learning_curve.png")
+    demo.add_argument("--output", default=None, help="output folder (default runs/demo)")
+    demo.add_argument("--epochs", type=_positive, default=None)
+    demo.add_argument("--train-samples", type=_positive, default=None)
+    demo.add_argument("--eval-samples", type=_positive, default=None)
+    demo.add_argument("--batch-size", type=_positive, default=None)
+    demo.add_argument("--vocabulary-scale", type=float, default=DEMO_VOCABULARY_SCALE,
+                      help=f"scale the Criteo-like vocabularies (100 .. 10^6 rows) by this factor (default "
+                           f"{DEMO_VOCABULARY_SCALE}; 1 needs far more samples to learn)")
+    demo.add_argument("--resume", action="store_true", help="continue from the output folder's checkpoint")
+    train = sub.add_parser("train", help="train on your data with your choices, from a TOML or JSON config "
+                                         "(see embedcore.run_config)")
+    train.add_argument("--config", required=True, help="a .toml or .json run configuration")
+    train.add_argument("--output", default=None, help="output folder (overrides train.output)")
+    train.add_argument("--resume", action="store_true", help="continue from the output folder's checkpoint")
+    quick = sub.add_parser("quickstart", help="TensorFlow's two CustomOptimizer examples on a tiny regression")
+    quick.add_argument("--steps", type=_positive, default=300)
+    quick.add_argument("--batch-size", type=_positive, default=256)
+    quick.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def demo_config(output=None, epochs=None, train_samples=None, eval_samples=None, batch_size=None,
+                vocabulary_scale=DEMO_VOCABULARY_SCALE) -> dict:
+    from .data.synthetic import DEFAULT_VOCABULARY_SIZES
+    from .run_config import DEFAULTS, ConfigError, check, merge
+    if not 0 < vocabulary_scale <= 1:
+        raise ConfigError(f"--vocabulary-scale must lie in (0, 1], got {vocabulary_scale}")
+    config = merge(DEFAULTS, DEMO_OVERRIDES)
+    config["data"]["vocabulary_sizes"] = [max(10, round(v * vocabulary_scale)) for v in DEFAULT_VOCABULARY_SIZES]
+    for section, key, value in (("train", "output", output), ("train", "epochs", epochs),
+                                ("data", "n_train", train_samples), ("data", "n_eval", eval_samples),
+                                ("train", "batch_size", batch_size)):
+        if value is not None:
+            config[section][key] = value
+    check(config)
+    return config
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="embedcore", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="train a small model on built-in data with TensorFlow's CustomOptimizer "
-                                       "examples and print what it learned")
-    demo.add_argument("--steps", type=int, default=300)
-    demo.add_argument("--batch-size", type=int, default=256)
-    demo.add_argument("--seed", type=int, default=0)
+    parser = _parser()
     args = parser.parse_args(argv)
-    if args.command == "demo":
-        if args.steps < 1 or args.batch_size < 1:
-            parser.error("--steps and --batch-size must be >= 1")
+    if args.command == "quickstart":
         from .quickstart import run
         run(steps=args.steps, batch_size=args.batch_size, seed=args.seed)
+        return 0
+    from .checkpoint import CheckpointError
+    from .data import DataFormatError
+    from .run_config import ConfigError, load_config
+    from .trainer import run
+    try:
+        if args.command == "demo":
+            config = demo_config(args.output, args.epochs, args.train_samples, args.eval_samples, args.batch_size,
+                                 args.vocabulary_scale)
+        else:
+            config = load_config(args.config)
+            if args.output:
+                config["train"]["output"] = args.output
+        if args.resume and not os.path.isdir(os.path.join(config["train"]["output"], "checkpoint")):
+            parser.error(f"--resume: no checkpoint in {config['train']['output']}")
+        run(config, resume=args.resume, title="embedcore demo: DLRM on the synthetic click log, "
+            "TensorFlow's custom Adagrad" if args.command == "demo" else None)
+    except (ConfigError, DataFormatError, CheckpointError) as e:
+        print(f"embedcore {args.command}: error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -1,4 +1,4 @@
-"""The README's first command, on a tiny run, and CLI argument errors."""
+"""`embedcore quickstart`: TensorFlow's two CustomOptimizer examples learn planted values; its argument errors."""
 
 import subprocess
 import sys
@@ -20,11 +20,11 @@ def test_quickstart_learns_the_planted_values():
 
 def test_cli_rejects_bad_arguments(capsys):
     with pytest.raises(SystemExit) as exc:
-        main(["demo", "--steps", "0"])
+        main(["quickstart", "--steps", "0"])
     assert exc.value.code == 2
-    assert "--steps" in capsys.readouterr().err
+    assert "--steps: must be >= 1" in capsys.readouterr().err
 
 
 def test_module_entry_point_help():
     out = subprocess.run([sys.executable, "-m", "embedcore", "--help"], capture_output=True, text=True, check=True)
-    assert "demo" in out.stdout
+    assert all(command in out.stdout for command in ("demo", "train", "quickstart"))

@@ -1,0 +1,216 @@
+"""End-to-end training: a dataset, embedcore tables with their fused optimizers, a NumPy DLRM head.
+
+One step::
+
+    acts, ctx = emb.lookup(batch.ids, batch.weights)        # embedding activations [B, dim] per feature
+    logits, cache = model.forward(batch.dense, acts)
+    loss, d_logits = bce_with_logits(logits, batch.labels)  # mean binary cross-entropy
+    emb.apply_gradients(model.backward(cache, d_logits), ctx)
+    model.step()                                            # the dense optimizer
+
+After each epoch the eval split is scored (log loss and exact AUC, beside the teacher's optimum for the
+synthetic data), a checkpoint of tables, slots, dense weights and data position is written atomically, and
+``metrics.json`` and ``learning_curve.png`` are rewritten. ``resume=True`` continues from the checkpoint and
+gives bit-identical results to a run that never stopped.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import math
+import os
+import platform
+import time
+
+import numpy as np
+
+from . import __version__
+from .blas_threads import blas_threads
+from .checkpoint import CheckpointError, read_extra
+from .data import feature_configs
+from .engine import Embedding
+from .metrics import BinaryMetrics
+from .models import DLRM, bce_with_logits, sigmoid
+from .plot import learning_curve
+from .progress import ProgressBar
+from .run_config import ConfigError, build_dataset, build_dense_optimizer, build_optimizer
+
+__all__ = ["run"]
+
+
+def _build(config: dict):
+    dataset = build_dataset(config["data"])
+    emb_cfg, model_cfg, train = config["embedding"], config["model"], config["train"]
+    names = [f.name for f in dataset.features]
+    unknown = sorted(set(emb_cfg["tables"]) - set(names))
+    if unknown:
+        raise ConfigError(f"embedding.tables names {unknown}, which the data does not have; its features are "
+                          f"{names}")
+    features = feature_configs(dataset.features, emb_cfg["dim"])
+    for name, spec in emb_cfg["tables"].items():
+        features[name].table.optimizer = build_optimizer(spec, f"embedding.tables.{name}")
+    emb = Embedding(features, build_optimizer(emb_cfg), seed=train["seed"])
+    model = DLRM(dataset.n_dense, names, emb_cfg["dim"], model_cfg["bottom"], model_cfg["top"], seed=train["seed"],
+                 dense_optimizer=build_dense_optimizer(model_cfg))
+    return dataset, emb, model
+
+
+def _train_batches(dataset, batch_size: int, epoch: int, skip: int):
+    """The epoch's training batches from batch ``skip`` on (``start=`` when the reader has it)."""
+    params = inspect.signature(dataset.batches).parameters
+    kwargs = {"epoch": epoch} if "epoch" in params else {}
+    if "start" in params:
+        return dataset.batches(batch_size, "train", start=skip * batch_size, **kwargs)
+    batches = dataset.batches(batch_size, "train", **kwargs)
+    for _ in range(skip):
+        next(batches, None)
+    return batches
+
+
+def evaluate(dataset, emb, model, batch_size: int) -> dict:
+    """Log loss, AUC, sample count and click rate of the model on the eval split."""
+    metrics = BinaryMetrics()
+    for batch in dataset.batches(batch_size, "eval"):
+        acts, _ = emb.lookup(batch.ids, batch.weights)
+        logits, _ = model.forward(batch.dense, acts)
+        metrics.update(batch.labels, sigmoid(logits))
+    return metrics.result()
+
+
+def _save(emb, model, path, metadata):
+    emb.save(path, extra=model.state_dict(), metadata=metadata)
+
+
+def run(config: dict, resume: bool = False, out=print, progress_stream=None, title: str | None = None) -> dict:
+    """Train as ``config`` says (see :mod:`embedcore.run_config`); returns the metrics also written to disk.
+
+    NumPy's BLAS runs on one thread meanwhile (see :mod:`embedcore.blas_threads`).
+    """
+    with blas_threads(1):
+        return _run(config, resume, out, progress_stream, title)
+
+
+def _run(config, resume, out, progress_stream, title):
+    train = config["train"]
+    output = train["output"]
+    os.makedirs(output, exist_ok=True)
+    checkpoint = os.path.join(output, "checkpoint")
+    started = time.perf_counter()
+    dataset, emb, model = _build(config)
+    build_seconds = time.perf_counter() - started
+    out(f"data: {dataset!r}")
+    out(f"engine: {emb!r} (built in {build_seconds:.1f} s, Numba compilation included)")
+    optimum = dataset.optimum("eval") if hasattr(dataset, "optimum") else None
+
+    batch_size, epochs = train["batch_size"], train["epochs"]
+    steps_per_epoch = math.ceil(dataset.n_samples("train") / batch_size)
+    if train["max_steps"]:
+        steps_per_epoch = min(steps_per_epoch, train["max_steps"])
+    state = {"epoch": 0, "step_in_epoch": 0, "losses": [], "epochs": [], "evaluations": [],
+             "first_step_seconds": None}
+    if resume:
+        try:
+            emb.load(checkpoint)
+        except CheckpointError as e:
+            raise CheckpointError(f"cannot resume from {checkpoint}: {e}") from None
+        arrays, saved = read_extra(checkpoint)
+        model.load_state_dict(arrays)
+        state.update(saved["trainer"])
+        out(f"resumed from {checkpoint} at epoch {state['epoch'] + 1}, step {state['step_in_epoch']} of "
+            f"{steps_per_epoch}")
+
+    def evaluate_now():
+        result = evaluate(dataset, emb, model, batch_size)
+        if not state["evaluations"] or state["evaluations"][-1]["step"] != emb.step:
+            state["evaluations"].append(dict(result, step=emb.step))
+        return result
+
+    eval_every = train["eval_every"]
+    if eval_every and not state["evaluations"]:
+        evaluate_now()  # the untrained model: where the curves start
+    while state["epoch"] < epochs:
+        epoch = state["epoch"]
+        bar = ProgressBar(steps_per_epoch, f"epoch {epoch + 1}/{epochs}", stream=progress_stream)
+        bar.done = state["step_in_epoch"]
+        epoch_start = time.perf_counter()
+        samples = 0
+        for batch in _train_batches(dataset, batch_size, epoch, state["step_in_epoch"]):
+            if state["step_in_epoch"] >= steps_per_epoch:
+                break
+            t0 = time.perf_counter()
+            acts, ctx = emb.lookup(batch.ids, batch.weights)
+            logits, cache = model.forward(batch.dense, acts)
+            loss, d_logits = bce_with_logits(logits, batch.labels)
+            emb.apply_gradients(model.backward(cache, d_logits), ctx)
+            model.step()
+            if state["first_step_seconds"] is None:  # compiles the kernels: not counted in the throughput
+                state["first_step_seconds"] = time.perf_counter() - t0
+                epoch_start += state["first_step_seconds"]
+                samples -= len(batch)
+            state["losses"].append(float(loss))
+            state["step_in_epoch"] += 1
+            samples += len(batch)
+            bar.update(len(batch), float(loss))
+            if eval_every and emb.step % eval_every == 0:
+                eval_pause = time.perf_counter()
+                evaluate_now()
+                epoch_start += time.perf_counter() - eval_pause
+            if train["checkpoint_every"] and emb.step % train["checkpoint_every"] == 0:
+                _save(emb, model, checkpoint, {"trainer": state})
+        bar.close()
+        seconds = time.perf_counter() - epoch_start
+        eval_start = time.perf_counter()
+        result = evaluate_now()
+        epoch_losses = state["losses"][-state["step_in_epoch"]:] if state["step_in_epoch"] else []
+        record = {"epoch": epoch + 1, "step": emb.step, "train_log_loss": float(np.mean(epoch_losses)) if
+                  epoch_losses else None, "eval": result, "train_seconds": seconds,
+                  "train_samples_per_second": samples / max(seconds, 1e-9),
+                  "eval_seconds": time.perf_counter() - eval_start}
+        state["epochs"].append(record)
+        state["epoch"], state["step_in_epoch"] = epoch + 1, 0
+        _save(emb, model, checkpoint, {"trainer": state})
+        beside = (f" (teacher optimum {optimum['log_loss']:.4f})" if optimum else "")
+        auc_beside = (f" (teacher optimum {optimum['auc']:.4f})" if optimum else "")
+        train_ll = f"{record['train_log_loss']:.4f}" if record["train_log_loss"] is not None else "n/a"
+        out(f"epoch {epoch + 1}: train log loss {train_ll} | eval log loss {result['log_loss']:.4f}{beside} | "
+            f"AUC {result['auc']:.4f}{auc_beside} | {record['train_samples_per_second']:,.0f} samples/s")
+
+    metrics = _metrics(config, dataset, emb, state, optimum, build_seconds, time.perf_counter() - started, title)
+    with open(os.path.join(output, "metrics.json"), "w") as f:
+        json.dump(metrics, f, indent=1)
+    drawn = learning_curve(metrics, os.path.join(output, "learning_curve.png"))
+    out(f"wrote {os.path.join(output, 'metrics.json')}" +
+        (f" and {os.path.join(output, 'learning_curve.png')}" if drawn else
+         " (no learning_curve.png: pip install 'embedcore[plot]' for matplotlib)") +
+        f"; checkpoint in {checkpoint}")
+    return metrics
+
+
+def _metrics(config, dataset, emb, state, optimum, build_seconds, total_seconds, title) -> dict:
+    final = state["epochs"][-1]["eval"] if state["epochs"] else None
+    return {
+        "title": title or f"embedcore {__version__}: DLRM on {dataset.name}",
+        "config": config,
+        "dataset": {"name": dataset.name, "train_samples": dataset.n_samples("train"),
+                    "eval_samples": dataset.n_samples("eval"),
+                    "features": [{"name": f.name, "vocabulary_size": f.vocabulary_size, "max_ids": f.max_ids,
+                                  "weighted": f.weighted} for f in dataset.features], "n_dense": dataset.n_dense},
+        "optimum": optimum,
+        "final": final,
+        "gap_to_optimum": ({"log_loss": final["log_loss"] - optimum["log_loss"], "auc": optimum["auc"] - final["auc"]}
+                           if final and optimum else None),
+        "epochs": state["epochs"],
+        "evaluations": state["evaluations"],
+        "train_loss_per_step": state["losses"],
+        "steps": emb.step,
+        "timing": {"build_seconds": build_seconds, "first_step_seconds": state["first_step_seconds"],
+                   "total_seconds": total_seconds},
+        "environment": {"embedcore": __version__, "python": platform.python_version(), "numpy": np.__version__,
+                        "numba_threads": _numba_threads(), "machine": platform.machine()},
+    }
+
+
+def _numba_threads() -> int:
+    import numba
+    return int(numba.get_num_threads())

@@ -1,0 +1,197 @@
+"""End to end: `embedcore demo` and `embedcore train --config` on small data, exact resume, CLI errors."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+import embedcore as ec
+from embedcore.checkpoint import read_extra
+from embedcore.cli import main
+from embedcore.run_config import DEFAULTS, ConfigError, load_config, merge
+from embedcore.trainer import run
+
+SMALL_DATA = {"kind": "synthetic", "n_train": 3000, "n_eval": 1000, "seed": 3,
+              "vocabulary_sizes": [50, 200, 1000, 30], "n_dense": 4,
+              "multi_hot": {"C2": [3, True]}}
+
+
+def small_config(tmp_path, **train):
+    config = merge(DEFAULTS, {"data": SMALL_DATA,
+                              "embedding": {"dim": 4, "optimizer": "embedcore.quickstart:custom_adagrad",
+                                            "learning_rate": 0.3, "slot_names": ["accumulators"],
+                                            "slot_initializers": [0.1],
+                                            "tables": {"C3": {"optimizer": "sgd", "learning_rate": 0.1}}},
+                              "model": {"bottom": [8], "top": [8]},
+                              "train": dict({"epochs": 2, "batch_size": 256, "output": str(tmp_path)}, **train)})
+    return config
+
+
+def write_toml(path, config):
+    def value(v):
+        return json.dumps(v) if not isinstance(v, dict) else None
+
+    lines = []
+
+    def section(name, body):
+        lines.append(f"[{name}]")
+        nested = []
+        for k, v in body.items():
+            if isinstance(v, dict):
+                nested.append((f"{name}.{k}", v))
+            else:
+                lines.append(f"{k} = {value(v)}")
+        for n, b in nested:
+            section(n, b)
+
+    for name, body in config.items():
+        section(name, body)
+    path.write_text("\n".join(lines) + "\n")
+
+
+def test_train_writes_metrics_curve_and_checkpoint(tmp_path):
+    config = small_config(tmp_path / "out")
+    lines = []
+    metrics = run(config, out=lines.append, progress_stream=open(os.devnull, "w"))
+    out = tmp_path / "out"
+    on_disk = json.loads((out / "metrics.json").read_text())
+    assert on_disk["final"] == metrics["final"]
+    assert len(on_disk["epochs"]) == 2 and on_disk["steps"] == 2 * 12
+    assert len(on_disk["train_loss_per_step"]) == 24
+    assert all(np.isfinite(on_disk["train_loss_per_step"]))
+    assert 0.0 < on_disk["optimum"]["log_loss"] < 0.7 and 0.5 < on_disk["optimum"]["auc"] <= 1.0
+    assert on_disk["final"]["n"] == 1000
+    assert (out / "learning_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert any("teacher optimum" in line for line in lines)
+    emb = ec.Embedding.restore(out / "checkpoint", allow_import=True)
+    assert emb.step == 24
+    assert isinstance(emb.tables["C3"].optimizer, ec.SGD)
+    arrays, metadata = read_extra(out / "checkpoint")
+    assert "top.0.weight" in arrays and metadata["trainer"]["epoch"] == 2
+
+
+def test_training_learns_on_planted_data(tmp_path):
+    config = small_config(tmp_path, epochs=3)
+    config["data"] = dict(SMALL_DATA, n_train=20000, n_eval=4000)
+    metrics = run(config, out=lambda s: None, progress_stream=open(os.devnull, "w"))
+    first, last = metrics["epochs"][0]["eval"], metrics["epochs"][-1]["eval"]
+    assert last["auc"] > 0.6
+    assert last["log_loss"] < first["log_loss"] or last["auc"] > first["auc"]
+    assert metrics["optimum"]["auc"] > last["auc"] - 0.02
+
+
+def test_resume_after_an_epoch_matches_an_uninterrupted_run(tmp_path):
+    quiet = {"out": lambda s: None, "progress_stream": open(os.devnull, "w")}
+    straight = run(small_config(tmp_path / "a"), **quiet)
+    run(small_config(tmp_path / "b", epochs=1), **quiet)
+    resumed = run(small_config(tmp_path / "b"), resume=True, **quiet)
+    assert resumed["train_loss_per_step"] == straight["train_loss_per_step"]
+    assert resumed["final"] == straight["final"]
+    a = ec.Embedding.restore(tmp_path / "a" / "checkpoint", allow_import=True)
+    b = ec.Embedding.restore(tmp_path / "b" / "checkpoint", allow_import=True)
+    for name in a.embedding_tables:
+        np.testing.assert_array_equal(a.embedding_tables[name], b.embedding_tables[name])
+    xa, _ = read_extra(tmp_path / "a" / "checkpoint")
+    xb, _ = read_extra(tmp_path / "b" / "checkpoint")
+    for name in xa:
+        np.testing.assert_array_equal(xa[name], xb[name])
+
+
+def test_resume_mid_epoch_after_a_crash(tmp_path, monkeypatch):
+    """A run that dies mid-epoch resumes from its last step checkpoint and ends bit-identical."""
+    quiet = {"out": lambda s: None, "progress_stream": open(os.devnull, "w")}
+    straight = run(small_config(tmp_path / "a"), **quiet)
+    import embedcore.trainer as trainer
+    real = trainer.bce_with_logits
+    calls = {"n": 0}
+
+    def dies_at_step_8(logits, labels):
+        calls["n"] += 1
+        if calls["n"] == 8:
+            raise KeyboardInterrupt("simulated crash")
+        return real(logits, labels)
+
+    monkeypatch.setattr(trainer, "bce_with_logits", dies_at_step_8)
+    with pytest.raises(KeyboardInterrupt):
+        run(small_config(tmp_path / "b", checkpoint_every=3), **quiet)
+    monkeypatch.setattr(trainer, "bce_with_logits", real)
+    _, metadata = read_extra(tmp_path / "b" / "checkpoint")
+    assert metadata["trainer"]["step_in_epoch"] == 6
+    resumed = run(small_config(tmp_path / "b", checkpoint_every=3), resume=True, **quiet)
+    assert resumed["train_loss_per_step"] == straight["train_loss_per_step"]
+    assert resumed["final"] == straight["final"]
+
+
+def test_train_cli_on_a_csv_file(tmp_path, capsys):
+    rng = np.random.default_rng(0)
+    rows = ["label,I1,C1,C2"]
+    for _ in range(3000):
+        a, b = rng.integers(0, 20), rng.integers(0, 50, rng.integers(0, 4))
+        label = int(rng.random() < (0.8 if a < 5 else 0.2))
+        rows.append(f"{label},{rng.random():.3f},{a}," + "|".join(f"{x}:{rng.random() + 0.5:.2f}" for x in b))
+    (tmp_path / "log.csv").write_text("\n".join(rows) + "\n")
+    cfg = {"data": {"kind": "csv", "path": "log.csv", "eval_fraction": 0.2},
+           "embedding": {"dim": 8, "optimizer": "adagrad", "learning_rate": 0.1, "initial_accumulator_value": 0.001},
+           "model": {"bottom": [16], "top": [8], "dense_learning_rate": 0.01},
+           "train": {"epochs": 2, "batch_size": 64, "output": "ignored"}}
+    write_toml(tmp_path / "run.toml", cfg)
+    assert main(["train", "--config", str(tmp_path / "run.toml"), "--output", str(tmp_path / "out")]) == 0
+    metrics = json.loads((tmp_path / "out" / "metrics.json").read_text())
+    assert metrics["optimum"] is None and metrics["final"]["auc"] > 0.6
+    assert "epoch 2:" in capsys.readouterr().out
+
+
+def test_demo_command_on_a_tiny_run(tmp_path, capsys):
+    code = main(["demo", "--train-samples", "2048", "--eval-samples", "1024", "--epochs", "1",
+                 "--output", str(tmp_path)])
+    assert code == 0
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert len(metrics["dataset"]["features"]) == 26 and metrics["dataset"]["n_dense"] == 13
+    assert metrics["config"]["embedding"]["optimizer"] == "embedcore.quickstart:custom_adagrad"
+    assert (tmp_path / "learning_curve.png").exists()
+    out = capsys.readouterr().out
+    assert "teacher optimum" in out and "AUC" in out
+
+
+@pytest.mark.parametrize("text, match", [
+    ("[nope]\nx = 1\n", r"unknown section \[nope\]"),
+    ("[train]\nepochz = 1\n", r"unknown key\(s\) \['epochz'\]"),
+    ("[train]\nepochs = 0\n", "train.epochs must be an integer >= 1"),
+    ("[embedding]\noptimizer = 'adamw'\n", "'adamw' is not one of"),
+    ("[embedding]\noptimizer = 'sgd'\ninitial_accumulator_value = 0.1\n", r"unknown key\(s\) \['initial_accumulator"),
+    ("[embedding]\noptimizer = 'no_such_mod:f'\n", "cannot import the custom computation 'no_such_mod:f'"),
+    ("[embedding]\noptimizer = 'adagrad'\nlearning_rate = 'fast'\n", "learning_rate"),
+    ("[data]\nkind = 'parquet'\n", "data.kind must be one of"),
+    ("[data]\nkind = 'csv'\npath = 'missing.csv'\n", "missing.csv"),
+    ("[model]\ntop = 'big'\n", "model.top must be a list"),
+    ("[embedding.tables.C99]\noptimizer = 'sgd'\n", "C99"),
+    ("this is = not [toml\n", "not valid TOML"),
+])
+def test_config_errors_are_clear(tmp_path, capsys, text, match):
+    path = tmp_path / "bad.toml"
+    path.write_text(text + f"[train]\noutput = '{tmp_path / 'o'}'\n" if "[train]" not in text else text)
+    code = main(["train", "--config", str(path)])
+    assert code == 2
+    assert __import__("re").search(match, capsys.readouterr().err)
+
+
+def test_cli_argument_errors(tmp_path, capsys):
+    for argv, match in ((["demo", "--epochs", "0"], "must be >= 1"), (["train"], "--config"),
+                        (["demo", "--batch-size", "x"], "expected an integer"),
+                        (["demo", "--resume", "--output", str(tmp_path / "none")], "no checkpoint")):
+        with pytest.raises(SystemExit) as exc:
+            main(argv)
+        assert exc.value.code == 2
+        assert match in capsys.readouterr().err
+    assert main(["train", "--config", str(tmp_path / "missing.toml")]) == 2
+    assert "cannot read the config file" in capsys.readouterr().err
+
+
+def test_load_config_json_and_defaults(tmp_path):
+    (tmp_path / "c.json").write_text(json.dumps({"train": {"epochs": 3}}))
+    config = load_config(tmp_path / "c.json")
+    assert config["train"]["epochs"] == 3 and config["embedding"]["optimizer"] == "adagrad"
+    with pytest.raises(ConfigError, match="table/object"):
+        (tmp_path / "d.json").write_text("[1]")
+        load_config(tmp_path / "d.json")
