@@ -117,6 +117,11 @@ class TableLookup:
         return out
 
     @property
+    def feature_config(self):
+        """The feature structure this engine was built with (inputs and outputs mirror it)."""
+        return self._feature_config
+
+    @property
     def tables(self) -> dict:
         """Table name -> :class:`TableConfig`."""
         return dict(self._table_configs)

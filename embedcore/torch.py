@@ -173,7 +173,7 @@ class EmbeddingModule(torch.nn.Module):
 
     def _from_torch(self, nest, what):
         """``nest`` (mirroring the feature config) with its torch tensors turned into NumPy arrays."""
-        config = self.embedding._feature_config
+        config = self.embedding.feature_config
         return inputs.unflatten(config, [_leaf_to_numpy(x) for x in inputs.flatten_like(config, nest, what)])
 
     def extra_repr(self) -> str:

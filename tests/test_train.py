@@ -195,3 +195,25 @@ def test_load_config_json_and_defaults(tmp_path):
     with pytest.raises(ConfigError, match="table/object"):
         (tmp_path / "d.json").write_text("[1]")
         load_config(tmp_path / "d.json")
+
+
+def test_train_cli_on_movielens_ratings(tmp_path, capsys):
+    """ratings.dat: users who like low movie ids; the model (no dense features) must find it."""
+    rng = np.random.default_rng(1)
+    lines = []
+    for _ in range(4000):
+        user, movie = rng.integers(1, 60), rng.integers(1, 40)
+        likes = (movie < 20) == (user < 30)
+        rating = rng.choice([4, 5]) if rng.random() < (0.85 if likes else 0.15) else rng.choice([1, 2, 3])
+        lines.append(f"{user}::{movie}::{rating}::{978300000 + len(lines)}")
+    (tmp_path / "ratings.dat").write_text("\n".join(lines) + "\n")
+    cfg = {"data": {"kind": "movielens", "path": "ratings.dat"},
+           "embedding": {"dim": 8, "optimizer": "adagrad", "learning_rate": 0.1, "initial_accumulator_value": 0.001},
+           "model": {"top": [16], "dense_learning_rate": 0.02},
+           "train": {"epochs": 5, "batch_size": 64, "output": str(tmp_path / "out")}}
+    (tmp_path / "run.json").write_text(json.dumps(cfg))
+    assert main(["train", "--config", str(tmp_path / "run.json")]) == 0
+    metrics = json.loads((tmp_path / "out" / "metrics.json").read_text())
+    assert metrics["dataset"]["n_dense"] == 0
+    assert [f["name"] for f in metrics["dataset"]["features"]] == ["user", "movie"]
+    assert metrics["final"]["auc"] > 0.75
