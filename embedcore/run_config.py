@@ -35,13 +35,13 @@ Sections and keys (every key is optional; unknown keys are errors that list the 
 from __future__ import annotations
 
 import copy
-import importlib
 import inspect
 import json
 import os
 import tomllib
 
 from . import optimizers as _optimizers
+from .checkpoint.config_codec import import_function
 from .data import CsvClickLog, MovieLens, SyntheticClickLog
 from .models import dense_optimizers as _dense
 
@@ -186,11 +186,8 @@ def build_optimizer(spec: dict, where: str = "embedding") -> _optimizers.Optimiz
     args = {k: v for k, v in spec.items() if k not in ("optimizer", "dim", "tables")}
     try:
         if cls is _optimizers.CustomOptimizer:
-            module, _, name = spec["optimizer"].partition(":")
             try:
-                fn = importlib.import_module(module)
-                for part in name.split("."):
-                    fn = getattr(fn, part)
+                fn = import_function(spec["optimizer"])
             except (ImportError, AttributeError) as e:
                 raise ConfigError(f"{where}.optimizer: cannot import the custom computation "
                                   f"{spec['optimizer']!r}: {e}") from None

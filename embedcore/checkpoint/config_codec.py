@@ -17,7 +17,7 @@ from .. import optimizers as _optimizers
 from ..config import FeatureConfig, TableConfig
 from .errors import CheckpointError
 
-__all__ = ["encode_engine_config", "decode_engine_config", "function_path", "FunctionResolver"]
+__all__ = ["encode_engine_config", "decode_engine_config", "function_path", "import_function", "FunctionResolver"]
 
 _OPTIMIZERS = {name: getattr(_optimizers, name) for name in _optimizers.__all__ if name != "Optimizer"}
 _INITIALIZERS = {name: getattr(_initializers, name) for name in
@@ -41,6 +41,14 @@ def _resolve(module: str, qualname: str):
     for part in qualname.split("."):
         obj = getattr(obj, part)
     return obj
+
+
+def import_function(path: str):
+    """The object named ``module:qualified.name`` (imports the module); ImportError/AttributeError if absent."""
+    module, sep, qualname = path.partition(":")
+    if not sep or not module or not qualname:
+        raise ImportError(f"'{path}' is not of the form module:name")
+    return _resolve(module, qualname)
 
 
 def constructor_arguments(obj) -> dict:
@@ -117,9 +125,8 @@ class FunctionResolver:
         if not self.allow_import:
             raise CheckpointError(f"{where} is the function '{path}'; loading a checkpoint never imports code on its "
                                   f"own: pass functions={{'{path}': <the function>}} or allow_import=True")
-        module, _, qualname = path.partition(":")
         try:
-            return _resolve(module, qualname)
+            return import_function(path)
         except (ImportError, AttributeError) as e:
             raise CheckpointError(f"{where}: cannot import '{path}': {e}") from None
 
