@@ -105,16 +105,17 @@ class Embedding(TableLookup):
         return f"Embedding({len(self._features)} features; {groups}; step={self.step})"
 
     # -- checkpoints -------------------------------------------------------------------------------------
-    def save(self, path, extra=None, metadata=None, keep: int = 1) -> str:
+    def save(self, path, extra=None, metadata=None) -> str:
         """Write a checkpoint of tables, slots, ``step`` and the configuration to the directory ``path``.
 
         The write is atomic (a crash leaves the previous checkpoint in place) and every tensor is
         checksummed; see :mod:`embedcore.checkpoint`. ``extra`` (name -> array) and ``metadata`` (a JSON
-        value) are stored alongside, e.g. a dense model's parameters and a data position.
+        value) are stored alongside, e.g. a dense model's parameters and a data position. The previous
+        snapshot in ``path`` is deleted once the new one is in place.
         """
         from .checkpoint import save
         with self._exclusive("save"):
-            return save(self, path, extra=extra, metadata=metadata, keep=keep)
+            return save(self, path, extra=extra, metadata=metadata)
 
     def load(self, path, strict: bool = True) -> None:
         """Replace tables, slots and ``step`` with a checkpoint's; verified in full before anything changes.

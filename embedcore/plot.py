@@ -17,15 +17,16 @@ def learning_curve(metrics: dict, path: str) -> bool:
     """Draw training loss per step and eval log loss / AUC per epoch beside the optimum; False if no matplotlib."""
     if not have_matplotlib():
         return False
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import numpy as np
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
     losses = np.asarray(metrics["train_loss_per_step"], float)
     epochs = metrics["epochs"]
     optimum = metrics.get("optimum")
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2), dpi=110)
+    fig = Figure(figsize=(11, 4.2), dpi=110)  # no pyplot: the caller's backend and figures are left alone
+    FigureCanvasAgg(fig)
+    left, right = fig.subplots(1, 2)
     if losses.size:
         steps = np.arange(1, losses.size + 1)
         window = max(1, losses.size // 50)
@@ -55,5 +56,4 @@ def learning_curve(metrics: dict, path: str) -> bool:
     fig.suptitle(metrics.get("title", "embedcore"), fontsize=10)
     fig.tight_layout()
     fig.savefig(path)
-    plt.close(fig)
     return True

@@ -35,13 +35,12 @@ Sections and keys (every key is optional; unknown keys are errors that list the 
 from __future__ import annotations
 
 import copy
-import inspect
 import json
 import os
 import tomllib
 
 from . import optimizers as _optimizers
-from .checkpoint.config_codec import import_function
+from .checkpoint.config_codec import constructor_parameters, import_function
 from .data import CsvClickLog, MovieLens, SyntheticClickLog
 from .models import dense_optimizers as _dense
 
@@ -126,7 +125,7 @@ def check(config: dict) -> None:
     data = config["data"]
     if data.get("kind") not in DATASETS:
         raise ConfigError(f"data.kind must be one of {sorted(DATASETS)}, got {data.get('kind')!r}")
-    _check_keys(data, ["kind"] + _arguments(DATASETS[data["kind"]]), f"data] (kind {data['kind']!r}")
+    _check_keys(data, ["kind"] + constructor_parameters(DATASETS[data["kind"]]), f"data] (kind {data['kind']!r}")
     emb = config["embedding"]
     _positive_int(emb.get("dim"), "embedding.dim")
     _check_optimizer_keys(emb, "embedding", extra=("dim", "tables"))
@@ -156,11 +155,6 @@ def check(config: dict) -> None:
         raise ConfigError(f"train.output must be a folder name, got {train['output']!r}")
 
 
-def _arguments(cls) -> list:
-    return [n for n, p in inspect.signature(cls.__init__).parameters.items()
-            if n != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
-
-
 def _optimizer_class(name, where):
     if not isinstance(name, str):
         raise ConfigError(f"{where}.optimizer must be a name or 'module:function', got {name!r}")
@@ -176,7 +170,7 @@ def _check_optimizer_keys(spec, where, extra=()):
     if "optimizer" not in spec:
         raise ConfigError(f"[{where}] needs an optimizer")
     cls = _optimizer_class(spec["optimizer"], where)
-    allowed = [a for a in _arguments(cls) if a != "custom_computation"] + ["optimizer", *extra]
+    allowed = [a for a in constructor_parameters(cls) if a != "custom_computation"] + ["optimizer", *extra]
     _check_keys(spec, allowed, f"{where}] (optimizer {spec['optimizer']!r}")
 
 

@@ -9,7 +9,7 @@ return bit-identical activations.
 
 from __future__ import annotations
 
-from .checkpoint import open_snapshot
+from .checkpoint import open_snapshot, table_tensors
 from .checkpoint.config_codec import decode_engine_config
 from .lookup import TableLookup, _PhysicalTable
 
@@ -29,9 +29,9 @@ class ServingEmbedding(TableLookup):
         features, _, _ = decode_engine_config(snap.manifest["config"], with_optimizers=False)
         groups = []
         for table in self._init_features(features):
-            entry = snap.manifest["tables"][table.name]
             group = _PhysicalTable([table], [0], table.dim, None)
-            group.weights = snap.tensors(entry["file"], ["weights"], verify=verify)["weights"]
+            shape = (table.vocabulary_size, table.dim)
+            group.weights = table_tensors(snap, table.name, {"weights": shape}, verify=verify)["weights"]
             groups.append(group)
         self._index_groups(groups)
         self.step = snap.step

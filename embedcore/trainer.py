@@ -27,7 +27,7 @@ import numpy as np
 
 from . import __version__
 from .blas_threads import blas_threads
-from .checkpoint import CheckpointError, read_extra
+from .checkpoint import CheckpointError, open_snapshot, read_extra
 from .data import feature_configs
 from .engine import Embedding
 from .metrics import BinaryMetrics
@@ -78,8 +78,49 @@ def evaluate(dataset, emb, model, batch_size: int) -> dict:
     return metrics.result()
 
 
-def _save(emb, model, path, metadata):
-    emb.save(path, extra=model.state_dict(), metadata=metadata)
+_LOSSES = "trainer/losses"
+
+
+def _resume_key(config: dict) -> dict:
+    """What must not change between a run and its resumption: anything that decides the samples a step
+    sees or the model it trains (epochs, output, checkpoint and eval frequency may change)."""
+    train = config["train"]
+    return {"data": config["data"], "embedding": config["embedding"], "model": config["model"],
+            "train": {k: train[k] for k in ("batch_size", "seed", "max_steps")}}
+
+
+def _save(emb, model, path, state, config):
+    extra = model.state_dict()
+    extra[_LOSSES] = np.asarray(state["losses"], np.float64)  # arrays grow cheaply; JSON would not
+    trainer = {k: v for k, v in state.items() if k != "losses"}
+    emb.save(path, extra=extra, metadata={"trainer": trainer, "run": _resume_key(config)})
+
+
+def _resume(emb, model, path, config, state):
+    """Load the engine, the dense model and the trainer's position from ``path``, refusing a changed run."""
+    try:
+        snap = open_snapshot(path)
+        saved = snap.manifest.get("metadata") or {}
+        if "trainer" not in saved or "run" not in saved:
+            raise CheckpointError("it was not written by the trainer (no trainer metadata)")
+        current = json.loads(json.dumps(_resume_key(config)))
+        if saved["run"] != current:
+            changed = sorted(f"{section}.{key}" for section in current for key in
+                             set(current[section]) | set(saved["run"].get(section, {}))
+                             if current[section].get(key) != saved["run"].get(section, {}).get(key))
+            raise CheckpointError(f"the run was started with other settings ({', '.join(changed)} differ); only "
+                                  f"train.epochs, output, checkpoint_every and eval_every may change on resume")
+        emb.load(snap)
+        arrays, _ = read_extra(snap)
+        losses = arrays.pop(_LOSSES)
+        try:
+            model.load_state_dict(arrays)
+        except (KeyError, ValueError) as e:
+            raise CheckpointError(f"its dense model does not fit this one: {e}") from None
+    except CheckpointError as e:
+        raise CheckpointError(f"cannot resume from {path}: {e}") from None
+    state.update(saved["trainer"])
+    state["losses"] = losses.tolist()
 
 
 def run(config: dict, resume: bool = False, out=print, progress_stream=None, title: str | None = None) -> dict:
@@ -110,13 +151,7 @@ def _run(config, resume, out, progress_stream, title):
     state = {"epoch": 0, "step_in_epoch": 0, "losses": [], "epochs": [], "evaluations": [],
              "first_step_seconds": None}
     if resume:
-        try:
-            emb.load(checkpoint)
-        except CheckpointError as e:
-            raise CheckpointError(f"cannot resume from {checkpoint}: {e}") from None
-        arrays, saved = read_extra(checkpoint)
-        model.load_state_dict(arrays)
-        state.update(saved["trainer"])
+        _resume(emb, model, checkpoint, config, state)
         out(f"resumed from {checkpoint} at epoch {state['epoch'] + 1}, step {state['step_in_epoch']} of "
             f"{steps_per_epoch}")
 
@@ -157,7 +192,7 @@ def _run(config, resume, out, progress_stream, title):
                 evaluate_now()
                 epoch_start += time.perf_counter() - eval_pause
             if train["checkpoint_every"] and emb.step % train["checkpoint_every"] == 0:
-                _save(emb, model, checkpoint, {"trainer": state})
+                _save(emb, model, checkpoint, state, config)
         bar.close()
         seconds = time.perf_counter() - epoch_start
         eval_start = time.perf_counter()
@@ -169,7 +204,7 @@ def _run(config, resume, out, progress_stream, title):
                   "eval_seconds": time.perf_counter() - eval_start}
         state["epochs"].append(record)
         state["epoch"], state["step_in_epoch"] = epoch + 1, 0
-        _save(emb, model, checkpoint, {"trainer": state})
+        _save(emb, model, checkpoint, state, config)
         beside = (f" (teacher optimum {optimum['log_loss']:.4f})" if optimum else "")
         auc_beside = (f" (teacher optimum {optimum['auc']:.4f})" if optimum else "")
         train_ll = f"{record['train_log_loss']:.4f}" if record["train_log_loss"] is not None else "n/a"

@@ -16,8 +16,10 @@ def make_engine():
     users = ec.TableConfig(300, 8, name="users", combiner="sum")
     items = ec.TableConfig(500, 8, name="items", optimizer=ec.CustomOptimizer(custom_adagrad, 0.2, ["acc"], [0.1]))
     tags = ec.TableConfig(40, 4, name="tags", optimizer=ec.Adam(0.01), combiner="sqrtn")
+    ages = ec.TableConfig(30, 8, name="ages")  # stacked with users: same optimizer and dim
     features = {"user": ec.FeatureConfig(users), "items": ec.FeatureConfig(items),
-                "recent": ec.FeatureConfig(items, max_sequence_length=3), "tags": ec.FeatureConfig(tags)}
+                "recent": ec.FeatureConfig(items, max_sequence_length=3), "tags": ec.FeatureConfig(tags),
+                "age": ec.FeatureConfig(ages)}
     return ec.Embedding(features, ec.FTRL(0.05), seed=7)
 
 
@@ -25,7 +27,8 @@ def batch(t):
     rng = np.random.default_rng(1000 + t)
     b = 32
     features = {"user": rng.integers(0, 300, b), "items": rng.zipf(1.3, (b, 4)) % 500,
-                "recent": rng.integers(0, 500, (b, 5)), "tags": rng.integers(0, 40, (b, 2))}
+                "recent": rng.integers(0, 500, (b, 5)), "tags": rng.integers(0, 40, (b, 2)),
+                "age": rng.integers(0, 30, b)}
     return features
 
 

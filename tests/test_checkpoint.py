@@ -1,7 +1,9 @@
 """Checkpoints: exact resume, layout independence, atomic writes, corruption refused, no code executed."""
 
+import hashlib
 import json
 import os
+import shutil
 import signal
 import struct
 import subprocess
@@ -47,7 +49,7 @@ def test_resume_is_bit_identical(tmp_path, reference_run, stop_at, stack_tables)
     emb.save(tmp_path / "ckpt")
     resumed = ec.Embedding.restore(tmp_path / "ckpt", functions=[custom_adagrad], stack_tables=stack_tables)
     assert resumed.step == stop_at
-    assert resumed.num_physical_tables == (3 if stack_tables else 3)
+    assert resumed.num_physical_tables == (3 if stack_tables else 4)
     resume_worker.train(resumed, 8)
     assert_same_state(resumed, reference_run)
 
@@ -76,10 +78,13 @@ def test_save_kill_resume(tmp_path, reference_run):
         proc.wait(timeout=60)
     resumed = ec.Embedding.restore(path, functions=[custom_adagrad])
     assert resumed.step >= 4
-    if resumed.step > 8:
-        pytest.skip("the worker ran past step 8 before the kill landed")
-    resume_worker.train(resumed, 8)
+    if resumed.step > 8:  # the kill landed late: compare against a longer uninterrupted run
+        reference_run = resume_worker.make_engine()
+        resume_worker.train(reference_run, resumed.step + 2)
+    resume_worker.train(resumed, reference_run.step)
     assert_same_state(resumed, reference_run)
+    resumed.save(path)  # the next save removes whatever the killed save left behind
+    assert sorted(os.listdir(path)) == ["CURRENT", os.path.basename(snapshot_dir(path))]
 
 
 def test_every_builtin_round_trips(tmp_path):
@@ -137,13 +142,31 @@ def test_save_replaces_atomically_and_prunes(tmp_path):
     path = tmp_path / "c"
     emb.save(path)
     first = snapshot_dir(path)
+    os.mkdir(path / "snapshot-000000000099-deadbeef")  # what a crashed save leaves
+    (path / "CURRENT.1234.tmp").write_text("{")
     resume_worker.train(emb, 1)
     emb.save(path)
     assert not os.path.exists(first)
     assert open_snapshot(path).step == 1
-    resume_worker.train(emb, 2)
-    emb.save(path, keep=2)
-    assert len([n for n in os.listdir(path) if n.startswith("snapshot-")]) == 2
+    assert sorted(os.listdir(path)) == ["CURRENT", os.path.basename(snapshot_dir(path))]
+
+
+def test_an_interrupt_after_commit_keeps_the_new_checkpoint(tmp_path, monkeypatch):
+    emb = resume_worker.make_engine()
+    path = tmp_path / "c"
+    emb.save(path)
+    resume_worker.train(emb, 1)
+    from embedcore.checkpoint import store
+
+    def interrupted(self):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(store.SnapshotWriter, "_prune", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        emb.save(path)
+    back = ec.Embedding.restore(path, functions=[custom_adagrad])
+    assert back.step == 1
+    assert_same_state(back, emb)
 
 
 def test_a_failed_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
@@ -152,8 +175,12 @@ def test_a_failed_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
     emb.save(path)
     before = snapshot_dir(path)
     resume_worker.train(emb, 1)
-    with pytest.raises(TypeError, match="cannot store"):
-        emb.save(path, extra={"bad": np.array(["text"])})
+    for extra, metadata in (({"bad": np.array(["text"])}, None), ({"__metadata__": np.zeros(2)}, None),
+                            ({"": np.zeros(2)}, None), ({"x": [1.0]}, None), (None, {"n": np.int64(3)}),
+                            (None, {"x": float("nan")})):
+        with pytest.raises(CheckpointError, match="cannot be stored|metadata must be JSON"):
+            emb.save(path, extra=extra, metadata=metadata)
+        assert snapshot_dir(path) == before
     real_replace = os.replace
 
     def crash(src, dst):
@@ -231,7 +258,10 @@ def test_edited_manifest_is_refused(saved):
     refused_and_unchanged(path, "manifest.json does not match")
 
 
-@pytest.mark.parametrize("content", ["", "not json", '{"snapshot": "../../etc"}', '{"snapshot": "snapshot-1"}'])
+@pytest.mark.parametrize("content", ["", "not json", "[1]", '{"snapshot": "snapshot-1-ab"}',
+                                     '{"snapshot": "../../etc", "manifest_sha256": "00"}',
+                                     '{"snapshot": "snapshot-1/../../x", "manifest_sha256": "00"}',
+                                     '{"snapshot": 3, "manifest_sha256": "00"}'])
 def test_bad_current_pointer_is_refused(saved, content):
     _, path = saved
     open(os.path.join(path, "CURRENT"), "w").write(content)
@@ -245,7 +275,6 @@ def test_missing_checkpoint_and_missing_snapshot(tmp_path, saved):
     with pytest.raises(CheckpointError, match="no CURRENT file"):
         ec.Embedding.restore(tmp_path / "empty")
     _, path = saved
-    import shutil
     shutil.rmtree(snapshot_dir(path))
     refused_and_unchanged(path, "manifest.json")
 
@@ -273,7 +302,7 @@ def test_resized_table_is_refused_even_when_not_strict(tmp_path):
     small = ec.Embedding({"f": ec.FeatureConfig(ec.TableConfig(10, 4, name="t"))}, ec.Adagrad(0.1))
     small.save(tmp_path / "c")
     big = ec.Embedding({"f": ec.FeatureConfig(ec.TableConfig(11, 4, name="t"))}, ec.Adagrad(0.1))
-    with pytest.raises(CheckpointError, match=r"table 't' tensor 'weights' has shape \(10, 4\), the engine needs"):
+    with pytest.raises(CheckpointError, match=r"table 't' tensor 'weights' is float32 of shape \(10, 4\); the engine needs float32 of shape \(11, 4\)"):
         big.load(tmp_path / "c", strict=False)
 
 
@@ -296,14 +325,58 @@ def test_unimportable_functions_need_the_callers_engine(tmp_path):
     emb.load(tmp_path / "c")
 
 
-def test_a_module_path_that_does_not_import_is_a_clear_error(saved):
-    _, path = saved
+def rewrite_manifest(path, edit):
+    """Edit the manifest and re-sign it in CURRENT, as an attacker who controls the directory could."""
     snap = open_snapshot(path)
     m = os.path.join(snap.dir, "manifest.json")
-    text = open(m).read().replace("embedcore.quickstart:custom_adagrad", "no_such_module_xyz:f")
+    text = edit(open(m).read())
     open(m, "w").write(text)
-    import hashlib
     pointer = {"snapshot": snap.name, "manifest_sha256": hashlib.sha256(text.encode()).hexdigest()}
     open(os.path.join(path, "CURRENT"), "w").write(json.dumps(pointer))
+
+
+def test_a_module_path_that_does_not_import_is_a_clear_error(saved):
+    _, path = saved
+    rewrite_manifest(path, lambda t: t.replace("embedcore.quickstart:custom_adagrad", "no_such_module_xyz:f"))
     with pytest.raises(CheckpointError, match="cannot import 'no_such_module_xyz:f'"):
         ec.Embedding.restore(path, allow_import=True)
+
+
+@pytest.mark.parametrize("name", ["../../outside.safetensors", "/tmp/outside.safetensors", "a/b.safetensors",
+                                  "manifest.json", ".hidden.safetensors"])
+def test_manifest_file_names_cannot_leave_the_snapshot(saved, tmp_path, name):
+    _, path = saved
+    file_name = json.loads(open(os.path.join(snapshot_dir(path), "manifest.json")).read())["tables"]["items"]["file"]
+    rewrite_manifest(path, lambda t: t.replace(f'"{file_name}"', json.dumps(name)))
+    refused_and_unchanged(path, "plain \\*.safetensors names")
+
+
+def test_restore_accepts_a_replacement_function(saved):
+    emb, path = saved
+
+    def my_adagrad(gradient, embedding_table, slot_variables, learning_rate, hyperparameters):
+        accumulator = slot_variables[0] + gradient * gradient
+        return embedding_table - learning_rate * gradient / np.sqrt(accumulator), accumulator
+
+    back = ec.Embedding.restore(path, functions={"embedcore.quickstart:custom_adagrad": my_adagrad})
+    assert back.tables["items"].optimizer.custom_computation is my_adagrad
+    assert_same_state(back, emb)
+    with pytest.raises(CheckpointError, match="has no import path"):
+        ec.Embedding.restore(path, functions=[lambda *a: a])
+
+
+@pytest.mark.parametrize("shape", [[2, 8], [10 ** 12, 10 ** 12], [-1, 8]])
+def test_impossible_tensor_shapes_are_refused(saved, shape):
+    _, path = saved
+    f = table_file(path, "users")
+    from embedcore.checkpoint.tensor_file import read_header
+    header, _, start = read_header(f)
+    raw = open(f, "rb").read()
+    text = raw[8:start].decode().rstrip()
+    entry = json.loads(text)
+    entry["weights"]["shape"] = shape
+    new = json.dumps(entry).encode()
+    new += b" " * (start - 8 - len(new))
+    assert len(new) == start - 8
+    open(f, "wb").write(raw[:8] + new + raw[start:])
+    refused_and_unchanged(path, "corrupt checkpoint|malformed|does not fit")

@@ -46,9 +46,10 @@ def test_weighted_ragged_and_sparse_inputs(trained):
     emb, path = trained
     server = ServingEmbedding(path, verify=False)
     features = {"user": ec.Ragged([3, 3, 7, 299], [0, 2, 2, 4]), "items": [[1, 1, 2], [], [499]],
-                "recent": ec.Sparse([[0, 0], [2, 1]], [5, 6], (3, 2)), "tags": np.array([[0, 39], [1, 1], [2, 3]])}
+                "recent": ec.Sparse([[0, 0], [2, 1]], [5, 6], (3, 2)), "tags": np.array([[0, 39], [1, 1], [2, 3]]),
+                "age": np.array([0, 29, 3])}
     weights = {"user": ec.Ragged([0.5, 2.0, 1.0, -1.0], [0, 2, 2, 4]), "items": [[1.0, 2.0, 0.5], [], [3.0]],
-               "recent": None, "tags": np.array([[1.0, 2.0], [0.0, 0.0], [1.0, 1.0]], np.float32)}
+               "recent": None, "tags": np.array([[1.0, 2.0], [0.0, 0.0], [1.0, 1.0]], np.float32), "age": None}
     lookups_equal(emb, server, features, weights)
 
 
@@ -103,8 +104,10 @@ def test_serving_reads_no_slots_and_imports_nothing(tmp_path):
         open(f, "wb").write(raw)
     server = ServingEmbedding(path)
     lookups_equal(emb, server, resume_worker.batch(4))
-    with pytest.raises(CheckpointError):
+    with pytest.raises(CheckpointError, match="cannot import 'not_a_module_abc:f'"):
         ec.Embedding.restore(path, allow_import=True)
+    with pytest.raises(CheckpointError, match="'slot/.*' does not match its SHA-256"):
+        ec.Embedding.restore(path, functions={"not_a_module_abc:f": resume_worker.custom_adagrad})
 
 
 def test_corrupt_weights_are_refused(tmp_path):
@@ -119,3 +122,24 @@ def test_corrupt_weights_are_refused(tmp_path):
     open(f, "wb").write(raw)
     with pytest.raises(CheckpointError, match="'weights' does not match its SHA-256"):
         ServingEmbedding(tmp_path / "c")
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda m: [t.update(vocabulary_size=10 ** 6) for t in m["config"]["tables"] if t["name"] == "users"],
+     r"needs float32 of shape \(1000000, 8\)"),
+    (lambda m: m["tables"].pop("users"), "holds no table 'users'"),
+])
+def test_a_table_that_does_not_match_its_config_is_refused(tmp_path, edit, match):
+    """A table smaller than its configured vocabulary would let lookups read past its end: refused."""
+    emb = resume_worker.make_engine()
+    path = tmp_path / "c"
+    emb.save(path)
+
+    def rewrite(text):
+        manifest = json.loads(text)
+        edit(manifest)
+        return json.dumps(manifest)
+
+    _rewrite_manifest(path, rewrite)
+    with pytest.raises(CheckpointError, match=match):
+        ServingEmbedding(path)

@@ -217,3 +217,18 @@ def test_train_cli_on_movielens_ratings(tmp_path, capsys):
     assert metrics["dataset"]["n_dense"] == 0
     assert [f["name"] for f in metrics["dataset"]["features"]] == ["user", "movie"]
     assert metrics["final"]["auc"] > 0.75
+
+
+def test_resume_refuses_a_changed_run(tmp_path):
+    quiet = {"out": lambda s: None, "progress_stream": open(os.devnull, "w")}
+    run(small_config(tmp_path, epochs=1), **quiet)
+    changed = small_config(tmp_path, batch_size=128)
+    with pytest.raises(ec.CheckpointError, match=r"train.batch_size differ"):
+        run(changed, resume=True, **quiet)
+    changed = small_config(tmp_path)
+    changed["model"]["top"] = [16]
+    with pytest.raises(ec.CheckpointError, match=r"model.top differ"):
+        run(changed, resume=True, **quiet)
+    # More epochs, another eval frequency: allowed.
+    metrics = run(small_config(tmp_path, epochs=2, eval_every=5), resume=True, **quiet)
+    assert metrics["steps"] == 24

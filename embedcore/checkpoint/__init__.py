@@ -11,11 +11,14 @@ reads the same files (:mod:`embedcore.serving`).
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 
 from .config_codec import FunctionResolver, decode_engine_config, encode_engine_config
 from .errors import CheckpointError
 from .store import Snapshot, SnapshotWriter, open_snapshot
+from .tensor_file import STORABLE_DTYPES
 
 __all__ = ["CheckpointError", "save", "load_into", "restore", "read_extra", "open_snapshot", "engine_config"]
 
@@ -30,14 +33,23 @@ def _table_file(k: int) -> str:
     return f"table-{k:04d}.safetensors"
 
 
-def save(emb, path, extra=None, metadata=None, keep: int = 1) -> str:
+def save(emb, path, extra=None, metadata=None) -> str:
     """Write ``emb`` to the checkpoint directory ``path`` (see :meth:`embedcore.Embedding.save`)."""
     from .. import __version__
-    config = engine_config(emb)  # fails before anything is written if the config cannot be stored
+    # Everything that could make the save fail halfway is checked before anything is written.
+    config = engine_config(emb)
     extra = dict(extra or {})
     for name, value in extra.items():
-        if not isinstance(name, str) or not isinstance(value, np.ndarray):
-            raise CheckpointError(f"extra must map names to NumPy arrays; got {name!r}: {type(value).__name__}")
+        if not isinstance(name, str) or not name or name == "__metadata__" or not isinstance(value, np.ndarray) \
+                or value.dtype.newbyteorder("<") not in STORABLE_DTYPES:
+            raise CheckpointError(f"extra entry {name!r} ({type(value).__name__}"
+                                  f"{', dtype ' + str(value.dtype) if isinstance(value, np.ndarray) else ''}) cannot "
+                                  f"be stored: extra maps non-empty names (not '__metadata__') to NumPy arrays of "
+                                  f"numbers or booleans")
+    try:
+        json.dumps(metadata, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"metadata must be JSON (dicts, lists, str, int, finite float, bool, None): {e}") from None
     writer = SnapshotWriter(path, emb.step)
     try:
         tables, slots = emb.embedding_tables, emb.slot_variables
@@ -51,7 +63,7 @@ def save(emb, path, extra=None, metadata=None, keep: int = 1) -> str:
             writer.add(_EXTRA, extra)
         manifest = {"step": int(emb.step), "config": config, "tables": entries, "metadata": metadata,
                     "extra": _EXTRA if extra else None, "embedcore_version": __version__}
-        return writer.commit(manifest, keep=keep)
+        return writer.commit(manifest)
     except BaseException:
         writer.abort()
         raise
@@ -93,22 +105,34 @@ def load_into(emb, path_or_snapshot, strict: bool = True) -> None:
     tables, slots = emb.embedding_tables, emb.slot_variables
     staged = []
     for name, entry in entries.items():
-        if list(entry["slots"]) != list(slots[name]):
-            raise CheckpointError(f"{where}: table '{name}' has slots {entry['slots']}, the engine's optimizer "
+        if list(entry.get("slots", [])) != list(slots[name]):
+            raise CheckpointError(f"{where}: table '{name}' has slots {entry.get('slots')}, the engine's optimizer "
                                   f"has {list(slots[name])}")
-        arrays = snap.tensors(entry["file"])
         targets = {"weights": tables[name]}
         targets.update({f"slot/{s}": v for s, v in slots[name].items()})
-        for key, target in targets.items():
-            if key not in arrays or arrays[key].shape != target.shape:
-                got = arrays[key].shape if key in arrays else "nothing"
-                raise CheckpointError(f"{where}: table '{name}' tensor '{key}' has shape {got}, the engine "
-                                      f"needs {target.shape}")
-            staged.append((target, arrays[key]))
+        arrays = table_tensors(snap, name, {key: t.shape for key, t in targets.items()})
+        staged += [(targets[key], arrays[key]) for key in targets]
     # Everything is verified; from here on the engine changes.
     for target, source in staged:
         target[...] = source
     emb.step = snap.step
+
+
+def table_tensors(snap: Snapshot, table: str, shapes: dict, verify: bool = True) -> dict:
+    """The tensors of ``table`` named in ``shapes`` (``{"weights": (V, dim), "slot/<name>": ...}``), each
+    checked to be float32 of exactly that shape and, if ``verify``, to match its SHA-256."""
+    entry = snap.manifest["tables"].get(table)
+    if entry is None:
+        raise CheckpointError(f"{snap.dir} holds no table '{table}' (it holds {sorted(snap.manifest['tables'])})")
+    stored = snap.manifest["files"].get(entry["file"], {})
+    for key, shape in shapes.items():
+        if key not in stored:
+            raise CheckpointError(f"{snap.dir}: table '{table}' has no tensor '{key}' (its optimizer's slots are "
+                                  f"{entry.get('slots')}); the engine needs it")
+        if tuple(stored[key]["shape"]) != tuple(shape) or stored[key]["dtype"] != "float32":
+            raise CheckpointError(f"{snap.dir}: table '{table}' tensor '{key}' is {stored[key]['dtype']} of shape "
+                                  f"{tuple(stored[key]['shape'])}; the engine needs float32 of shape {tuple(shape)}")
+    return snap.tensors(entry["file"], list(shapes), verify=verify)
 
 
 def restore(cls, path, functions=None, allow_import: bool = False, stack_tables: bool = True):
@@ -118,13 +142,15 @@ def restore(cls, path, functions=None, allow_import: bool = False, stack_tables:
                                                      FunctionResolver(functions, allow_import))
     emb = cls.__new__(cls)
     emb._setup(features, optimizer, seed, stack_tables, fill=False)
-    load_into(emb, snap, strict=True)
+    # The configuration is the checkpoint's own (functions possibly replaced by the caller's): only the
+    # tables, slots and shapes need checking.
+    load_into(emb, snap, strict=False)
     return emb
 
 
-def read_extra(path) -> tuple[dict, object]:
+def read_extra(path_or_snapshot) -> tuple[dict, object]:
     """``(arrays, metadata)`` stored with ``save(extra=..., metadata=...)``; arrays are verified in-memory copies."""
-    snap = open_snapshot(path)
+    snap = path_or_snapshot if isinstance(path_or_snapshot, Snapshot) else open_snapshot(path_or_snapshot)
     name = snap.manifest.get("extra")
     arrays = {k: np.array(v) for k, v in snap.tensors(name).items()} if name else {}
     return arrays, snap.manifest.get("metadata")

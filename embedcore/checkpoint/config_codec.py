@@ -51,12 +51,16 @@ def import_function(path: str):
     return _resolve(module, qualname)
 
 
+def constructor_parameters(cls) -> list:
+    """Names of the keyword arguments of ``cls(...)``."""
+    return [name for name, p in inspect.signature(cls.__init__).parameters.items()
+            if name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+
+
 def constructor_arguments(obj) -> dict:
     """The keyword arguments that rebuild ``obj`` (an optimizer or initializer) from its attributes."""
     args = {}
-    for name, param in inspect.signature(type(obj).__init__).parameters.items():
-        if name == "self" or param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
-            continue
+    for name in constructor_parameters(type(obj)):
         if name == "clipvalue":
             low, high = obj.clip_gradient_min, obj.clip_gradient_max
             args[name] = None if low is None and high is None else (low, high)
@@ -110,10 +114,16 @@ class FunctionResolver:
 
     def __init__(self, functions=None, allow_import: bool = False):
         self.allow_import = bool(allow_import)
-        self.functions = {}
-        for key, fn in (functions.items() if isinstance(functions, dict) else
-                        ((function_path(f) or getattr(f, "__qualname__", repr(f)), f) for f in functions or ())):
-            self.functions[key] = fn
+        if isinstance(functions, dict):
+            self.functions = dict(functions)
+        else:
+            self.functions = {}
+            for fn in functions or ():
+                path = function_path(fn)
+                if path is None:
+                    raise CheckpointError(f"functions=[...]: {fn!r} has no import path to match a checkpoint's "
+                                          f"entry by; pass functions={{'module:name': fn}} instead")
+                self.functions[path] = fn
 
     def __call__(self, path: str | None, where: str, shown: str):
         if path is not None and path in self.functions:
@@ -145,7 +155,10 @@ def _decode(value, where: str, resolve: FunctionResolver):
             name = value[kind]
             cls = registry.get(name)
             if cls is None:
-                cls = resolve(name if ":" in name else None, f"{where} ({kind} class)", name)
+                if not isinstance(name, str) or ":" not in name:
+                    raise CheckpointError(f"{where}: unknown {kind} class {name!r}; this embedcore knows "
+                                          f"{sorted(registry)}")
+                cls = resolve(name, f"{where} ({kind} class)", name)
             args = {k: _decode(v, f"{where}.{k}", resolve) for k, v in value["args"].items()}
             try:
                 return cls(**args)

@@ -6,18 +6,22 @@
         manifest.json                 format, step, configuration, every file's tensors and their SHA-256
         table-0000.safetensors ...    one file per table: "weights" and "slot/<name>", rows in id order
 
-A save writes a new snapshot directory, fsyncs it, then replaces ``CURRENT`` with ``os.replace`` (atomic on
-POSIX) and only then deletes older snapshots. A crash at any point leaves ``CURRENT`` naming a snapshot that
-is whole: the previous one or the new one. Readers trust nothing: ``CURRENT`` carries the manifest's hash,
-the manifest carries each tensor's shape and hash, and every tensor file's header is checked against it.
-Two processes saving to one path at the same time are not supported.
+A save writes a new snapshot directory and fsyncs it (files, the directory, its entry in ``path``), then
+replaces ``CURRENT`` with ``os.replace`` (atomic on POSIX), fsyncs ``path``, and only then deletes every
+other snapshot, including leftovers of crashed saves. A crash at any point leaves ``CURRENT`` naming a
+snapshot that is whole: the previous one or the new one. Readers trust nothing: ``CURRENT`` carries the
+manifest's hash, the manifest carries each tensor's shape and hash, every tensor file's header is checked
+against it, and file names must be plain names inside the snapshot. Two processes saving to one path at the
+same time are not supported.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import re
 import secrets
 import shutil
 
@@ -29,6 +33,8 @@ __all__ = ["FORMAT", "SnapshotWriter", "Snapshot", "open_snapshot"]
 FORMAT = "embedcore-checkpoint"
 VERSION = 1
 _CURRENT = "CURRENT"
+_FILE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*\.safetensors")
+_SNAPSHOT_NAME = re.compile(r"snapshot-[0-9]+-[0-9a-f]+")
 
 
 def _fsync_dir(path: str) -> None:
@@ -46,18 +52,22 @@ class SnapshotWriter:
         self.path = os.fspath(path)
         if os.path.exists(self.path) and not os.path.isdir(self.path):
             raise CheckpointError(f"{self.path} exists and is not a checkpoint directory")
-        os.makedirs(self.path, exist_ok=True)
-        self.name = f"snapshot-{int(step):08d}-{secrets.token_hex(4)}"
+        if not os.path.isdir(self.path):
+            os.makedirs(self.path)
+            _fsync_dir(os.path.dirname(os.path.abspath(self.path)))
+        self.name = f"snapshot-{int(step):012d}-{secrets.token_hex(4)}"
         self.dir = os.path.join(self.path, self.name)
         os.mkdir(self.dir)
         self.files = {}
+        self.committed = False
 
     def add(self, file_name: str, tensors: dict, metadata: dict | None = None) -> None:
+        assert _FILE_NAME.fullmatch(file_name), file_name
         digests = write_tensors(os.path.join(self.dir, file_name), tensors, metadata)
         self.files[file_name] = {name: {"shape": list(a.shape), "dtype": str(a.dtype), "sha256": digests[name]}
                                  for name, a in tensors.items()}
 
-    def commit(self, manifest: dict, keep: int = 1) -> str:
+    def commit(self, manifest: dict) -> str:
         manifest = dict(manifest, format=FORMAT, version=VERSION, files=self.files)
         text = json.dumps(manifest, indent=1, sort_keys=True).encode("utf-8")
         with open(os.path.join(self.dir, "manifest.json"), "wb") as f:
@@ -65,6 +75,7 @@ class SnapshotWriter:
             f.flush()
             os.fsync(f.fileno())
         _fsync_dir(self.dir)
+        _fsync_dir(self.path)  # the snapshot's entry is durable before CURRENT names it
         pointer = json.dumps({"snapshot": self.name, "manifest_sha256": hashlib.sha256(text).hexdigest()})
         tmp = os.path.join(self.path, f"{_CURRENT}.{secrets.token_hex(4)}.tmp")
         with open(tmp, "w") as f:
@@ -72,22 +83,25 @@ class SnapshotWriter:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, os.path.join(self.path, _CURRENT))
+        self.committed = True  # from here on the new snapshot is the checkpoint: never delete it
         _fsync_dir(self.path)
-        self._prune(keep)
+        self._prune()
         return self.dir
 
     def abort(self) -> None:
-        shutil.rmtree(self.dir, ignore_errors=True)
+        """Delete the snapshot being written, unless it was already committed."""
+        if not self.committed:
+            shutil.rmtree(self.dir, ignore_errors=True)
 
-    def _prune(self, keep: int) -> None:
-        """Delete snapshots other than the newest ``keep`` (by step) and leftovers of crashed saves."""
-        snapshots = sorted((n for n in os.listdir(self.path) if n.startswith("snapshot-") and n != self.name),
-                           reverse=True)
-        for name in snapshots[max(keep - 1, 0):]:
-            shutil.rmtree(os.path.join(self.path, name), ignore_errors=True)
+    def _prune(self) -> None:
+        """Delete every other snapshot and leftovers of crashed saves (best effort: failures are ignored)."""
         for name in os.listdir(self.path):
-            if name.startswith(f"{_CURRENT}.") and name.endswith(".tmp"):
-                os.remove(os.path.join(self.path, name))
+            full = os.path.join(self.path, name)
+            if name.startswith("snapshot-") and name != self.name:
+                shutil.rmtree(full, ignore_errors=True)
+            elif name.startswith(f"{_CURRENT}.") and name.endswith(".tmp"):
+                with contextlib.suppress(OSError):
+                    os.remove(full)
 
 
 class Snapshot:
@@ -109,7 +123,8 @@ class Snapshot:
         names = list(expected) if names is None else list(names)
         file_path = os.path.join(self.dir, file_name)
         try:
-            header, _, _ = read_header(file_path)
+            parsed = read_header(file_path)
+            header = parsed[0]
             if set(header) != set(expected):
                 raise CheckpointError(f"{file_path}: holds tensors {sorted(header)}, the manifest lists "
                                       f"{sorted(expected)}")
@@ -118,7 +133,7 @@ class Snapshot:
                 if list(entry["shape"]) != want["shape"] or entry["dtype"] != want["dtype"]:
                     raise CheckpointError(f"{file_path}: tensor '{name}' is {entry['dtype']}{list(entry['shape'])}, "
                                           f"the manifest says {want['dtype']}{want['shape']}")
-            arrays = open_tensors(file_path, names)
+            arrays = open_tensors(file_path, names, header=parsed)
         except TensorFileError as e:
             raise CheckpointError(f"corrupt checkpoint: {e}") from None
         if verify:
@@ -137,12 +152,16 @@ def open_snapshot(path) -> Snapshot:
     try:
         with open(os.path.join(path, _CURRENT)) as f:
             pointer = json.loads(f.read())
-        name, digest = pointer["snapshot"], pointer["manifest_sha256"]
-        if not isinstance(name, str) or "/" in name or not name.startswith("snapshot-"):
+        if not isinstance(pointer, dict):
+            raise ValueError("not a JSON object")
+        name, digest = pointer.get("snapshot"), pointer.get("manifest_sha256")
+        if not isinstance(name, str) or not _SNAPSHOT_NAME.fullmatch(name):
             raise ValueError(f"bad snapshot name {name!r}")
+        if not isinstance(digest, str):
+            raise ValueError("no manifest_sha256")
     except FileNotFoundError:
         raise CheckpointError(f"{path}: not a checkpoint (no {_CURRENT} file)") from None
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (OSError, ValueError, UnicodeDecodeError) as e:
         raise CheckpointError(f"corrupt checkpoint: {path}/{_CURRENT} is unreadable ({e})") from None
     manifest_path = os.path.join(path, name, "manifest.json")
     try:
@@ -153,9 +172,15 @@ def open_snapshot(path) -> Snapshot:
     if hashlib.sha256(text).hexdigest() != digest:
         raise CheckpointError(f"corrupt checkpoint: {manifest_path} does not match its SHA-256 in {_CURRENT}")
     manifest = json.loads(text)
-    if manifest.get("format") != FORMAT:
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CheckpointError(f"{path}: not an embedcore checkpoint (format {manifest.get('format')!r})")
     if manifest.get("version") != VERSION:
         raise CheckpointError(f"{path}: checkpoint format version {manifest.get('version')!r}; this embedcore "
                               f"reads version {VERSION}")
+    names = list(manifest.get("files", {})) + [t.get("file") for t in manifest.get("tables", {}).values()]
+    names += [manifest["extra"]] if manifest.get("extra") is not None else []
+    for file_name in names:
+        if not isinstance(file_name, str) or not _FILE_NAME.fullmatch(file_name):
+            raise CheckpointError(f"corrupt checkpoint: {manifest_path} names the file {file_name!r}; files must be "
+                                  f"plain *.safetensors names inside the snapshot")
     return Snapshot(path, name, manifest)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import struct
 
@@ -27,6 +28,7 @@ _DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "I64": np.in
            "I16": np.int16, "I8": np.int8, "U64": np.uint64, "U32": np.uint32, "U16": np.uint16, "U8": np.uint8,
            "BOOL": np.bool_}
 _NAMES = {np.dtype(v): k for k, v in _DTYPES.items()}
+STORABLE_DTYPES = frozenset(_NAMES)
 _ALIGN = 64
 _MAX_HEADER = 100 * 2 ** 20
 
@@ -45,9 +47,12 @@ def write_tensors(path: str, tensors: dict, metadata: dict | None = None) -> dic
     header, offset, arrays = {}, 0, []
     for name, array in tensors.items():
         array = np.asarray(array)
-        if array.dtype not in _NAMES:
-            raise TypeError(f"tensor '{name}' has dtype {array.dtype}, which safetensors cannot store")
-        array = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<"))
+        little = array.dtype.newbyteorder("<") if array.dtype.byteorder in "<>=" else array.dtype
+        if not isinstance(name, str) or not name or name == "__metadata__" or little not in _NAMES:
+            raise TensorFileError(f"tensor {name!r} (dtype {array.dtype}) cannot be stored: names must be non-empty "
+                                  f"strings other than '__metadata__', dtypes one of "
+                                  f"{sorted(str(d) for d in _NAMES)}")
+        array = np.ascontiguousarray(array, dtype=little)
         header[name] = {"dtype": _NAMES[array.dtype], "shape": list(array.shape),
                         "data_offsets": [offset, offset + array.nbytes]}
         offset += array.nbytes
@@ -96,12 +101,12 @@ def read_header(path: str) -> tuple[dict, dict, int]:
     for name, entry in header.items():
         try:
             dtype = np.dtype(_DTYPES[entry["dtype"]]).newbyteorder("<")
-            shape = tuple(int(d) for d in entry["shape"])
-            begin, end = (int(x) for x in entry["data_offsets"])
+            shape, (begin, end) = tuple(entry["shape"]), entry["data_offsets"]
+            if not all(type(x) is int and x >= 0 for x in shape + (begin, end)):
+                raise ValueError
         except (KeyError, TypeError, ValueError):
             raise TensorFileError(f"{path}: tensor '{name}' has a malformed header entry {entry!r}") from None
-        count = int(np.prod(shape, dtype=np.int64)) if shape else 1
-        if any(d < 0 for d in shape) or end - begin != count * dtype.itemsize or begin < 0 or end > data_size:
+        if end - begin != math.prod(shape) * dtype.itemsize or end > data_size:
             raise TensorFileError(f"{path}: tensor '{name}' (shape {shape}, bytes {begin}..{end}) does not fit "
                                   f"the {data_size} data bytes; the file is truncated or corrupt")
         ranges.append((begin, end, name))
@@ -113,9 +118,12 @@ def read_header(path: str) -> tuple[dict, dict, int]:
     return header, metadata, data_start
 
 
-def open_tensors(path: str, names=None, writable: bool = False) -> dict:
-    """Memory-map tensors of a safetensors file: name -> read-only (or copy-on-write) NumPy array."""
-    header, _, data_start = read_header(path)
+def open_tensors(path: str, names=None, header=None) -> dict:
+    """Memory-map tensors of a safetensors file: name -> read-only NumPy array.
+
+    ``header`` is :func:`read_header`'s result when the caller already read it.
+    """
+    header, _, data_start = header or read_header(path)
     out = {}
     for name in header if names is None else names:
         if name not in header:
@@ -124,7 +132,7 @@ def open_tensors(path: str, names=None, writable: bool = False) -> dict:
         if entry["end"] == entry["begin"]:
             out[name] = np.zeros(entry["shape"], entry["dtype"])
             continue
-        mapped = np.memmap(path, dtype=entry["dtype"], mode="c" if writable else "r",
+        mapped = np.memmap(path, dtype=entry["dtype"], mode="r",
                            offset=data_start + entry["begin"], shape=entry["shape"], order="C")
         out[name] = mapped.view(np.ndarray)  # a plain array (kernels take it), still backed by the mapping
     return out
