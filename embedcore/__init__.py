@@ -8,7 +8,7 @@ compiled with Numba and applied in place to exactly the rows each batch touched.
 from .checkpoint import CheckpointError
 from .compiler import RowFunctionError
 from .config import FeatureConfig, TableConfig
-from .engine import Embedding, LookupContext
+from .engine import Embedding, LookupContext, NonFiniteError, UpdateReport
 from .initializers import Constant, Initializer, RandomUniform, RowId, TruncatedNormal, Zeros
 from .inputs import InputError, Ragged, Sparse
 from .optimizers import FTRL, SGD, Adagrad, AdagradMomentum, Adam, CustomOptimizer, Optimizer, RowwiseAdagrad
@@ -17,7 +17,7 @@ from .serving import ServingEmbedding
 __version__ = "0.1.0"
 
 __all__ = [
-    "TableConfig", "FeatureConfig", "Embedding", "LookupContext",
+    "TableConfig", "FeatureConfig", "Embedding", "LookupContext", "UpdateReport", "NonFiniteError",
     "Optimizer", "CustomOptimizer", "SGD", "Adagrad", "AdagradMomentum", "Adam", "FTRL", "RowwiseAdagrad",
     "Initializer", "Constant", "Zeros", "TruncatedNormal", "RandomUniform", "RowId",
     "Ragged", "Sparse", "InputError", "RowFunctionError", "CheckpointError", "ServingEmbedding",

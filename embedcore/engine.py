@@ -19,11 +19,63 @@ from .initializers import TruncatedNormal, fill_rows
 from .inputs import InputError
 from .kernels.dedup import unique_rows
 from .kernels.rows import count_non_finite
-from .kernels.update import update_kernel
+from .kernels.update import STATUS_GRADIENT, STATUS_LENGTH, STATUS_OUTPUT, update_kernel
 from .lookup import LookupContext, TableLookup, _FeatureSlot, _PhysicalTable
 from .optimizers import Optimizer
 
-__all__ = ["Embedding", "LookupContext"]
+__all__ = ["Embedding", "LookupContext", "UpdateReport", "NonFiniteError", "NON_FINITE_POLICIES"]
+
+NON_FINITE_POLICIES = ("raise", "skip")
+
+
+class NonFiniteError(ValueError):
+    """Some rows were not updated because their gradient sum or their new values were NaN/Inf."""
+
+
+class UpdateReport:
+    """What one ``apply_gradients`` did.
+
+    Attributes:
+        step: the engine's step after the update.
+        skipped: table name -> {"gradient": ids, "output": ids} (int64 arrays of table-local row ids) for
+            the rows left unchanged because their summed gradient, or the optimizer's result, was NaN/Inf.
+            Empty when every touched row was updated.
+    """
+
+    def __init__(self, step: int):
+        self.step = step
+        self.skipped = {}
+
+    def _record(self, group, uniq, status, lazy):
+        bad = np.flatnonzero((status == STATUS_GRADIENT) | (status == STATUS_OUTPUT))
+        if bad.size == 0:
+            return
+        rows = uniq[bad] if lazy else bad
+        codes = status[bad]
+        offsets = np.asarray(group.offsets)
+        which = np.searchsorted(offsets, rows, side="right") - 1
+        for k, table in enumerate(group.tables):
+            mine = which == k
+            if mine.any():
+                local = rows[mine] - offsets[k]
+                self.skipped[table.name] = {
+                    "gradient": local[codes[mine] == STATUS_GRADIENT].astype(np.int64),
+                    "output": local[codes[mine] == STATUS_OUTPUT].astype(np.int64)}
+
+    def describe(self) -> str:
+        parts = []
+        for table, rows in self.skipped.items():
+            for reason, what in (("gradient", "its summed gradient is NaN/Inf (float32 overflow?)"),
+                                 ("output", "the optimizer returned NaN/Inf")):
+                ids = rows[reason]
+                if ids.size:
+                    shown = ", ".join(str(int(i)) for i in ids[:5]) + (", ..." if ids.size > 5 else "")
+                    parts.append(f"table '{table}': {ids.size} row(s) left unchanged because {what}: rows {shown}")
+        return "; ".join(parts)
+
+    def __repr__(self):
+        return f"UpdateReport(step={self.step}, skipped={self.describe() or 'none'})"
+
 
 
 class Embedding(TableLookup):
@@ -34,14 +86,26 @@ class Embedding(TableLookup):
         optimizer: the optimizer of every table that does not set its own.
         seed: seed of the tables' initial values (a table's own initializer seed wins).
         stack_tables: stack tables with equal optimizers and ``dim`` into one physical array.
+        non_finite: ``"raise"`` or ``"skip"``: what :meth:`apply_gradients` does about NaN/Inf (see there).
+
+    Thread safety: lookups may run from any number of threads at once (they only read the tables), but a
+    lookup running while ``apply_gradients`` updates the same rows may read rows partway through their
+    update: order lookups and updates yourself, as a training loop does. ``apply_gradients``,
+    ``save`` and ``load`` take the engine's lock without waiting: a second thread calling one of them
+    while another runs gets a ``RuntimeError`` and changes nothing. Serialize them yourself if several
+    threads train one engine.
     """
 
-    def __init__(self, feature_config, optimizer=None, *, seed=0, stack_tables=True):
-        self._setup(feature_config, optimizer, seed, stack_tables, fill=True)
+    def __init__(self, feature_config, optimizer=None, *, seed=0, stack_tables=True, non_finite="raise"):
+        self._setup(feature_config, optimizer, seed, stack_tables, fill=True, non_finite=non_finite)
 
-    def _setup(self, feature_config, optimizer, seed, stack_tables, fill):
+    def _setup(self, feature_config, optimizer, seed, stack_tables, fill, non_finite="raise"):
         if optimizer is not None and not isinstance(optimizer, Optimizer):
             raise ValueError(f"optimizer must be an embedcore optimizer or None, got {optimizer!r}")
+        if non_finite not in NON_FINITE_POLICIES:
+            raise ValueError(f"non_finite must be one of {NON_FINITE_POLICIES}, got {non_finite!r}")
+        self.non_finite = non_finite
+        self.skipped_rows = {}
         tables = self._init_features(feature_config)
         self._optimizer = optimizer
         self.seed = int(seed)
@@ -153,24 +217,33 @@ class Embedding(TableLookup):
         """Apply ``d loss / d activations`` (mirroring the activations) with each table's fused optimizer.
 
         Everything is validated before anything changes: a bad gradient raises :class:`InputError` naming
-        the feature, with tables, slots and ``step`` unchanged.
+        the feature, with tables, slots and ``step`` unchanged. Returns an :class:`UpdateReport`.
+
+        No NaN/Inf is ever written to a table or slot. With ``non_finite="raise"`` (the default) a NaN/Inf
+        gradient is refused up front; a row whose summed gradient overflows float32, or for which the
+        optimizer returns NaN/Inf, keeps its old values while the rest of the batch is applied, and then
+        :class:`NonFiniteError` names the table and rows. With ``non_finite="skip"`` NaN/Inf gradients are
+        accepted: every affected row is skipped, counted in ``skipped_rows`` and listed in the report.
         """
         if not isinstance(ctx, LookupContext) or ctx.engine_id != id(self):
             raise InputError("ctx must be the context returned by this engine's lookup")
         with self._exclusive("apply_gradients"):
-            self._apply(gradients, ctx)
+            return self._apply(gradients, ctx)
 
     def _apply(self, gradients, ctx):
         if ctx.consumed:
             raise InputError("these activations' gradients were already applied; look up again")
         leaves = inputs.flatten_like(self._feature_config, gradients, "gradients")
-        checked = [_check_gradient(grad, s) for grad, s in zip(leaves, ctx.features)]
+        refuse = self.non_finite == "raise"
+        checked = [_check_gradient(grad, s, refuse) for grad, s in zip(leaves, ctx.features)]
         step = self.step + 1
         values = {}
         for group in self._groups:
             if id(group.optimizer) not in values:
                 values[id(group.optimizer)] = group.optimizer.step_values(step)
         # Validation is over; from here on the tables change.
+        report = UpdateReport(step)
+        wrong_length = []
         for g, group in enumerate(self._groups):
             tb = ctx.table_batches[g]
             if tb is None and group.optimizer.lazy:
@@ -181,14 +254,26 @@ class Embedding(TableLookup):
             d_act = self._gradient_rows(g, group, tb, checked, ctx.features)
             uniq, ptr, order = unique_rows(tb.rows, group.n_rows, ws)
             lr, hyper = values[id(group.optimizer)]
-            errors = np.zeros(1, np.int64)
-            kernel = update_kernel(group.row_function, lazy=group.optimizer.lazy)
-            kernel(group.weights, group.slots, uniq, ptr, order, tb.out_row, tb.gains, d_act, lr, hyper, errors)
-            if errors[0]:
-                raise RowFunctionError(f"{describe(group.row_function.python_function)} returned rows of the wrong "
-                                       f"length for some row(s) of table(s) {[t.name for t in group.tables]}")
+            lazy = group.optimizer.lazy
+            status = ws.array("status", (uniq.shape[0] if lazy else group.n_rows,), np.uint8)
+            status[:] = 0
+            kernel = update_kernel(group.row_function, lazy=lazy)
+            kernel(group.weights, group.slots, uniq, ptr, order, tb.out_row, tb.gains, d_act, lr, hyper, status)
+            report._record(group, uniq, status, lazy)
+            if np.any(status == STATUS_LENGTH):
+                wrong_length.append(group)
         self.step = step
         ctx.consumed = True
+        for table, rows in report.skipped.items():
+            self.skipped_rows[table] = self.skipped_rows.get(table, 0) + sum(len(v) for v in rows.values())
+        if wrong_length:
+            group = wrong_length[0]
+            raise RowFunctionError(f"{describe(group.row_function.python_function)} returned rows of the wrong "
+                                   f"length for some row(s) of table(s) {[t.name for t in group.tables]}")
+        if report.skipped and self.non_finite == "raise":
+            raise NonFiniteError(report.describe() + f". The other rows were updated and step is now {step}; "
+                                 f"Embedding(non_finite='skip') skips such rows and reports them instead")
+        return report
 
 
     @staticmethod
@@ -207,7 +292,7 @@ class Embedding(TableLookup):
         return d_act
 
 
-def _check_gradient(grad, s: _FeatureSlot) -> np.ndarray:
+def _check_gradient(grad, s: _FeatureSlot, refuse_non_finite: bool = True) -> np.ndarray:
     name = s.config.name or s.path
     if not isinstance(grad, np.ndarray):
         if hasattr(grad, "__array__"):
@@ -219,7 +304,7 @@ def _check_gradient(grad, s: _FeatureSlot) -> np.ndarray:
     if grad.shape != s.shape:
         raise InputError(f"gradient of feature '{name}' has shape {grad.shape}, its activations have {s.shape}")
     flat = grad.reshape(-1)
-    if count_non_finite(flat if flat.dtype in (np.float32, np.float64) else flat.astype(np.float32)):
+    if refuse_non_finite and count_non_finite(flat if flat.dtype in (np.float32, np.float64) else flat.astype(np.float32)):
         bad = np.unravel_index(int(np.flatnonzero(~np.isfinite(flat))[0]), grad.shape)
         raise InputError(f"gradient of feature '{name}' holds {grad[bad]} at index {tuple(int(i) for i in bad)}; "
                          f"NaN/Inf gradients are refused (nothing was updated)")

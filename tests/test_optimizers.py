@@ -194,7 +194,7 @@ def test_elementwise_and_per_row_kernels_agree(name):
         t, s = table.copy(), tuple(x.copy() for x in slots)
         n = uniq.shape[0]  # one occurrence per unique row, gain 1: the summed gradient of uniq[u] is grads[u]
         update_kernel(variant)(t, s, uniq, np.arange(n + 1), np.arange(n), np.arange(n), np.ones(n, np.float32),
-                               grads, lr, hyper, np.zeros(1, np.int64))
+                               grads, lr, hyper, np.zeros(n, np.uint8))
         outputs.append((t, s))
     np.testing.assert_allclose(outputs[0][0], outputs[1][0], rtol=1e-6, atol=1e-7)
     for a, b in zip(outputs[0][1], outputs[1][1]):

@@ -26,7 +26,9 @@ _EXTRA = "extra.safetensors"
 
 
 def engine_config(emb) -> dict:
-    return encode_engine_config(emb._feature_config, list(emb._table_configs.values()), emb._optimizer, emb.seed)
+    config = encode_engine_config(emb._feature_config, list(emb._table_configs.values()), emb._optimizer, emb.seed)
+    config["non_finite"] = emb.non_finite
+    return config
 
 
 def _table_file(k: int) -> str:
@@ -141,7 +143,8 @@ def restore(cls, path, functions=None, allow_import: bool = False, stack_tables:
     features, optimizer, seed = decode_engine_config(snap.manifest["config"],
                                                      FunctionResolver(functions, allow_import))
     emb = cls.__new__(cls)
-    emb._setup(features, optimizer, seed, stack_tables, fill=False)
+    emb._setup(features, optimizer, seed, stack_tables, fill=False,
+               non_finite=snap.manifest["config"].get("non_finite", "raise"))
     # The configuration is the checkpoint's own (functions possibly replaced by the caller's): only the
     # tables, slots and shapes need checking.
     load_into(emb, snap, strict=False)

@@ -13,6 +13,15 @@ For each unique row ``r`` (in parallel), its gradient ``g`` is summed into a scr
 
 ``lazy=False`` visits every row of the table, with a zero gradient for rows the batch did not touch
 (non-lazy Adam). A kernel is generated per (function, slot layout, mode) and kept for the process.
+
+No NaN or Inf is ever written: a row whose summed gradient is not finite (float32 overflow of large
+gradients, or NaN/Inf let through on purpose) is not updated, and neither is a row for which ``f`` returns a
+non-finite value. The new values are computed into per-chunk scratch rows, checked, then stored; each
+skipped row gets a code in ``status`` (per unique row when lazy, per table row when not):
+
+    STATUS_GRADIENT (1)  the summed gradient holds NaN/Inf; the row, its slots untouched
+    STATUS_OUTPUT (2)    f returned NaN/Inf; the row, its slots untouched
+    STATUS_LENGTH (3)    f returned a row of the wrong length (a programming error, reported by the engine)
 """
 
 from __future__ import annotations
@@ -23,9 +32,30 @@ from numba.extending import overload
 
 from .rows import sum_gradient
 
-__all__ = ["update_kernel", "CHUNK_ROWS"]
+__all__ = ["update_kernel", "CHUNK_ROWS", "STATUS_GRADIENT", "STATUS_OUTPUT", "STATUS_LENGTH"]
 
 CHUNK_ROWS = 256
+STATUS_GRADIENT, STATUS_OUTPUT, STATUS_LENGTH = 1, 2, 3
+
+
+def all_finite(value):
+    """Whether every value of a row (or a scalar) is finite."""
+    raise NotImplementedError("only callable from jitted code")
+
+
+@overload(all_finite, inline="always")
+def _all_finite_impl(value):
+    if isinstance(value, types.Array):
+        def impl(value):
+            for j in range(value.shape[0]):
+                if not np.isfinite(value[j]):
+                    return False
+            return True
+        return impl
+
+    def impl_scalar(value):
+        return np.isfinite(value)
+    return impl_scalar
 
 
 def store_row(dst, value):
@@ -53,20 +83,26 @@ def _store_row_impl(dst, value):
 
 
 _TEMPLATE = '''
-def kernel(table, slots, uniq, ptr, order, out_row, gains, d_act, learning_rate, hyperparameters, errors):
+def kernel(table, slots, uniq, ptr, order, out_row, gains, d_act, learning_rate, hyperparameters, status):
 {unpack}
     n_unique = uniq.shape[0]
     dim = table.shape[1]
 {loop}
 '''
 
-# Lazy: unique rows in chunks (one scratch gradient row per chunk, none per row).
+# Per chunk: one scratch row for the gradient and one for each new row / slot row (none per table row).
+_SCRATCH = '''        g_row = np.empty(dim, np.float32)
+        w_new = np.empty(dim, np.float32)
+{slot_scratch}'''
+
+# Lazy: unique rows in chunks.
 _LAZY_LOOP = '''
     n_chunks = (n_unique + CHUNK - 1) // CHUNK
     for c in prange(n_chunks):
-        g_row = np.empty(dim, np.float32)
+{scratch}
         for u in range(c * CHUNK, min(n_unique, (c + 1) * CHUNK)):
             r = uniq[u]
+            item = u
             sum_gradient(g_row, u, ptr, order, out_row, gains, d_act)
 {body}
 '''
@@ -78,9 +114,10 @@ _DENSE_LOOP = '''
     for c in prange(n_chunks):
         lo = c * CHUNK
         hi = min(n_rows, lo + CHUNK)
-        g_row = np.empty(dim, np.float32)
+{scratch}
         u = np.searchsorted(uniq, lo)
         for r in range(lo, hi):
+            item = r
             if u < n_unique and uniq[u] == r:
                 sum_gradient(g_row, u, ptr, order, out_row, gains, d_act)
                 u += 1
@@ -94,35 +131,45 @@ def _indent(lines, depth):
     return "\n".join(" " * (4 * depth) + line for line in lines)
 
 
+def _scratch(slot_dims):
+    lines = [f"        n{k} = np.empty(dim, np.float32)" for k, d in enumerate(slot_dims) if d == 2]
+    return _SCRATCH.format(slot_scratch="\n".join(lines) + ("\n" if lines else ""))
+
+
 def _body(slot_dims, elementwise):
+    """Compute the new row and slots into scratch, check them, then store them (or record a status)."""
     n = len(slot_dims)
-    lines = []
+    lines = ["if not all_finite(g_row):", "    status[item] = STATUS_GRADIENT", "    continue", "ok = True"]
     if elementwise:
         slot_args = "".join(f"s{k}[r, j], " for k in range(n))
         lines.append("for j in range(dim):")
         call = f"fn(g_row[j], table[r, j], ({slot_args}), learning_rate, hyperparameters)"
         if n == 0:
-            lines.append(f"    table[r, j] = {call}")
+            lines += [f"    w_new[j] = {call}", "    ok = ok & np.isfinite(w_new[j])"]
         else:
-            lines.append(f"    out = {call}")
-            lines.append("    table[r, j] = out[0]")
-            lines += [f"    s{k}[r, j] = out[{k + 1}]" for k in range(n)]
+            lines += [f"    out = {call}", "    w_new[j] = out[0]", "    ok = ok & np.isfinite(out[0])"]
+            for k in range(n):
+                lines += [f"    n{k}[j] = out[{k + 1}]", f"    ok = ok & np.isfinite(out[{k + 1}])"]
+        lines += ["if not ok:", "    status[item] = STATUS_OUTPUT", "    continue", "for j in range(dim):",
+                  "    table[r, j] = w_new[j]"]
+        lines += [f"    s{k}[r, j] = n{k}[j]" for k in range(n)]
         return lines
-    slot_args = "".join(f"s{k}[r], " for k in range(n))
-    lines.append("w = table[r]")
-    lines.append(f"out = fn(g_row, w, ({slot_args}), learning_rate, hyperparameters)")
-    if n == 0:
-        lines.append("if store_row(w, out) == 0:")
-        lines.append("    errors[0] = 1")
-        return lines
-    lines.append("if store_row(w, out[0]) == 0:")
-    lines.append("    errors[0] = 1")
+    # Per row: the function gets scratch copies, so in-place edits reach the table only once checked.
+    lines.append("w_new[:] = table[r]")
+    lines += [f"n{k}[:] = s{k}[r]" for k, d in enumerate(slot_dims) if d == 2]
+    slot_args = "".join(f"n{k}, " if d == 2 else f"s{k}[r], " for k, d in enumerate(slot_dims))
+    lines.append(f"out = fn(g_row, w_new, ({slot_args}), learning_rate, hyperparameters)")
+    outputs = ["out"] if n == 0 else [f"out[{k}]" for k in range(n + 1)]
+    lines.append("if not (" + " and ".join(f"all_finite({o})" for o in outputs) + "):")
+    lines += ["    status[item] = STATUS_OUTPUT", "    continue"]
+    lines.append(f"if store_row(table[r], {outputs[0]}) == 0:")
+    lines.append("    status[item] = STATUS_LENGTH")
     for k, d in enumerate(slot_dims):
         if d == 1:
             lines.append(f"s{k}[r] = out[{k + 1}]")
         else:
             lines.append(f"if store_row(s{k}[r], out[{k + 1}]) == 0:")
-            lines.append("    errors[0] = 1")
+            lines.append("    status[item] = STATUS_LENGTH")
     return lines
 
 
@@ -132,11 +179,11 @@ _KERNELS: dict = {}
 def update_kernel(row_function, lazy=True):
     """The jitted update kernel for a :class:`~embedcore.compiler.CompiledRowFunction`.
 
-    ``kernel(table, slots, uniq, ptr, order, out_row, gains, d_act, learning_rate, hyperparameters, errors)``
+    ``kernel(table, slots, uniq, ptr, order, out_row, gains, d_act, learning_rate, hyperparameters, status)``
     updates ``table`` rows ``uniq`` (sorted, unique); the gradient of ``uniq[u]`` is summed on the fly from
     the activation gradients ``d_act`` (see :func:`~embedcore.kernels.rows.sum_gradient`), so it is never
-    written to memory; ``errors[0]`` is set to 1 if the function
-    returned a row of the wrong length for some row (those rows are left as the function's in-place edits made them).
+    written to memory. ``status`` (uint8, zeroed, one entry per unique row when lazy, per table row when
+    not) receives the code of every row that was not updated (see the module docstring).
     """
     key = (row_function.dispatcher, row_function.slot_dims, row_function.elementwise, lazy)
     kernel = _KERNELS.get(key)
@@ -145,10 +192,12 @@ def update_kernel(row_function, lazy=True):
         unpack = [f"s{k} = slots[{k}]" for k in range(len(slot_dims))] or ["pass"]
         depth = 3
         loop = (_LAZY_LOOP if lazy else _DENSE_LOOP).format(
-            body=_indent(_body(slot_dims, row_function.elementwise), depth))
+            scratch=_scratch(slot_dims), body=_indent(_body(slot_dims, row_function.elementwise), depth))
         source = _TEMPLATE.format(unpack=_indent(unpack, 1), loop=loop)
         namespace = {"np": np, "prange": prange, "fn": row_function.dispatcher, "store_row": store_row,
-                     "sum_gradient": sum_gradient, "CHUNK": CHUNK_ROWS}
+                     "all_finite": all_finite, "sum_gradient": sum_gradient, "CHUNK": CHUNK_ROWS,
+                     "STATUS_GRADIENT": STATUS_GRADIENT, "STATUS_OUTPUT": STATUS_OUTPUT,
+                     "STATUS_LENGTH": STATUS_LENGTH}
         exec(compile(source, f"<embedcore update kernel for {row_function.python_function!r}>", "exec"),
              namespace)
         kernel = njit(parallel=True, error_model="numpy")(namespace["kernel"])
