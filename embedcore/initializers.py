@@ -32,8 +32,8 @@ def stream_key(seed: int, *names: str) -> int:
 class Initializer:
     """Base class. Subclasses implement :meth:`fill`; equality is by value, as for optimizers."""
 
-    def fill(self, out: np.ndarray, first_row: int, key: int) -> None:
-        """Write rows ``first_row ..`` of the conceptual table into the float32 array ``out`` in place."""
+    def fill(self, out: np.ndarray, first_row: int, key: int, stride: int = 1) -> None:
+        """Write rows ``first_row, first_row + stride, ...`` of the conceptual table into ``out`` in place."""
         raise NotImplementedError
 
     def __call__(self, shape, dtype=np.float32):
@@ -65,7 +65,7 @@ class Constant(Initializer):
     def __init__(self, value=0.0):
         self.value = float(value)
 
-    def fill(self, out, first_row, key):
+    def fill(self, out, first_row, key, stride=1):
         out.fill(self.value)
 
 
@@ -87,8 +87,8 @@ class TruncatedNormal(Initializer):
             raise ValueError(f"TruncatedNormal: stddev must be >= 0, got {stddev!r}")
         self.mean, self.stddev, self.seed = float(mean), float(stddev), seed
 
-    def fill(self, out, first_row, key):
-        _random.fill_truncated_normal(out, first_row, np.uint64(key), self.mean, self.stddev)
+    def fill(self, out, first_row, key, stride=1):
+        _random.fill_truncated_normal(out, first_row, np.uint64(key), self.mean, self.stddev, stride)
 
 
 class RandomUniform(Initializer):
@@ -99,8 +99,8 @@ class RandomUniform(Initializer):
             raise ValueError(f"RandomUniform: minval must be <= maxval, got {minval!r} > {maxval!r}")
         self.minval, self.maxval, self.seed = float(minval), float(maxval), seed
 
-    def fill(self, out, first_row, key):
-        _random.fill_uniform(out, first_row, np.uint64(key), self.minval, self.maxval)
+    def fill(self, out, first_row, key, stride=1):
+        _random.fill_uniform(out, first_row, np.uint64(key), self.minval, self.maxval, stride)
 
 
 class RowId(Initializer):
@@ -109,12 +109,14 @@ class RowId(Initializer):
     def __init__(self, offset=0.0):
         self.offset = float(offset)
 
-    def fill(self, out, first_row, key):
-        _random.fill_row_id(out, first_row, self.offset)
+    def fill(self, out, first_row, key, stride=1):
+        _random.fill_row_id(out, first_row, self.offset, stride)
 
 
-def fill_rows(initializer, out: np.ndarray, first_row: int, vocabulary_size: int, seed: int, *names: str):
-    """Fill ``out`` (rows ``first_row ..`` of a ``[vocabulary_size, out.shape[1]]`` table) in place.
+def fill_rows(initializer, out: np.ndarray, first_row: int, vocabulary_size: int, seed: int, *names: str,
+              stride: int = 1):
+    """Fill ``out`` (rows ``first_row, first_row + stride, ...`` of a ``[vocabulary_size, out.shape[1]]``
+    table) in place.
 
     ``initializer`` is an :class:`Initializer`, a float constant, or any callable ``(shape, dtype)``;
     a plain callable is asked for the whole table and sliced (it must itself be deterministic).
@@ -126,7 +128,7 @@ def fill_rows(initializer, out: np.ndarray, first_row: int, vocabulary_size: int
         return
     if isinstance(initializer, Initializer):
         own_seed = getattr(initializer, "seed", None)
-        initializer.fill(out, first_row, stream_key(seed if own_seed is None else own_seed, *names))
+        initializer.fill(out, first_row, stream_key(seed if own_seed is None else own_seed, *names), stride)
         return
     full_shape = (vocabulary_size, out.shape[1])
     values = np.asarray(initializer(full_shape, np.float32))
@@ -134,4 +136,4 @@ def fill_rows(initializer, out: np.ndarray, first_row: int, vocabulary_size: int
         raise ValueError(f"initializer {initializer!r} for {'/'.join(names)} returned shape {values.shape}, "
                          f"expected {full_shape}")
     values = values.reshape(vocabulary_size, -1)
-    out[:] = values[first_row:first_row + out.shape[0]]
+    out[:] = values[first_row::stride][:out.shape[0]]

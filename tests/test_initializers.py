@@ -223,3 +223,18 @@ def test_random_keys_above_2_63_after_small_keys():
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
     assert result.returncode == 0 and "OK" in result.stdout, result.stderr[-2000:]
+
+
+@pytest.mark.parametrize("init", [ec.TruncatedNormal(0.0, 1.0), ec.RandomUniform(-1, 1), ec.RowId(0.5),
+                                  ec.Constant(2.0), 0.25, lambda shape, dtype: np.arange(np.prod(shape),
+                                                                                          dtype=dtype).reshape(shape)])
+@pytest.mark.parametrize("first, stride", [(0, 1), (2, 3), (4, 5), (0, 7)])
+def test_strided_rows_equal_the_whole_table(init, first, stride):
+    """Every stride-th row from ``first`` (a shard of a table split over processes) equals the whole table's."""
+    from embedcore.initializers import fill_rows
+    whole = np.empty((23, 5), np.float32)
+    fill_rows(init, whole, 0, 23, 11, "t")
+    n = len(range(first, 23, stride))
+    part = np.empty((n, 5), np.float32)
+    fill_rows(init, part, first, 23, 11, "t", stride=stride)
+    np.testing.assert_array_equal(part, whole[first::stride])

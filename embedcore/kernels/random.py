@@ -1,7 +1,7 @@
 """Counter-based random numbers for table initialisation.
 
 Each value is a pure function of ``(key, row, column)``: a table initialised whole, or row range by row
-range on different processes, holds the same numbers. The generator is the SplitMix64 finaliser applied
+range (or every N-th row, ``stride``) on different processes, holds the same numbers. The generator is the SplitMix64 finaliser applied
 to a counter (a stateless hash with good avalanche), giving 53-bit uniforms.
 """
 
@@ -30,19 +30,19 @@ def _uniform(key, counter):
 
 
 @njit(cache=True, parallel=True)
-def fill_uniform(out, first_row, key, low, high):
-    """``out[i, c] = low + (high - low) * U(key, first_row + i, c)``."""
+def fill_uniform(out, first_row, key, low, high, stride=1):
+    """``out[i, c] = low + (high - low) * U(key, first_row + i * stride, c)``."""
     rows, dim = out.shape
     k = np.uint64(key)
     for i in prange(rows):
-        base = np.uint64(first_row + i) * np.uint64(dim)
+        base = np.uint64(first_row + i * stride) * np.uint64(dim)
         for c in range(dim):
             u = _uniform(k, (base + np.uint64(c)) << _S8)
             out[i, c] = low + (high - low) * u
 
 
 @njit(cache=True, parallel=True)
-def fill_truncated_normal(out, first_row, key, mean, stddev):
+def fill_truncated_normal(out, first_row, key, mean, stddev, stride=1):
     """Normal(mean, stddev) values, redrawn while more than two standard deviations from the mean.
 
     Box-Muller on two uniforms per attempt; attempt ``a`` of an element uses counters ``2a`` and ``2a + 1``
@@ -51,7 +51,7 @@ def fill_truncated_normal(out, first_row, key, mean, stddev):
     rows, dim = out.shape
     k = np.uint64(key)
     for i in prange(rows):
-        base = np.uint64(first_row + i) * np.uint64(dim)
+        base = np.uint64(first_row + i * stride) * np.uint64(dim)
         for c in range(dim):
             counter = (base + np.uint64(c)) << _S8
             attempt = np.uint64(0)
@@ -66,10 +66,10 @@ def fill_truncated_normal(out, first_row, key, mean, stddev):
 
 
 @njit(cache=True, parallel=True)
-def fill_row_id(out, first_row, offset):
-    """``out[i, c] = first_row + i + offset``."""
+def fill_row_id(out, first_row, offset, stride=1):
+    """``out[i, c] = first_row + i * stride + offset``."""
     rows, dim = out.shape
     for i in prange(rows):
-        value = np.float64(first_row + i) + offset
+        value = np.float64(first_row + i * stride) + offset
         for c in range(dim):
             out[i, c] = value
