@@ -139,15 +139,22 @@ class Embedding(TableLookup):
         group.weights = np.empty((group.n_rows, group.dim), np.float32)
         group.slots = tuple(np.empty((group.n_rows, group.dim) if d == 2 else (group.n_rows,), np.float32)
                             for d in opt.slot_dims)
-        if not fill:
-            return
-        for table, offset in zip(group.tables, group.offsets):
-            rows = slice(offset, offset + table.vocabulary_size)
-            init = table.initializer or TruncatedNormal(0.0, 1.0 / np.sqrt(table.dim))
-            fill_rows(init, group.weights[rows], 0, table.vocabulary_size, self.seed, table.name)
-            for name, slot_init, slot in zip(opt.slot_names, opt.slot_initializers, group.slots):
-                view = slot[rows] if slot.ndim == 2 else slot[rows][:, None]
-                fill_rows(slot_init, view, 0, table.vocabulary_size, self.seed, table.name, name)
+        if fill:
+            for table in group.tables:
+                self._fill_table(table, 0, 1, table.vocabulary_size)
+
+    def _fill_table(self, table, first_row: int, stride: int, vocabulary_size: int, n_rows: int | None = None):
+        """Initial values of ``table`` and its slots: the rows ``first_row + i * stride`` of a table of
+        ``vocabulary_size`` rows (a shard, when the table is split over processes)."""
+        g, offset = self._group_of[id(table)]
+        group = self._groups[g]
+        rows = slice(offset, offset + (table.vocabulary_size if n_rows is None else n_rows))
+        init = table.initializer or TruncatedNormal(0.0, 1.0 / np.sqrt(table.dim))
+        fill_rows(init, group.weights[rows], first_row, vocabulary_size, self.seed, table.name, stride=stride)
+        opt = group.optimizer
+        for name, slot_init, slot in zip(opt.slot_names, opt.slot_initializers, group.slots):
+            view = slot[rows] if slot.ndim == 2 else slot[rows][:, None]
+            fill_rows(slot_init, view, first_row, vocabulary_size, self.seed, table.name, name, stride=stride)
 
     @property
     def slot_variables(self) -> dict:

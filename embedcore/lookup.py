@@ -131,7 +131,8 @@ class TableLookup:
         """Look up activations: returns ``(activations, ctx)``, activations mirroring ``features``."""
         return self.lookup(features, weights)
 
-    def lookup(self, features, weights=None):
+    def _prepare(self, features, weights):
+        """Validate the batch; returns the features' activation slots and, per physical table, its parts."""
         id_leaves = inputs.flatten_like(self._feature_config, features, "features")
         weight_leaves = ([None] * len(id_leaves) if weights is None
                          else inputs.flatten_like(self._feature_config, weights, "weights"))
@@ -155,6 +156,10 @@ class TableLookup:
             parts[g].append((batch, feature.table.combiner, seq_len, row_offset, out_rows[g]))
             slots.append(_FeatureSlot(path, feature, g, out_rows[g], n, shape))
             out_rows[g] += n
+        return slots, parts
+
+    def lookup(self, features, weights=None):
+        slots, parts = self._prepare(features, weights)
         table_batches, acts = [], []
         for group, group_parts in zip(self._groups, parts):
             tb = inputs.build_table_batch(group_parts) if group_parts else None

@@ -13,7 +13,7 @@ Sums run in a fixed order, so results do not depend on the number of threads.
 import numpy as np
 from numba import njit, prange
 
-__all__ = ["gather_combine", "sum_gradient"]
+__all__ = ["gather_combine", "sum_gradient", "sum_gradients", "count_non_finite"]
 
 
 @njit(cache=True, parallel=True)
@@ -68,3 +68,11 @@ def count_non_finite(values) -> int:
     """Number of NaN/Inf entries of a flat float array (no temporary array, unlike ``np.isfinite``)."""
     kernel = _count_non_finite_parallel if values.shape[0] >= PARALLEL_MIN else _count_non_finite_serial
     return int(kernel(values))
+
+
+@njit(cache=True, parallel=True)
+def sum_gradients(out, ptr, order, out_row, gains, d_act):
+    """``out[u] = sum_gradient(u)`` for every unique row ``u``: the per-row gradients a process sends to the
+    rows' owners when tables are sharded (each row summed in the same fixed order as the fused kernel)."""
+    for u in prange(out.shape[0]):
+        sum_gradient(out[u], u, ptr, order, out_row, gains, d_act)
