@@ -65,3 +65,45 @@ def test_sharded_training_equals_one_process(tmp_path, one_process, world):
         np.testing.assert_allclose(got[f"{name}/weights"], table, err_msg=name, **tolerance)
         for slot, value in emb.slot_variables[name].items():
             np.testing.assert_allclose(got[f"{name}/{slot}"], value, err_msg=f"{name}/{slot}", **tolerance)
+
+
+def rank_reports(proc):
+    return {r["rank"]: r for r in (json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{"))}
+
+
+def test_a_config_that_differs_between_ranks_is_refused_everywhere():
+    proc = mpirun(3, "mpi_failures.py", "config", timeout=120)
+    reports = rank_reports(proc)
+    assert sorted(reports) == [0, 1, 2], proc.stdout + proc.stderr[-2000:]
+    for r in reports.values():
+        assert r["stage"] == "construct"
+        assert "configuration" in r["error"] and "ranks [1] disagree with rank 0" in r["error"]
+
+
+@pytest.mark.parametrize("mode, match", [("bad_ids", "rank 1: .*feature 'f'.*40"),
+                                         ("nan", "rank 1: .*NaN")])
+def test_bad_input_on_one_rank_is_refused_on_every_rank_and_changes_nothing(mode, match):
+    proc = mpirun(2, "mpi_failures.py", mode, timeout=120)
+    reports = rank_reports(proc)
+    assert sorted(reports) == [0, 1], proc.stdout + proc.stderr[-2000:]
+    import re
+    for r in reports.values():
+        assert r["stage"] == "step" and r["step"] == 0 and r["unchanged"], r
+        assert re.search(match, r["error"]), r["error"]
+
+
+def test_a_stuck_rank_makes_the_others_fail_within_the_timeout():
+    import time
+    start = time.monotonic()
+    proc = mpirun(3, "mpi_failures.py", "stuck", timeout=120)
+    reports = rank_reports(proc)
+    for rank in (0, 2):
+        assert reports[rank]["type"] == "DistributedError", reports
+        assert "did not complete within 5 s" in reports[rank]["error"]
+    assert time.monotonic() - start < 100
+
+
+def test_a_dead_rank_ends_the_job_with_an_error_not_a_hang():
+    proc = mpirun(3, "mpi_failures.py", "die", timeout=120)  # raises TimeoutExpired on a hang
+    assert proc.returncode != 0
+    assert not any(r.get("stage") == "done" for r in rank_reports(proc).values() if r["rank"] == 1)
