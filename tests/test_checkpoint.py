@@ -127,7 +127,7 @@ def test_file_layout_is_plain_safetensors(tmp_path):
     assert all(n == "manifest.json" or n.endswith(".safetensors") for n in names), names
     manifest = json.load(open(os.path.join(d, "manifest.json")))
     entry = manifest["tables"]["tags"]
-    raw = open(os.path.join(d, entry["file"]), "rb").read()
+    raw = open(os.path.join(d, entry["shards"][0]["file"]), "rb").read()
     (n,) = struct.unpack("<Q", raw[:8])
     header = json.loads(raw[8:8 + n])
     assert (8 + n) % 64 == 0
@@ -208,7 +208,7 @@ def saved(tmp_path):
 
 def table_file(path, table="items"):
     snap = open_snapshot(path)
-    return os.path.join(snap.dir, snap.manifest["tables"][table]["file"])
+    return os.path.join(snap.dir, snap.manifest["tables"][table]["shards"][0]["file"])
 
 
 def refused_and_unchanged(path, match):
@@ -346,7 +346,7 @@ def test_a_module_path_that_does_not_import_is_a_clear_error(saved):
                                   "manifest.json", ".hidden.safetensors"])
 def test_manifest_file_names_cannot_leave_the_snapshot(saved, tmp_path, name):
     _, path = saved
-    file_name = json.loads(open(os.path.join(snapshot_dir(path), "manifest.json")).read())["tables"]["items"]["file"]
+    file_name = json.loads(open(os.path.join(snapshot_dir(path), "manifest.json")).read())["tables"]["items"]["shards"][0]["file"]
     rewrite_manifest(path, lambda t: t.replace(f'"{file_name}"', json.dumps(name)))
     refused_and_unchanged(path, "plain \\*.safetensors names")
 

@@ -95,7 +95,7 @@ def test_serving_reads_no_slots_and_imports_nothing(tmp_path):
     snap = open_snapshot(path)
     from embedcore.checkpoint.tensor_file import read_header
     for entry in snap.manifest["tables"].values():
-        f = os.path.join(snap.dir, entry["file"])
+        f = os.path.join(snap.dir, entry["shards"][0]["file"])
         header, _, start = read_header(f)
         raw = bytearray(open(f, "rb").read())
         for name, h in header.items():
@@ -114,7 +114,7 @@ def test_corrupt_weights_are_refused(tmp_path):
     emb = resume_worker.make_engine()
     emb.save(tmp_path / "c")
     snap = open_snapshot(tmp_path / "c")
-    f = os.path.join(snap.dir, snap.manifest["tables"]["users"]["file"])
+    f = os.path.join(snap.dir, snap.manifest["tables"]["users"]["shards"][0]["file"])
     from embedcore.checkpoint.tensor_file import read_header
     header, _, start = read_header(f)
     raw = bytearray(open(f, "rb").read())

@@ -20,7 +20,9 @@ from .errors import CheckpointError
 from .store import Snapshot, SnapshotWriter, open_snapshot
 from .tensor_file import STORABLE_DTYPES
 
-__all__ = ["CheckpointError", "save", "load_into", "restore", "read_extra", "open_snapshot", "engine_config"]
+__all__ = ["CheckpointError", "save", "load_into", "restore", "read_extra", "open_snapshot", "engine_config",
+           "table_tensors", "table_rows", "write_table_shards", "check_save_inputs", "manifest_of",
+           "check_compatible"]
 
 _EXTRA = "extra.safetensors"
 
@@ -31,15 +33,8 @@ def engine_config(emb) -> dict:
     return config
 
 
-def _table_file(k: int) -> str:
-    return f"table-{k:04d}.safetensors"
-
-
-def save(emb, path, extra=None, metadata=None) -> str:
-    """Write ``emb`` to the checkpoint directory ``path`` (see :meth:`embedcore.Embedding.save`)."""
-    from .. import __version__
-    # Everything that could make the save fail halfway is checked before anything is written.
-    config = engine_config(emb)
+def check_save_inputs(extra, metadata) -> dict:
+    """``extra`` as a dict, after checking it and ``metadata`` can be stored (before anything is written)."""
     extra = dict(extra or {})
     for name, value in extra.items():
         if not isinstance(name, str) or not name or name == "__metadata__" or not isinstance(value, np.ndarray) \
@@ -52,20 +47,43 @@ def save(emb, path, extra=None, metadata=None) -> str:
         json.dumps(metadata, allow_nan=False)
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"metadata must be JSON (dicts, lists, str, int, finite float, bool, None): {e}") from None
+    return extra
+
+
+def write_table_shards(writer, configs: dict, tables: dict, slots: dict, shards: dict, suffix: str = "") -> dict:
+    """Write each table's rows (``shards[name] = (first_row, stride, rows)``) and slots as one file each.
+
+    Returns the manifest's ``tables`` entries of this writer's shards.
+    """
+    entries = {}
+    for k, (name, config) in enumerate(configs.items()):
+        first, stride, rows = shards[name]
+        tensors = {"weights": tables[name][:rows]}
+        tensors.update({f"slot/{s}": v[:rows] for s, v in slots[name].items()})
+        file_name = f"table-{k:04d}{suffix}.safetensors"
+        writer.add(file_name, tensors, {"table": name})
+        entries[name] = {"slots": list(slots[name]), "vocabulary_size": config.vocabulary_size, "dim": config.dim,
+                         "shards": [{"file": file_name, "first_row": first, "stride": stride, "rows": rows}]}
+    return entries
+
+
+def manifest_of(step: int, config: dict, entries: dict, extra_file, metadata) -> dict:
+    from .. import __version__
+    return {"step": int(step), "config": config, "tables": entries, "metadata": metadata, "extra": extra_file,
+            "embedcore_version": __version__}
+
+
+def save(emb, path, extra=None, metadata=None) -> str:
+    """Write ``emb`` to the checkpoint directory ``path`` (see :meth:`embedcore.Embedding.save`)."""
+    config = engine_config(emb)
+    extra = check_save_inputs(extra, metadata)
     writer = SnapshotWriter(path, emb.step)
     try:
-        tables, slots = emb.embedding_tables, emb.slot_variables
-        entries = {}
-        for k, name in enumerate(emb._table_configs):
-            tensors = {"weights": tables[name]}
-            tensors.update({f"slot/{s}": v for s, v in slots[name].items()})
-            writer.add(_table_file(k), tensors, {"table": name})
-            entries[name] = {"file": _table_file(k), "slots": list(slots[name])}
+        whole = {name: (0, 1, t.vocabulary_size) for name, t in emb._table_configs.items()}
+        entries = write_table_shards(writer, emb._table_configs, emb.embedding_tables, emb.slot_variables, whole)
         if extra:
             writer.add(_EXTRA, extra)
-        manifest = {"step": int(emb.step), "config": config, "tables": entries, "metadata": metadata,
-                    "extra": _EXTRA if extra else None, "embedcore_version": __version__}
-        return writer.commit(manifest)
+        return writer.commit(manifest_of(emb.step, config, entries, _EXTRA if extra else None, metadata))
     except BaseException:
         writer.abort()
         raise
@@ -88,28 +106,34 @@ def _differences(saved, current, where="config"):
     return [] if saved == current else [f"{where}: checkpoint has {saved!r}, the engine has {current!r}"]
 
 
-def load_into(emb, path_or_snapshot, strict: bool = True) -> None:
-    """Copy a checkpoint's tables, slots and step into ``emb`` after verifying all of it."""
-    snap = path_or_snapshot if isinstance(path_or_snapshot, Snapshot) else open_snapshot(path_or_snapshot)
+def check_compatible(snap: Snapshot, config: dict, slots: dict, strict: bool) -> None:
+    """Refuse a checkpoint whose configuration differs from ``config`` (when ``strict``) or whose tables and
+    slot names differ from ``slots`` (table name -> slot names)."""
     where = snap.dir
-    saved = snap.manifest["config"]
     if strict:
-        current = engine_config(emb)
+        saved = snap.manifest["config"]
         diffs = _differences({k: v for k, v in saved.items() if k != "seed"},
-                             {k: v for k, v in current.items() if k != "seed"})
+                             {k: v for k, v in config.items() if k != "seed"})
         if diffs:
             shown = "; ".join(diffs[:5]) + (f"; and {len(diffs) - 5} more" if len(diffs) > 5 else "")
             raise CheckpointError(f"{where} was written by an engine configured differently: {shown}. "
                                   f"Use load(path, strict=False) to load tables and slots of equal shapes anyway")
     entries = snap.manifest["tables"]
-    if set(entries) != set(emb._table_configs):
-        raise CheckpointError(f"{where} holds tables {sorted(entries)}, the engine has {sorted(emb._table_configs)}")
-    tables, slots = emb.embedding_tables, emb.slot_variables
-    staged = []
+    if set(entries) != set(slots):
+        raise CheckpointError(f"{where} holds tables {sorted(entries)}, the engine has {sorted(slots)}")
     for name, entry in entries.items():
         if list(entry.get("slots", [])) != list(slots[name]):
             raise CheckpointError(f"{where}: table '{name}' has slots {entry.get('slots')}, the engine's optimizer "
                                   f"has {list(slots[name])}")
+
+
+def load_into(emb, path_or_snapshot, strict: bool = True) -> None:
+    """Copy a checkpoint's tables, slots and step into ``emb`` after verifying all of it."""
+    snap = path_or_snapshot if isinstance(path_or_snapshot, Snapshot) else open_snapshot(path_or_snapshot)
+    tables, slots = emb.embedding_tables, emb.slot_variables
+    check_compatible(snap, engine_config(emb) if strict else {}, {n: list(v) for n, v in slots.items()}, strict)
+    staged = []
+    for name in snap.manifest["tables"]:
         targets = {"weights": tables[name]}
         targets.update({f"slot/{s}": v for s, v in slots[name].items()})
         arrays = table_tensors(snap, name, {key: t.shape for key, t in targets.items()})
@@ -120,21 +144,68 @@ def load_into(emb, path_or_snapshot, strict: bool = True) -> None:
     emb.step = snap.step
 
 
-def table_tensors(snap: Snapshot, table: str, shapes: dict, verify: bool = True) -> dict:
-    """The tensors of ``table`` named in ``shapes`` (``{"weights": (V, dim), "slot/<name>": ...}``), each
-    checked to be float32 of exactly that shape and, if ``verify``, to match its SHA-256."""
+def _shards(snap: Snapshot, table: str, keys) -> list:
+    """The table's shards, checked to partition its rows exactly and to hold ``keys`` as float32."""
     entry = snap.manifest["tables"].get(table)
     if entry is None:
         raise CheckpointError(f"{snap.dir} holds no table '{table}' (it holds {sorted(snap.manifest['tables'])})")
-    stored = snap.manifest["files"].get(entry["file"], {})
+    try:
+        vocabulary, dim, shards = int(entry["vocabulary_size"]), int(entry["dim"]), list(entry["shards"])
+        stride = int(shards[0]["stride"])
+        firsts = sorted(int(sh["first_row"]) for sh in shards)
+        ok = stride >= 1 and all(int(sh["stride"]) == stride for sh in shards) and \
+            firsts == list(range(stride)) and \
+            all(int(sh["rows"]) == len(range(int(sh["first_row"]), vocabulary, stride)) for sh in shards)
+    except (KeyError, TypeError, ValueError, IndexError):
+        ok = False
+    if not ok:
+        raise CheckpointError(f"corrupt checkpoint: {snap.dir}: the shards of table '{table}' do not partition "
+                              f"its rows")
+    for shard in shards:
+        stored = snap.manifest["files"].get(shard["file"], {})
+        for key in keys:
+            if key not in stored:
+                raise CheckpointError(f"{snap.dir}: table '{table}' has no tensor '{key}' (its optimizer's slots "
+                                      f"are {entry.get('slots')}); the engine needs it")
+            shape = tuple(stored[key]["shape"])
+            if stored[key]["dtype"] != "float32" or shape[:1] != (shard["rows"],) or \
+                    (key == "weights" and shape != (shard["rows"], dim)):
+                raise CheckpointError(f"corrupt checkpoint: {snap.dir}: table '{table}' tensor '{key}' in "
+                                      f"{shard['file']} is {stored[key]['dtype']} of shape {shape}")
+    return shards
+
+
+def table_rows(snap: Snapshot, table: str, key: str, first: int, stride: int, n: int, verify: bool = True):
+    """Rows ``first + i * stride`` (``i < n``) of tensor ``key`` of ``table``, gathered from its shards."""
+    shards = _shards(snap, table, [key])
+    wanted = first + stride * np.arange(n, dtype=np.int64)
+    out = None
+    k = int(shards[0]["stride"])
+    for shard in shards:
+        array = snap.tensors(shard["file"], [key], verify=verify)[key]
+        if out is None:
+            out = np.empty((n,) + array.shape[1:], np.float32)
+        mine = (wanted % k) == int(shard["first_row"])
+        out[mine] = array[(wanted[mine] - int(shard["first_row"])) // k]
+    return out
+
+
+def table_tensors(snap: Snapshot, table: str, shapes: dict, verify: bool = True) -> dict:
+    """The whole tensors of ``table`` named in ``shapes`` (``{"weights": (V, dim), "slot/<name>": ...}``),
+    each checked to be float32 of exactly that shape and, if ``verify``, to match its SHA-256. A table stored
+    whole is memory-mapped; one stored in shards (by several processes) is assembled in memory."""
+    shards = _shards(snap, table, list(shapes))
+    entry = snap.manifest["tables"][table]
     for key, shape in shapes.items():
-        if key not in stored:
-            raise CheckpointError(f"{snap.dir}: table '{table}' has no tensor '{key}' (its optimizer's slots are "
-                                  f"{entry.get('slots')}); the engine needs it")
-        if tuple(stored[key]["shape"]) != tuple(shape) or stored[key]["dtype"] != "float32":
-            raise CheckpointError(f"{snap.dir}: table '{table}' tensor '{key}' is {stored[key]['dtype']} of shape "
-                                  f"{tuple(stored[key]['shape'])}; the engine needs float32 of shape {tuple(shape)}")
-    return snap.tensors(entry["file"], list(shapes), verify=verify)
+        stored = snap.manifest["files"][shards[0]["file"]][key]["shape"]
+        if (int(entry["vocabulary_size"]),) + tuple(stored[1:]) != tuple(shape):
+            raise CheckpointError(f"{snap.dir}: table '{table}' tensor '{key}' is float32 of shape "
+                                  f"{(int(entry['vocabulary_size']),) + tuple(stored[1:])}; the engine needs float32 "
+                                  f"of shape {tuple(shape)}")
+    if len(shards) == 1:
+        return snap.tensors(shards[0]["file"], list(shapes), verify=verify)
+    vocabulary = int(entry["vocabulary_size"])
+    return {key: table_rows(snap, table, key, 0, 1, vocabulary, verify) for key in shapes}
 
 
 def restore(cls, path, functions=None, allow_import: bool = False, stack_tables: bool = True):

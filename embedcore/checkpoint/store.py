@@ -61,6 +61,18 @@ class SnapshotWriter:
         self.files = {}
         self.committed = False
 
+    @classmethod
+    def attach(cls, path: str, name: str) -> "SnapshotWriter":
+        """A writer adding files to the snapshot ``name`` another process created (it alone commits)."""
+        writer = cls.__new__(cls)
+        writer.path, writer.name = os.fspath(path), name
+        writer.dir = os.path.join(writer.path, name)
+        writer.files, writer.committed = {}, False
+        if not os.path.isdir(writer.dir):
+            raise CheckpointError(f"{writer.dir}: the snapshot directory is not visible here (checkpoints of "
+                                  f"several processes need a file system they all share)")
+        return writer
+
     def add(self, file_name: str, tensors: dict, metadata: dict | None = None) -> None:
         assert _FILE_NAME.fullmatch(file_name), file_name
         digests = write_tensors(os.path.join(self.dir, file_name), tensors, metadata)
@@ -177,7 +189,11 @@ def open_snapshot(path) -> Snapshot:
     if manifest.get("version") != VERSION:
         raise CheckpointError(f"{path}: checkpoint format version {manifest.get('version')!r}; this embedcore "
                               f"reads version {VERSION}")
-    names = list(manifest.get("files", {})) + [t.get("file") for t in manifest.get("tables", {}).values()]
+    try:
+        names = list(manifest.get("files", {})) + [shard.get("file") for t in manifest.get("tables", {}).values()
+                                                   for shard in t.get("shards", [])]
+    except AttributeError:
+        raise CheckpointError(f"corrupt checkpoint: {manifest_path} has a malformed table list") from None
     names += [manifest["extra"]] if manifest.get("extra") is not None else []
     for file_name in names:
         if not isinstance(file_name, str) or not _FILE_NAME.fullmatch(file_name):

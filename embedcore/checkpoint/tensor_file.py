@@ -39,7 +39,8 @@ class TensorFileError(ValueError):
 
 def sha256_of(array: np.ndarray) -> str:
     """Hex SHA-256 of an array's bytes in C order."""
-    return hashlib.sha256(memoryview(np.ascontiguousarray(array)).cast("B")).hexdigest()
+    array = np.ascontiguousarray(array)
+    return hashlib.sha256(memoryview(array).cast("B") if array.size else b"").hexdigest()
 
 
 def write_tensors(path: str, tensors: dict, metadata: dict | None = None) -> dict:

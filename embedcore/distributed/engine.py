@@ -30,7 +30,11 @@ import threading
 import numpy as np
 
 from .. import inputs
-from ..checkpoint.config_codec import encode_engine_config
+from ..checkpoint import (CheckpointError, check_compatible, check_save_inputs, manifest_of, open_snapshot,
+                          table_rows, write_table_shards)
+from ..checkpoint import _EXTRA
+from ..checkpoint.config_codec import FunctionResolver, decode_engine_config, encode_engine_config
+from ..checkpoint.store import SnapshotWriter
 from ..engine import Embedding, NonFiniteError, UpdateReport, _check_gradient
 from ..inputs import InputError
 from ..kernels.dedup import unique_rows
@@ -82,6 +86,7 @@ class ShardedEmbedding(TableLookup):
         tables = self._init_features(feature_config)
         config = encode_engine_config(feature_config, tables, optimizer, seed)
         config["non_finite"] = non_finite
+        self._config = config
         self._exchange.same_everywhere(json.dumps(config, sort_keys=True), "the embedding configuration "
                                        "(feature_config, tables, optimizers, seed, non_finite)")
         self._optimizer, self.seed, self.non_finite = optimizer, int(seed), non_finite
@@ -136,6 +141,96 @@ class ShardedEmbedding(TableLookup):
         return (f"ShardedEmbedding(rank {self.rank} of {self.world_size}; " +
                 ", ".join(f"{n}: {s.rows} of {s.vocabulary_size} rows" for n, s in self.shards.items()) +
                 f"; step={self.step})")
+
+    # -- checkpoints -------------------------------------------------------------------------------------
+    def save(self, path, extra=None, metadata=None) -> str:
+        """Every rank writes its own rows into one snapshot; rank 0 makes it current once all have succeeded.
+
+        ``path`` must be on a file system every rank sees. ``extra`` (e.g. the dense model, replicated in
+        data-parallel training) is taken from rank 0. The layout is the one single-process checkpoints use,
+        with each table in one shard per rank: it restores on any number of ranks, or on one process.
+        """
+        ex = self._exchange
+        ex.check_usable()
+        error, writer, name = None, None, None
+        try:
+            extra = check_save_inputs(extra if self.rank == 0 else None, metadata)
+            if self.rank == 0:
+                writer = SnapshotWriter(path, self.step)
+                name = writer.name
+        except (CheckpointError, OSError) as e:
+            error = str(e)
+        ex.agree(error, "save")
+        name = self.comm.bcast(name, root=0)
+        try:
+            if writer is None:
+                writer = SnapshotWriter.attach(path, name)
+            shards = {n: (s.first, s.stride, s.rows) for n, s in self.shards.items()}
+            entries = write_table_shards(writer, self._table_configs, self.embedding_tables, self.slot_variables,
+                                         shards, suffix=f"-shard-{self.rank:05d}-of-{self.world_size:05d}")
+            if self.rank == 0 and extra:
+                writer.add(_EXTRA, extra)
+            error = None
+        except (CheckpointError, OSError) as e:
+            error = str(e)
+        try:
+            ex.agree(error, "save (writing shards)")
+        except DistributedError:
+            if self.rank == 0:
+                writer.abort()
+            raise
+        parts = self.comm.gather((entries, writer.files), root=0)
+        error = None
+        if self.rank == 0:
+            try:
+                merged = {}
+                for part_entries, files in parts:
+                    writer.files.update(files)
+                    for table, entry in part_entries.items():
+                        merged.setdefault(table, dict(entry, shards=[]))["shards"] += entry["shards"]
+                writer.commit(manifest_of(self.step, self._config, merged, _EXTRA if extra else None, metadata))
+            except BaseException as e:
+                writer.abort()
+                error = f"{type(e).__name__}: {e}"
+        ex.agree(error, "save (commit)")
+        return writer.dir
+
+    def load(self, path, strict: bool = True) -> None:
+        """Load this rank's rows of a checkpoint written by any number of ranks (or one process)."""
+        ex = self._exchange
+        ex.check_usable()
+        staged, error = [], None
+        try:
+            snap = open_snapshot(path)
+            slots = self.slot_variables
+            check_compatible(snap, self._config, {n: list(v) for n, v in slots.items()}, strict)
+            for name, table in self.embedding_tables.items():
+                shard = self.shards[name]
+                targets = {"weights": table}
+                targets.update({f"slot/{s}": v for s, v in slots[name].items()})
+                for key, target in targets.items():
+                    rows = table_rows(snap, name, key, shard.first, shard.stride, shard.rows)
+                    if rows.shape != target.shape:
+                        raise CheckpointError(f"{snap.dir}: table '{name}' tensor '{key}' rows have shape "
+                                              f"{rows.shape[1:]}, the engine needs {target.shape[1:]}")
+                    staged.append((target, rows))
+        except CheckpointError as e:
+            error = str(e)
+        ex.agree(error, "load")
+        for target, rows in staged:
+            target[...] = rows
+        self.step = snap.step
+
+    @classmethod
+    def restore(cls, path, *, comm=None, functions=None, allow_import: bool = False, timeout: float = 120.0):
+        """A sharded engine built from a checkpoint's configuration (see ``Embedding.restore``)."""
+        snap = open_snapshot(path)
+        features, optimizer, seed = decode_engine_config(snap.manifest["config"],
+                                                         FunctionResolver(functions, allow_import))
+        emb = cls(features, optimizer, comm=comm, seed=seed, timeout=timeout,
+                  non_finite=snap.manifest["config"].get("non_finite", "raise"))
+        emb.load(path, strict=False)
+        return emb
 
     # -- lookup ------------------------------------------------------------------------------------------
     def lookup(self, features, weights=None):

@@ -1,7 +1,9 @@
 """Run under ``mpiexec -n K``: train a ShardedEmbedding on each rank's slice of fixed global batches.
 
-``python mpi_train.py OUT STEPS [GLOBAL_BATCH]`` writes, on rank 0, ``OUT`` (an .npz of every table and slot,
-gathered whole) and prints one JSON line of facts. The global batch of step t depends only on t; rank k
+``python mpi_train.py OUT STEPS [--save CKPT] [--resume CKPT]`` trains up to step STEPS and writes, on rank 0,
+``OUT`` (an .npz of every table and slot, gathered whole) and prints one JSON line of facts. ``--resume``
+starts from a checkpoint (written by any number of ranks) and also writes ``OUT.loaded.npz``, the tables as
+loaded; ``--save`` writes a checkpoint at the end. The global batch of step t depends only on t; rank k
 takes samples ``k, k + K, k + 2K, ...`` of it, so the concatenation over ranks is the global batch
 reordered, which is what ``tests/test_distributed.py`` feeds one process.
 """
@@ -55,24 +57,36 @@ def gradients(acts, seed, rows):
 
 GLOBAL = 24
 
-if __name__ == "__main__":
-    out_path, steps = sys.argv[1], int(sys.argv[2])
-    from mpi4py import MPI
-    comm = MPI.COMM_WORLD
-    rank, world = comm.Get_rank(), comm.Get_size()
-    features, optimizer = config()
-    emb = ShardedEmbedding(features, optimizer, seed=3)
-    rows = np.arange(rank, GLOBAL, world)
-    for t in range(steps):
-        f, w, seed = take(global_batch(t, GLOBAL), rows)
-        weights = {"user": None, "items": w["items"], "recent": None, "tags": None}
-        acts, ctx = emb.lookup(f, weights)
-        emb.apply_gradients(gradients(acts, seed, rows), ctx)
+def save_tables(emb, path):
     tables = emb.gather_tables()
-    if rank == 0:
+    if emb.rank == 0:
         arrays = {}
         for name, (weights, slots) in tables.items():
             arrays[f"{name}/weights"] = weights
             arrays.update({f"{name}/{s}": v for s, v in slots.items()})
-        np.savez(out_path, **arrays)
+        np.savez(path, **arrays)
+
+
+if __name__ == "__main__":
+    out_path, steps = sys.argv[1], int(sys.argv[2])
+    options = dict(zip(sys.argv[3::2], sys.argv[4::2]))
+    from mpi4py import MPI
+    comm = MPI.COMM_WORLD
+    rank, world = comm.Get_rank(), comm.Get_size()
+    if "--resume" in options:
+        emb = ShardedEmbedding.restore(options["--resume"])
+        save_tables(emb, out_path + ".loaded.npz")
+    else:
+        features, optimizer = config()
+        emb = ShardedEmbedding(features, optimizer, seed=3)
+    rows = np.arange(rank, GLOBAL, world)
+    while emb.step < steps:
+        f, w, seed = take(global_batch(emb.step, GLOBAL), rows)
+        weights = {"user": None, "items": w["items"], "recent": None, "tags": None}
+        acts, ctx = emb.lookup(f, weights)
+        emb.apply_gradients(gradients(acts, seed, rows), ctx)
+    if "--save" in options:
+        emb.save(options["--save"])
+    save_tables(emb, out_path)
+    if rank == 0:
         print(json.dumps({"world": world, "step": emb.step, "rows": {n: s.rows for n, s in emb.shards.items()}}))
