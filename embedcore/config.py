@@ -7,6 +7,7 @@ TensorFlow's rules, so code written against ``tf.tpu.experimental.embedding`` po
 
 from __future__ import annotations
 
+import math
 import numbers
 
 __all__ = ["TableConfig", "FeatureConfig", "COMBINERS"]
@@ -92,13 +93,18 @@ class FeatureConfig:
                 f"Argument `validate_weights_and_indices` must be a boolean. Received: "
                 f"{validate_weights_and_indices!r}")
         if output_shape is not None:
-            if isinstance(output_shape, (str, bytes)) or not hasattr(output_shape, "__iter__") or \
-                    not all(_is_int(d) for d in output_shape):
+            if isinstance(output_shape, (str, bytes)) or not hasattr(output_shape, "__iter__"):
                 raise ValueError(
                     f"Argument `output_shape` must be a sequence of ints or None. Received: {output_shape!r}")
+            given, output_shape = output_shape, tuple(output_shape)  # an iterator is read once
+            if not all(_is_int(d) for d in output_shape):
+                raise ValueError(f"Argument `output_shape` must be a sequence of ints or None. Received: {given!r}")
             output_shape = tuple(int(d) for d in output_shape)
             if any(d < 1 for d in output_shape):
                 raise ValueError(f"Argument `output_shape` must hold positive ints. Received: {output_shape!r}")
+            if math.prod(output_shape) >= 2 ** 48:
+                raise ValueError(f"Argument `output_shape` {output_shape} describes {math.prod(output_shape)} "
+                                 f"activation rows, more than any batch can hold")
         if name is not None and not isinstance(name, str):
             raise ValueError(f"Argument `name` must be a string or None. Received: {name!r}")
         self.table = table

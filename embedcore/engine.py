@@ -26,6 +26,7 @@ from .optimizers import Optimizer
 __all__ = ["Embedding", "LookupContext", "UpdateReport", "NonFiniteError", "NON_FINITE_POLICIES"]
 
 NON_FINITE_POLICIES = ("raise", "skip")
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 class NonFiniteError(ValueError):
@@ -311,8 +312,16 @@ def _check_gradient(grad, s: _FeatureSlot, refuse_non_finite: bool = True) -> np
     if grad.shape != s.shape:
         raise InputError(f"gradient of feature '{name}' has shape {grad.shape}, its activations have {s.shape}")
     flat = grad.reshape(-1)
-    if refuse_non_finite and count_non_finite(flat if flat.dtype in (np.float32, np.float64) else flat.astype(np.float32)):
-        bad = np.unravel_index(int(np.flatnonzero(~np.isfinite(flat))[0]), grad.shape)
+    native = flat if flat.dtype in (np.float32, np.float64) else flat.astype(np.float64)
+    if refuse_non_finite and count_non_finite(native):
+        bad = np.unravel_index(int(np.flatnonzero(~np.isfinite(native))[0]), grad.shape)
         raise InputError(f"gradient of feature '{name}' holds {grad[bad]} at index {tuple(int(i) for i in bad)}; "
                          f"NaN/Inf gradients are refused (nothing was updated)")
+    if native.dtype.itemsize > 4 and native.size:
+        with np.errstate(invalid="ignore"):
+            too_big = np.abs(native) > _FLOAT32_MAX
+        if too_big.any():
+            bad = np.unravel_index(int(np.flatnonzero(too_big)[0]), grad.shape)
+            raise InputError(f"gradient of feature '{name}' holds {grad[bad]} at index "
+                             f"{tuple(int(i) for i in bad)}, beyond float32 range (nothing was updated)")
     return grad

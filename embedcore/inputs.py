@@ -144,10 +144,23 @@ def _int_array(values, name, what):
     return values
 
 
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
 def _float_array(values, name):
-    values = np.asarray(values)
+    try:
+        values = np.asarray(values)
+    except (ValueError, TypeError) as e:
+        raise InputError(f"weights of feature '{name}' do not form an array: {e}") from None
     if values.dtype.kind not in "fiu" or values.dtype == np.bool_:
         raise InputError(f"weights of feature '{name}' must be floats, got dtype {values.dtype}")
+    if values.size and values.dtype.itemsize > 4 or values.dtype.kind in "iu":
+        wide = values.astype(np.float64).reshape(-1)
+        big = np.isfinite(wide) & (np.abs(wide) > _FLOAT32_MAX)
+        if big.any():
+            at = int(np.flatnonzero(big)[0])
+            raise InputError(f"weights of feature '{name}' hold {values.reshape(-1)[at]!r} at flat index {at}, "
+                             f"beyond float32 range")
     return values.astype(np.float32, copy=False)
 
 
@@ -155,6 +168,10 @@ def _check_splits(splits, n_values, name, what):
     splits = _int_array(splits, name, f"{what} row_splits")
     if splits.ndim != 1 or splits.shape[0] < 1:
         raise InputError(f"{what} row_splits of feature '{name}' must be a 1-D array of at least one entry")
+    if splits.min() < 0 or splits.max() > n_values:
+        raise InputError(f"{what} row_splits of feature '{name}' must lie in [0, {n_values}] (the number of "
+                         f"values); got {splits.tolist()[:16]}")
+    splits = splits.astype(np.int64)  # differences in the caller's dtype could wrap (uint64, int8)
     if splits[0] != 0 or splits[-1] != n_values or np.any(np.diff(splits) < 0):
         raise InputError(f"{what} row_splits of feature '{name}' must start at 0, not decrease, and end at "
                          f"{n_values} (the number of values); got {splits.tolist()[:16]}")
@@ -166,6 +183,41 @@ def _positions(splits, n):
     return np.arange(n, dtype=np.int64) - np.repeat(splits[:-1], lengths)
 
 
+def _from_python_lists(ids, weights):
+    """A list of samples (each a list/tuple/1-D array of ids) as Ragged, or a flat list as an array."""
+    if ids and all(isinstance(x, (list, tuple, np.ndarray)) for x in ids):
+        samples = [np.asarray(x) for x in ids]
+        if any(x.ndim != 1 for x in samples):
+            raise ValueError("every sample must be a flat sequence of ids")
+        if all(x.dtype.kind in "iu" and x.dtype != np.bool_ for x in samples):
+            # Concatenate as Python ints: mixing uint64 and int64 samples must not promote to float64.
+            flat = [int(v) for x in samples for v in x.tolist()]
+            values = np.asarray(flat) if flat else np.zeros(0, np.int64)
+            lengths = [x.shape[0] for x in samples]
+            splits = np.zeros(len(samples) + 1, np.int64)
+            np.cumsum(lengths, out=splits[1:])
+            ids = Ragged(values, splits)
+        else:
+            ids = Ragged.from_lists(samples)
+    else:
+        if any(isinstance(x, (list, tuple, np.ndarray)) for x in ids):
+            raise ValueError("the list mixes samples (lists) and single ids")
+        ids = np.asarray(ids) if ids else np.zeros(0, np.int64)  # [] is a batch of no samples
+    if isinstance(weights, list):
+        if isinstance(ids, Ragged):
+            if len(weights) != ids.row_splits.shape[0] - 1 or \
+                    not all(isinstance(x, (list, tuple, np.ndarray)) for x in weights):
+                raise ValueError("weights must be a list of samples like the ids")
+            weights = Ragged.from_lists(weights, np.float32)
+        else:
+            if any(isinstance(x, (list, tuple, np.ndarray)) for x in weights):
+                raise ValueError("weights must be a flat list like the ids")
+            weights = np.asarray(weights, np.float64)
+    elif isinstance(ids, np.ndarray) and weights is not None and not isinstance(weights, np.ndarray):
+        raise ValueError(f"weights must be a list or an array like the ids, got {type(weights).__name__}")
+    return ids, weights
+
+
 def to_feature_batch(ids, weights, name: str, vocabulary_size: int, check_weights: bool = True) -> FeatureBatch:
     """Validate one feature's ids (and weights) and return its :class:`FeatureBatch`.
 
@@ -173,12 +225,11 @@ def to_feature_batch(ids, weights, name: str, vocabulary_size: int, check_weight
     the ids exactly and, when ``check_weights``, be finite.
     """
     if isinstance(ids, list):
-        if ids and all(isinstance(x, (list, tuple, np.ndarray)) for x in ids):
-            ids = Ragged.from_lists(ids)
-        else:
-            ids = np.asarray(ids) if ids else np.zeros(0, np.int64)  # [] is a batch of no samples
-        if isinstance(weights, list):
-            weights = Ragged.from_lists(weights, np.float32) if isinstance(ids, Ragged) else np.asarray(weights)
+        try:
+            ids, weights = _from_python_lists(ids, weights)
+        except (ValueError, TypeError, OverflowError) as e:
+            raise InputError(f"ids or weights of feature '{name}' given as Python lists do not form a batch "
+                             f"(a list of samples, each a list of ids, weights mirroring them): {e}") from None
     if isinstance(ids, Ragged):
         values = _int_array(ids.values, name, "ids")
         if values.ndim != 1:
@@ -207,7 +258,10 @@ def to_feature_batch(ids, weights, name: str, vocabulary_size: int, check_weight
                              f"{values.shape}")
         w = None
         if weights is not None:
-            if isinstance(weights, (Ragged, Sparse)):
+            if isinstance(weights, (Ragged, Sparse)) or (isinstance(weights, list) and
+                                                         any(isinstance(x, (list, tuple)) for x in weights)
+                                                         and len({len(x) for x in weights if
+                                                                  isinstance(x, (list, tuple))}) > 1):
                 raise InputError(f"weights of feature '{name}' must be an array like its dense ids, got "
                                  f"{type(weights).__name__}")
             w = _float_array(weights, name)
@@ -232,10 +286,13 @@ def to_feature_batch(ids, weights, name: str, vocabulary_size: int, check_weight
 def _sparse_batch(sp: Sparse, weights, name) -> FeatureBatch:
     indices = _int_array(sp.indices, name, "sparse indices")
     values = _int_array(sp.values, name, "ids")
-    if len(sp.dense_shape) != 2:
-        raise InputError(f"sparse ids of feature '{name}' must have a 2-D dense_shape, got {sp.dense_shape}")
+    if len(sp.dense_shape) != 2 or not all(0 <= d < 2 ** 40 for d in sp.dense_shape):
+        raise InputError(f"sparse ids of feature '{name}' must have a 2-D dense_shape of sizes in [0, 2**40), "
+                         f"got {sp.dense_shape}")
+    if values.ndim != 1:
+        raise InputError(f"sparse ids of feature '{name}' need values of shape [N]; got {values.shape}")
     n = values.shape[0]
-    if values.ndim != 1 or indices.shape != (n, 2):
+    if indices.shape != (n, 2):
         raise InputError(f"sparse ids of feature '{name}' need indices of shape [N, 2] and values [N]; got "
                          f"{indices.shape} and {values.shape}")
     b, k = sp.dense_shape
@@ -296,13 +353,14 @@ def combiner_gains(batch: FeatureBatch, combiner: str) -> np.ndarray:
     if combiner == "sum" or n == 0:
         return w
     sample = np.repeat(np.arange(batch.batch_size), np.diff(batch.row_splits))
+    w64 = w.astype(np.float64)  # sums of squares of float32 weights under/overflow in float32
     if combiner == "mean":
-        denominator = np.bincount(sample, w, minlength=batch.batch_size).astype(np.float32)
+        denominator = np.bincount(sample, w64, minlength=batch.batch_size)
     else:
-        denominator = np.sqrt(np.bincount(sample, w * w, minlength=batch.batch_size)).astype(np.float32)
+        denominator = np.sqrt(np.bincount(sample, w64 * w64, minlength=batch.batch_size))
     d = denominator[sample]
-    with np.errstate(divide="ignore", invalid="ignore"):
-        return np.where(d != 0, w / d, np.float32(0)).astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        return np.where(d != 0, w64 / d, 0.0).astype(np.float32)
 
 
 def build_table_batch(parts) -> TableBatch:
