@@ -48,11 +48,13 @@ class UpdateReport:
         self.skipped = {}
 
     def _record(self, group, uniq, status, lazy):
-        bad = np.flatnonzero((status == STATUS_GRADIENT) | (status == STATUS_OUTPUT))
+        flagged = np.flatnonzero(status)  # no full-size temporary: a non-lazy status has a byte per table row
+        codes = status[flagged]
+        keep = (codes == STATUS_GRADIENT) | (codes == STATUS_OUTPUT)
+        bad, codes = flagged[keep], codes[keep]
         if bad.size == 0:
             return
         rows = uniq[bad] if lazy else bad
-        codes = status[bad]
         offsets = np.asarray(group.offsets)
         which = np.searchsorted(offsets, rows, side="right") - 1
         for k, table in enumerate(group.tables):
@@ -268,7 +270,8 @@ class Embedding(TableLookup):
             kernel = update_kernel(group.row_function, lazy=lazy)
             kernel(group.weights, group.slots, uniq, ptr, order, tb.out_row, tb.gains, d_act, lr, hyper, status)
             report._record(group, uniq, status, lazy)
-            if np.any(status == STATUS_LENGTH):
+            flagged = np.flatnonzero(status)
+            if flagged.size and np.any(status[flagged] == STATUS_LENGTH):
                 wrong_length.append(group)
         self.step = step
         ctx.consumed = True
