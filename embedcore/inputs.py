@@ -189,10 +189,16 @@ def _from_python_lists(ids, weights):
         samples = [np.asarray(x) for x in ids]
         if any(x.ndim != 1 for x in samples):
             raise ValueError("every sample must be a flat sequence of ids")
-        if all(x.dtype.kind in "iu" and x.dtype != np.bool_ for x in samples):
+        if all(x.size == 0 or (x.dtype.kind in "iu" and x.dtype != np.bool_) for x in samples):
             # Concatenate as Python ints: mixing uint64 and int64 samples must not promote to float64.
             flat = [int(v) for x in samples for v in x.tolist()]
-            values = np.asarray(flat) if flat else np.zeros(0, np.int64)
+            low, high = (min(flat), max(flat)) if flat else (0, 0)
+            if low >= -2 ** 63 and high < 2 ** 63:
+                values = np.array(flat, np.int64)
+            elif low >= 0 and high < 2 ** 64:
+                values = np.array(flat, np.uint64)  # the range check then names the id
+            else:
+                raise ValueError(f"id {low if low < -2 ** 63 else high} does not fit in 64 bits")
             lengths = [x.shape[0] for x in samples]
             splits = np.zeros(len(samples) + 1, np.int64)
             np.cumsum(lengths, out=splits[1:])
@@ -208,7 +214,7 @@ def _from_python_lists(ids, weights):
             if len(weights) != ids.row_splits.shape[0] - 1 or \
                     not all(isinstance(x, (list, tuple, np.ndarray)) for x in weights):
                 raise ValueError("weights must be a list of samples like the ids")
-            weights = Ragged.from_lists(weights, np.float32)
+            weights = Ragged.from_lists(weights, np.float64)  # range-checked before the float32 cast
         else:
             if any(isinstance(x, (list, tuple, np.ndarray)) for x in weights):
                 raise ValueError("weights must be a flat list like the ids")
