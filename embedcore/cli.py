@@ -1,4 +1,4 @@
-"""Command line: ``embedcore demo``, ``embedcore train --config FILE``, ``embedcore quickstart``."""
+"""Command line: ``embedcore demo``, ``embedcore train --config FILE``, ``embedcore bench``, ``embedcore quickstart``."""
 
 from __future__ import annotations
 
@@ -49,6 +49,8 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--config", required=True, help="a .toml or .json run configuration")
     train.add_argument("--output", default=None, help="output folder (overrides train.output)")
     train.add_argument("--resume", action="store_true", help="continue from the output folder's checkpoint")
+    sub.add_parser("bench", add_help=False, help="benchmark a training step against FBGEMM, PyTorch, JAX and "
+                                                 "NumPy (those installed); `embedcore bench --help` for options")
     quick = sub.add_parser("quickstart", help="TensorFlow's two CustomOptimizer examples on a tiny regression")
     quick.add_argument("--steps", type=_positive, default=300)
     quick.add_argument("--batch-size", type=_positive, default=256)
@@ -74,6 +76,10 @@ def demo_config(output=None, epochs=None, train_samples=None, eval_samples=None,
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:
+        from .bench.harness import main as bench
+        return bench(argv[1:])
     parser = _parser()
     args = parser.parse_args(argv)
     if args.command == "quickstart":
