@@ -58,6 +58,8 @@ import time
 
 import numpy as np
 
+from embedcore.bench.machine import cpu_snapshot
+
 try:
     import embedcore  # noqa: F401
 except ImportError:  # running from a checkout without installing
@@ -84,15 +86,8 @@ def _mb(kb):
 
 def _cpu_snapshot():
     """(machine busy CPU-s, machine total CPU-s) from /proc/stat."""
-    try:
-        with open("/proc/stat") as f:
-            fields = [int(x) for x in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return None
-    hz = os.sysconf("SC_CLK_TCK")
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
-    busy = sum(fields[:8]) - idle
-    return busy / hz, (busy + idle) / hz
+    snapshot = cpu_snapshot()
+    return None if snapshot is None else snapshot[:2]
 
 
 def _loadavg():

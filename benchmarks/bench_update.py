@@ -67,6 +67,7 @@ from numba import njit, prange
 
 import embedcore
 from embedcore.kernels.dedup import unique_rows
+from embedcore.bench.machine import cpu_snapshot, others_share
 from embedcore.kernels.update import update_kernel
 from embedcore.kernels.workspace import Workspace
 
@@ -203,27 +204,6 @@ def peak_rss_gb():
     except OSError:
         pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
-
-
-def cpu_snapshot():
-    """(machine busy CPU-seconds, machine total CPU-seconds, this process's CPU-seconds), from /proc/stat."""
-    try:
-        with open("/proc/stat") as f:
-            fields = [int(x) for x in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return None
-    hz = os.sysconf("SC_CLK_TCK")
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
-    busy = sum(fields[:8]) - idle
-    t = os.times()
-    return busy / hz, (busy + idle) / hz, t.user + t.system
-
-
-def others_share(before, after):
-    """Fraction of the machine's CPU time used by other processes between two snapshots (None if unknown)."""
-    if before is None or after is None or after[1] <= before[1]:
-        return None
-    return max(0.0, ((after[0] - before[0]) - (after[2] - before[2])) / (after[1] - before[1]))
 
 
 def allocator_name():
