@@ -68,13 +68,18 @@ def test_sharded_training_equals_one_process(tmp_path, one_process, world):
             np.testing.assert_allclose(got[f"{name}/{slot}"], value, err_msg=f"{name}/{slot}", **tolerance)
 
 
-def rank_reports(proc):
-    return {r["rank"]: r for r in (json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{"))}
+def rank_reports(out_dir):
+    reports = {}
+    for name in os.listdir(out_dir):
+        with open(os.path.join(out_dir, name)) as f:
+            facts = json.load(f)
+        reports[facts["rank"]] = facts
+    return reports
 
 
-def test_a_config_that_differs_between_ranks_is_refused_everywhere():
-    proc = mpirun(3, "mpi_failures.py", "config", timeout=120)
-    reports = rank_reports(proc)
+def test_a_config_that_differs_between_ranks_is_refused_everywhere(tmp_path):
+    proc = mpirun(3, "mpi_failures.py", "config", tmp_path, timeout=180)
+    reports = rank_reports(tmp_path)
     assert sorted(reports) == [0, 1, 2], proc.stdout + proc.stderr[-2000:]
     for r in reports.values():
         assert r["stage"] == "construct"
@@ -83,9 +88,9 @@ def test_a_config_that_differs_between_ranks_is_refused_everywhere():
 
 @pytest.mark.parametrize("mode, match", [("bad_ids", "rank 1: .*feature 'f'.*40"),
                                          ("nan", "rank 1: .*NaN")])
-def test_bad_input_on_one_rank_is_refused_on_every_rank_and_changes_nothing(mode, match):
-    proc = mpirun(2, "mpi_failures.py", mode, timeout=120)
-    reports = rank_reports(proc)
+def test_bad_input_on_one_rank_is_refused_on_every_rank_and_changes_nothing(tmp_path, mode, match):
+    proc = mpirun(2, "mpi_failures.py", mode, tmp_path, timeout=180)
+    reports = rank_reports(tmp_path)
     assert sorted(reports) == [0, 1], proc.stdout + proc.stderr[-2000:]
     import re
     for r in reports.values():
@@ -93,21 +98,21 @@ def test_bad_input_on_one_rank_is_refused_on_every_rank_and_changes_nothing(mode
         assert re.search(match, r["error"]), r["error"]
 
 
-def test_a_stuck_rank_makes_the_others_fail_within_the_timeout():
+def test_a_stuck_rank_makes_the_others_fail_within_the_timeout(tmp_path):
     import time
     start = time.monotonic()
-    proc = mpirun(3, "mpi_failures.py", "stuck", timeout=120)
-    reports = rank_reports(proc)
+    proc = mpirun(3, "mpi_failures.py", "stuck", tmp_path, timeout=180)
+    reports = rank_reports(tmp_path)
     for rank in (0, 2):
         assert reports[rank]["type"] == "DistributedError", reports
         assert "did not complete within 5 s" in reports[rank]["error"]
-    assert time.monotonic() - start < 100
+    assert time.monotonic() - start < 170
 
 
-def test_a_dead_rank_ends_the_job_with_an_error_not_a_hang():
-    proc = mpirun(3, "mpi_failures.py", "die", timeout=120)  # raises TimeoutExpired on a hang
+def test_a_dead_rank_ends_the_job_with_an_error_not_a_hang(tmp_path):
+    proc = mpirun(3, "mpi_failures.py", "die", tmp_path, timeout=180)  # raises TimeoutExpired on a hang
     assert proc.returncode != 0
-    assert not any(r.get("stage") == "done" for r in rank_reports(proc).values() if r["rank"] == 1)
+    assert 1 not in rank_reports(tmp_path)
 
 
 def reference_run(orders):

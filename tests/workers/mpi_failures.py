@@ -1,4 +1,5 @@
-"""Run under ``mpiexec -n K``: one rank misbehaves (``MODE``); every rank prints one JSON line of what it saw.
+"""Run under ``mpiexec -n K``: one rank misbehaves (``MODE``); every rank writes what it saw to ``OUT/rank-<k>.json``
+(files, not stdout: the ranks' output lines can interleave).
 
 Modes: ``config`` (rank 1 has another learning rate), ``bad_ids`` (rank 1 looks up an id out of range),
 ``nan`` (rank 1 sends a NaN gradient), ``stuck`` (rank 1 stops taking part for longer than the timeout),
@@ -17,7 +18,8 @@ from embedcore.distributed import DistributedError, ShardedEmbedding
 
 
 def report(**facts):
-    print(json.dumps(facts), flush=True)
+    with open(os.path.join(sys.argv[2], f"rank-{facts['rank']}.json"), "w") as f:
+        json.dump(facts, f)
 
 
 if __name__ == "__main__":
@@ -27,7 +29,8 @@ if __name__ == "__main__":
     table = ec.TableConfig(40, 4, name="t", combiner="sum", initializer=ec.RowId())
     lr = 0.2 if (mode == "config" and rank == 1) else 0.1
     try:
-        emb = ShardedEmbedding({"f": ec.FeatureConfig(table)}, ec.Adagrad(lr), timeout=5.0)
+        # A short timeout only where a peer is meant to stall: elsewhere, compile times differ between ranks.
+        emb = ShardedEmbedding({"f": ec.FeatureConfig(table)}, ec.Adagrad(lr), timeout=5.0 if mode == "stuck" else 120.0)
     except DistributedError as e:
         report(rank=rank, stage="construct", error=str(e))
         sys.exit(0)
