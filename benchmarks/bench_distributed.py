@@ -58,7 +58,7 @@ import time
 
 import numpy as np
 
-from embedcore.bench.machine import cpu_snapshot
+from embedcore.bench.machine import cpu_snapshot, status_kb
 
 try:
     import embedcore  # noqa: F401
@@ -67,17 +67,6 @@ except ImportError:  # running from a checkout without installing
 
 ID_BYTES = 8
 FLOAT_BYTES = 4
-
-
-def _status_kb(key):
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(key):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return None
 
 
 def _mb(kb):
@@ -220,14 +209,14 @@ def run(args):
     comm = MPI.COMM_WORLD
     rank, world = comm.Get_rank(), comm.Get_size()
     load_before = _loadavg()
-    rss_imports = _mb(_status_kb("VmRSS:"))
+    rss_imports = _mb(status_kb("VmRSS:"))
 
     ds = make_dataset(args.vocabulary_scale, args.seed)
     n_steps = args.warmup + args.steps
     t0 = time.perf_counter()
     batches = make_batches(ds, rank, world, args.batch, n_steps, args.dim, args.seed)
     data_s = time.perf_counter() - t0
-    rss_data = _mb(_status_kb("VmRSS:"))
+    rss_data = _mb(status_kb("VmRSS:"))
 
     features = feature_configs(ds.features, args.dim)
     optimizer = ec.Adagrad(args.learning_rate)
@@ -235,7 +224,7 @@ def run(args):
     t0 = time.perf_counter()
     emb = ShardedEmbedding(features, optimizer, seed=args.seed)
     build_s = time.perf_counter() - t0
-    rss_engine = _mb(_status_kb("VmRSS:"))
+    rss_engine = _mb(status_kb("VmRSS:"))
     table_bytes = int(sum(t.nbytes for t in emb.embedding_tables.values()))
     slot_bytes = int(sum(v.nbytes for slots in emb.slot_variables.values() for v in slots.values()))
     local_rows = int(sum(s.rows for s in emb.shards.values()))
@@ -274,7 +263,7 @@ def run(args):
         "occurrences": median([r["bytes"]["occurrences"] for r in per_step]),
         "local_rows": local_rows, "table_bytes": table_bytes, "slot_bytes": slot_bytes,
         "rss_after_imports_mb": rss_imports, "rss_after_data_mb": rss_data, "rss_after_engine_mb": rss_engine,
-        "rss_end_mb": _mb(_status_kb("VmRSS:")), "peak_rss_mb": _mb(_status_kb("VmHWM:")),
+        "rss_end_mb": _mb(status_kb("VmRSS:")), "peak_rss_mb": _mb(status_kb("VmHWM:")),
         "build_s": build_s, "data_s": data_s, "loop_wall_s": wall, "loop_cpu_s": my_cpu,
     }
     if args.baseline and world == 1:

@@ -50,7 +50,6 @@ import argparse
 import json
 import os
 import platform
-import resource
 import statistics
 import sys
 import time
@@ -67,7 +66,7 @@ from numba import njit, prange
 
 import embedcore
 from embedcore.kernels.dedup import unique_rows
-from embedcore.bench.machine import cpu_snapshot, others_share
+from embedcore.bench.machine import cpu_snapshot, others_share, peak_rss_gb
 from embedcore.kernels.update import update_kernel
 from embedcore.kernels.workspace import Workspace
 
@@ -192,18 +191,6 @@ def summarize(times, extra=None):
     if extra:
         out.update(extra)
     return out
-
-
-def peak_rss_gb():
-    """Peak resident set size of this process so far (VmHWM), in GB."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024 / 1e9
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
 
 
 def allocator_name():

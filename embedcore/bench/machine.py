@@ -67,7 +67,8 @@ def others_share(before, after):
     return max(0.0, ((after[0] - before[0]) - (after[2] - before[2])) / (after[1] - before[1]))
 
 
-def _status_kb(key):
+def status_kb(key):
+    """A ``/proc/self/status`` field (``VmRSS:``, ``VmHWM:``) in kB, or None where unreadable."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
@@ -80,14 +81,14 @@ def _status_kb(key):
 
 def peak_rss_gb():
     """Peak resident set size of this process so far (VmHWM), in GB."""
-    kb = _status_kb("VmHWM:")
+    kb = status_kb("VmHWM:")
     if kb is None:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
     return kb * 1024 / 1e9
 
 
 def rss_gb():
-    kb = _status_kb("VmRSS:")
+    kb = status_kb("VmRSS:")
     return None if kb is None else kb * 1024 / 1e9
 
 
