@@ -1,5 +1,9 @@
 """Shared test helpers: random batches in every input form, and engine-vs-oracle stepping."""
 
+import hashlib
+import json
+import os
+
 import numpy as np
 
 import embedcore as ec
@@ -103,3 +107,18 @@ class OracleRun:
         for (slot_name, slot), expected in zip(self.emb.slot_variables[tname].items(), self.slots[tname]):
             np.testing.assert_allclose(slot, expected, rtol=rtol, atol=atol,
                                        err_msg=f"slot {tname}/{slot_name} at step {self.emb.step}")
+
+
+def rewrite_manifest(path, edit):
+    """Edit a checkpoint's manifest (``edit(text) -> text``) and re-sign it in ``CURRENT``, as someone who
+    controls the directory could: only the checks beyond the hash chain stand in the way."""
+    from embedcore.checkpoint import open_snapshot
+    snap = open_snapshot(path)
+    manifest = os.path.join(snap.dir, "manifest.json")
+    with open(manifest) as f:
+        text = edit(f.read())
+    with open(manifest, "w") as f:
+        f.write(text)
+    pointer = {"snapshot": snap.name, "manifest_sha256": hashlib.sha256(text.encode()).hexdigest()}
+    with open(os.path.join(path, "CURRENT"), "w") as f:
+        f.write(json.dumps(pointer))

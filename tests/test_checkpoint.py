@@ -1,6 +1,5 @@
 """Checkpoints: exact resume, layout independence, atomic writes, corruption refused, no code executed."""
 
-import hashlib
 import json
 import os
 import shutil
@@ -15,6 +14,8 @@ import pytest
 import embedcore as ec
 from embedcore.checkpoint import CheckpointError, open_snapshot, read_extra
 from embedcore.quickstart import custom_adagrad, custom_sgd
+
+from .harness import rewrite_manifest
 
 sys.path.insert(0, os.path.dirname(__file__))
 import resume_worker  # noqa: E402
@@ -323,16 +324,6 @@ def test_unimportable_functions_need_the_callers_engine(tmp_path):
     with pytest.raises(CheckpointError, match="has no import path.*emb.load"):
         ec.Embedding.restore(tmp_path / "c", allow_import=True)
     emb.load(tmp_path / "c")
-
-
-def rewrite_manifest(path, edit):
-    """Edit the manifest and re-sign it in CURRENT, as an attacker who controls the directory could."""
-    snap = open_snapshot(path)
-    m = os.path.join(snap.dir, "manifest.json")
-    text = edit(open(m).read())
-    open(m, "w").write(text)
-    pointer = {"snapshot": snap.name, "manifest_sha256": hashlib.sha256(text.encode()).hexdigest()}
-    open(os.path.join(path, "CURRENT"), "w").write(json.dumps(pointer))
 
 
 def test_a_module_path_that_does_not_import_is_a_clear_error(saved):

@@ -1,6 +1,5 @@
 """Serving: lookups from a checkpoint equal training lookups; tables read-only; slots and code never read."""
 
-import hashlib
 import json
 import os
 import sys
@@ -11,6 +10,8 @@ import pytest
 import embedcore as ec
 from embedcore.checkpoint import CheckpointError, open_snapshot
 from embedcore.serving import ServingEmbedding
+
+from .harness import rewrite_manifest
 
 sys.path.insert(0, os.path.dirname(__file__))
 import resume_worker  # noqa: E402
@@ -75,15 +76,6 @@ def test_bad_ids_are_refused(trained):
         server.lookup(features)
 
 
-def _rewrite_manifest(path, edit):
-    snap = open_snapshot(path)
-    m = os.path.join(snap.dir, "manifest.json")
-    text = edit(open(m).read())
-    open(m, "w").write(text)
-    pointer = {"snapshot": snap.name, "manifest_sha256": hashlib.sha256(text.encode()).hexdigest()}
-    open(os.path.join(path, "CURRENT"), "w").write(json.dumps(pointer))
-
-
 def test_serving_reads_no_slots_and_imports_nothing(tmp_path):
     emb = resume_worker.make_engine()
     resume_worker.train(emb, 1)
@@ -91,7 +83,7 @@ def test_serving_reads_no_slots_and_imports_nothing(tmp_path):
     emb.save(path)
     # Point the custom computation at a module that cannot exist and corrupt every slot tensor's bytes:
     # serving neither imports the one nor reads the other; training restore refuses both.
-    _rewrite_manifest(path, lambda t: t.replace("embedcore.quickstart:custom_adagrad", "not_a_module_abc:f"))
+    rewrite_manifest(path, lambda t: t.replace("embedcore.quickstart:custom_adagrad", "not_a_module_abc:f"))
     snap = open_snapshot(path)
     from embedcore.checkpoint.tensor_file import read_header
     for entry in snap.manifest["tables"].values():
@@ -140,6 +132,6 @@ def test_a_table_that_does_not_match_its_config_is_refused(tmp_path, edit, match
         edit(manifest)
         return json.dumps(manifest)
 
-    _rewrite_manifest(path, rewrite)
+    rewrite_manifest(path, rewrite)
     with pytest.raises(CheckpointError, match=match):
         ServingEmbedding(path)
