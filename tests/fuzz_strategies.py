@@ -17,12 +17,11 @@ oracle see exactly the same numbers (values representable in the weights' dtype 
 ``corrupt_leaf`` turns one feature's valid batch into an invalid one and says which fragments the
 resulting ``InputError`` message must contain.
 
-Not generated, because they hit known library bugs (each reproduced by an ``xfail(strict=True)`` test in
-``tests/test_fuzz.py``): an empty Python sample (``[]``) beside samples given as arrays of different
-integer dtypes; weights beyond float32 range given as lists of lists are only required to be refused
-(their message calls them ``inf``). The bugs found earlier (malformed lists, unsigned ``row_splits``,
-sparse ``dense_shape`` and scalar values, values beyond float32, extreme weights with ``sqrtn``/``mean``,
-mixed integer sample dtypes) are fixed and generated again.
+Not generated (yet): an empty Python sample (``[]``) beside samples given as arrays of different integer
+dtypes, and list-of-lists weights beyond float32 range (only required to be refused). Both were library
+bugs, now fixed and covered by the ``test_regression_*`` tests in ``tests/test_fuzz.py``; the bugs found
+earlier (malformed lists, unsigned ``row_splits``, sparse ``dense_shape`` and scalar values, values beyond
+float32, extreme weights with ``sqrtn``/``mean``, mixed integer sample dtypes) are generated again.
 """
 
 from __future__ import annotations

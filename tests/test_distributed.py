@@ -12,7 +12,7 @@ import pytest
 import embedcore as ec
 from embedcore.checkpoint import open_snapshot
 
-pytest.importorskip("mpi4py")
+pytest.importorskip("mpi4py", reason="needs the mpi extra: pip install 'embedcore[mpi]' (.ci/run installs it)")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "workers"))
 import mpi_train  # noqa: E402
 

@@ -13,7 +13,7 @@ from functools import partial
 import numpy as np
 import pytest
 
-jax = pytest.importorskip("jax")
+jax = pytest.importorskip("jax", reason="needs the jax extra: pip install 'embedcore[jax]' (.ci/run installs it)")
 jax.config.update("jax_platforms", "cpu")
 jax.config.update("jax_enable_x64", False)
 import jax.numpy as jnp  # noqa: E402

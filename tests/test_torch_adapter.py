@@ -7,7 +7,7 @@ import sys
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
+torch = pytest.importorskip("torch", reason="needs the torch extra: pip install torch==2.13.0 'embedcore[torch]' (.ci/run installs it)")
 
 import embedcore as ec  # noqa: E402
 from embedcore.torch import EmbeddingModule  # noqa: E402
