@@ -17,9 +17,9 @@ from . import inputs
 from .compiler import RowFunctionError, describe
 from .initializers import TruncatedNormal, fill_rows
 from .inputs import InputError
-from .kernels.dedup import unique_rows
+from .kernels.dedup import group_rows
 from .kernels.rows import count_non_finite
-from .kernels.update import STATUS_GRADIENT, STATUS_LENGTH, STATUS_OUTPUT, update_kernel
+from .kernels.update import STATUS_GRADIENT, STATUS_LENGTH, STATUS_OUTPUT, fused_update_kernel
 from .lookup import LookupContext, TableLookup, _FeatureSlot, _PhysicalTable
 from .optimizers import Optimizer
 
@@ -262,19 +262,19 @@ class Embedding(TableLookup):
             if tb is None:
                 tb = inputs.build_table_batch([])
             d_act = self._gradient_rows(g, group, tb, checked, ctx.features)
-            uniq, ptr, order = unique_rows(tb.rows, group.n_rows, ws)
+            uniq, ptr, (src_row, src_gain) = group_rows(tb.rows, group.n_rows, tb.out_row, tb.gains, ws)
             lr, hyper = values[id(group.optimizer)]
             lazy = group.optimizer.lazy
             status = ws.array("status", (uniq.shape[0] if lazy else group.n_rows,), np.uint8)
             status[:] = 0
-            kernel = update_kernel(group.row_function, lazy=lazy)
-            kernel(group.weights, group.slots, uniq, ptr, order, tb.out_row, tb.gains, d_act, lr, hyper, status)
-            report._record(group, uniq, status, lazy)
-            flagged = np.flatnonzero(status)
-            if flagged.size and np.any(status[flagged] == STATUS_LENGTH):
-                wrong_length.append(group)
+            kernel = fused_update_kernel(group.row_function, lazy=lazy)
+            if kernel(group.weights, group.slots, uniq, ptr, src_row, src_gain, d_act, lr, hyper, status):
+                report._record(group, uniq, status, lazy)
+                if np.any(status[np.flatnonzero(status)] == STATUS_LENGTH):
+                    wrong_length.append(group)
         self.step = step
         ctx.consumed = True
+        ctx.release()
         for table, rows in report.skipped.items():
             self.skipped_rows[table] = self.skipped_rows.get(table, 0) + sum(len(v) for v in rows.values())
         if wrong_length:

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .kernels.occurrences import COMBINERS, fill_occurrences, first_non_finite, first_out_of_range
+
 __all__ = ["Ragged", "Sparse", "FeatureBatch", "TableBatch", "InputError", "to_feature_batch",
            "build_table_batch", "flatten", "flatten_like", "unflatten"]
 
@@ -130,7 +132,7 @@ class FeatureBatch:
     ids: np.ndarray          # int64 [N]
     row_splits: np.ndarray   # int64 [B + 1]
     weights: np.ndarray | None   # float32 [N]
-    positions: np.ndarray    # int64 [N], position of each id within its sample
+    positions: np.ndarray | None  # int64 [N], position of each id within its sample; None: i - row_splits[b]
 
     @property
     def batch_size(self) -> int:
@@ -176,11 +178,6 @@ def _check_splits(splits, n_values, name, what):
         raise InputError(f"{what} row_splits of feature '{name}' must start at 0, not decrease, and end at "
                          f"{n_values} (the number of values); got {splits.tolist()[:16]}")
     return splits.astype(np.int64, copy=False)
-
-
-def _positions(splits, n):
-    lengths = np.diff(splits)
-    return np.arange(n, dtype=np.int64) - np.repeat(splits[:-1], lengths)
 
 
 def _from_python_lists(ids, weights):
@@ -252,7 +249,7 @@ def to_feature_batch(ids, weights, name: str, vocabulary_size: int, check_weight
             w = _float_array(weights.values, name)
             if w.shape != values.shape:
                 raise InputError(f"weights of feature '{name}' have {w.shape} values, ids have {values.shape}")
-        batch = FeatureBatch(values.astype(np.int64, copy=False), splits, w, _positions(splits, values.shape[0]))
+        batch = FeatureBatch(values.astype(np.int64, copy=False), splits, w, None)
     elif isinstance(ids, Sparse):
         batch = _sparse_batch(ids, weights, name)
     elif isinstance(ids, np.ndarray) or np.isscalar(ids):
@@ -276,14 +273,13 @@ def to_feature_batch(ids, weights, name: str, vocabulary_size: int, check_weight
             w = w.reshape(-1)
         b, k = values.shape
         splits = np.arange(0, b * k + 1, max(k, 1), dtype=np.int64) if k else np.zeros(b + 1, np.int64)
-        positions = np.tile(np.arange(k, dtype=np.int64), b)
-        batch = FeatureBatch(values.reshape(-1).astype(np.int64, copy=False), splits, w, positions)
+        batch = FeatureBatch(values.reshape(-1).astype(np.int64, copy=False), splits, w, None)
     else:
         raise InputError(f"ids of feature '{name}' must be a NumPy integer array, a Ragged, a Sparse or a list "
                          f"of lists; got {type(ids).__name__}")
     _check_range(batch.ids, name, vocabulary_size, ids.values if isinstance(ids, (Ragged, Sparse)) else ids)
-    if check_weights and batch.weights is not None and not np.all(np.isfinite(batch.weights)):
-        bad = int(np.flatnonzero(~np.isfinite(batch.weights))[0])
+    bad = first_non_finite(batch.weights) if check_weights and batch.weights is not None else -1
+    if bad >= 0:
         raise InputError(f"weights of feature '{name}' hold a non-finite value {batch.weights[bad]} at flat "
                          f"index {bad}")
     return batch
@@ -325,12 +321,11 @@ def _sparse_batch(sp: Sparse, weights, name) -> FeatureBatch:
 def _check_range(ids, name, vocabulary_size, original):
     """Ids must lie in ``[0, vocabulary_size)``; checked on the caller's array so that no cast hides a value
     (a uint64 id of 2**64 - 1 would read as -1 after the cast to int64)."""
-    original = np.asarray(original).reshape(-1)
-    if original.shape[0] == 0:
-        return
-    if original.min() < 0 or original.max() >= vocabulary_size:
-        bad = (original < 0) | (original >= vocabulary_size)
-        bad_at = int(np.flatnonzero(bad)[0])
+    original = np.asarray(original)
+    original = np.ascontiguousarray(original, original.dtype.newbyteorder("=")).reshape(-1)
+    limit = np.uint64(vocabulary_size) if original.dtype == np.uint64 else np.int64(vocabulary_size)
+    bad_at = first_out_of_range(original, limit)
+    if bad_at >= 0:
         raise InputError(f"feature '{name}': id {original[bad_at]} (flat position {bad_at}) is outside the table's "
                          f"vocabulary [0, {vocabulary_size})")
 
@@ -352,50 +347,37 @@ class TableBatch:
     n_out: int
 
 
-def combiner_gains(batch: FeatureBatch, combiner: str) -> np.ndarray:
-    """Per-id gains: ``sum``: w;  ``mean``: w / sum(w);  ``sqrtn``: w / sqrt(sum(w^2)) (0 for a zero sum)."""
-    n = batch.ids.shape[0]
-    w = np.ones(n, np.float32) if batch.weights is None else batch.weights
-    if combiner == "sum" or n == 0:
-        return w
-    sample = np.repeat(np.arange(batch.batch_size), np.diff(batch.row_splits))
-    w64 = w.astype(np.float64)  # sums of squares of float32 weights under/overflow in float32
-    if combiner == "mean":
-        denominator = np.bincount(sample, w64, minlength=batch.batch_size)
-    else:
-        denominator = np.sqrt(np.bincount(sample, w64 * w64, minlength=batch.batch_size))
-    d = denominator[sample]
-    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        return np.where(d != 0, w64 / d, 0.0).astype(np.float32)
-
-
-def build_table_batch(parts) -> TableBatch:
-    """Concatenate features of one physical table.
+def build_table_batch(parts, workspace=None) -> TableBatch:
+    """Concatenate features of one physical table (into ``workspace``'s arrays when given, else new ones).
 
     ``parts``: ``(FeatureBatch, combiner, max_sequence_length, row_offset, out_offset)`` per feature, in
     increasing ``out_offset``; a feature with ``max_sequence_length = L > 0`` feeds activation row
     ``out_offset + b * L + position`` (positions >= L dropped) with gain = weight, others feed
-    ``out_offset + b`` with the combiner's gain.
+    ``out_offset + b`` with the combiner's gain (see :mod:`embedcore.kernels.occurrences`).
     """
-    rows, gains, out_rows = [], [], []
     n_out = 0
+    n = 0
     for batch, combiner, seq_len, row_offset, out_offset in parts:
-        sample = np.repeat(np.arange(batch.batch_size, dtype=np.int64), np.diff(batch.row_splits))
-        if seq_len:
-            keep = batch.positions < seq_len
-            w = np.ones(batch.ids.shape[0], np.float32) if batch.weights is None else batch.weights
-            rows.append(batch.ids[keep] + row_offset)
-            gains.append(w[keep])
-            out_rows.append(out_offset + sample[keep] * seq_len + batch.positions[keep])
-            n_out = out_offset + batch.batch_size * seq_len
-        else:
-            rows.append(batch.ids + row_offset)
-            gains.append(combiner_gains(batch, combiner))
-            out_rows.append(out_offset + sample)
-            n_out = out_offset + batch.batch_size
-    rows = np.concatenate(rows) if rows else np.zeros(0, np.int64)
-    gains = np.concatenate(gains).astype(np.float32, copy=False) if gains else np.zeros(0, np.float32)
-    out_row = np.concatenate(out_rows) if out_rows else np.zeros(0, np.int64)
-    out_ptr = np.zeros(n_out + 1, np.int64)
-    np.cumsum(np.bincount(out_row, minlength=n_out), out=out_ptr[1:])
-    return TableBatch(rows, gains, out_row, out_ptr, n_out)
+        n += batch.ids.shape[0]
+        n_out = out_offset + batch.batch_size * (seq_len if seq_len else 1)
+    rows = _array(workspace, "rows", n, np.int64)
+    gains = _array(workspace, "gains", n, np.float32)
+    out_row = _array(workspace, "out_row", n, np.int64)
+    out_ptr = _array(workspace, "out_ptr", n_out + 1, np.int64)
+    out_ptr[0] = 0
+    at = 0
+    for batch, combiner, seq_len, row_offset, out_offset in parts:
+        weights = _NO_WEIGHTS if batch.weights is None else np.ascontiguousarray(batch.weights, np.float32)
+        positions = _NO_POSITIONS if batch.positions is None else np.ascontiguousarray(batch.positions, np.int64)
+        at += fill_occurrences(np.ascontiguousarray(batch.ids, np.int64),
+                               np.ascontiguousarray(batch.row_splits, np.int64), weights, positions, COMBINERS[combiner],
+                               seq_len or 0, row_offset, out_offset, at, rows, gains, out_row, out_ptr)
+    return TableBatch(rows[:at], gains[:at], out_row[:at], out_ptr, n_out)
+
+
+def _array(workspace, name, shape, dtype):
+    return np.empty(shape, dtype) if workspace is None else workspace.array(name, shape, dtype)
+
+
+_NO_WEIGHTS = np.zeros(0, np.float32)
+_NO_POSITIONS = np.zeros(0, np.int64)

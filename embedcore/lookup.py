@@ -8,6 +8,7 @@ memory-mapped from a checkpoint.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -16,7 +17,7 @@ from . import inputs
 from .config import FeatureConfig
 from .inputs import InputError
 from .kernels.rows import gather_combine
-from .kernels.workspace import Workspace
+from .kernels.workspace import Workspace, WorkspacePool
 from .optimizers import Optimizer
 
 __all__ = ["TableLookup", "LookupContext"]
@@ -33,7 +34,8 @@ class _PhysicalTable:
     weights: np.ndarray = None
     slots: tuple = ()
     row_function: object = None
-    workspace: Workspace = field(default_factory=Workspace)
+    workspace: Workspace = field(default_factory=Workspace)            # apply_gradients' scratch
+    batch_pool: WorkspacePool = field(default_factory=WorkspacePool)  # lookups' table batches
 
     @property
     def n_rows(self) -> int:
@@ -54,12 +56,32 @@ class _FeatureSlot:
 
 @dataclass
 class LookupContext:
-    """What :meth:`Embedding.apply_gradients` needs from the lookup that produced the activations."""
+    """What :meth:`Embedding.apply_gradients` needs from the lookup that produced the activations.
+
+    Its table batches live in workspaces leased from the engine's pools; :meth:`release` (called once the
+    gradients are applied, or when the context is garbage-collected) returns them for the next lookup.
+    """
 
     engine_id: int
     table_batches: list
     features: list
     consumed: bool = False
+    leases: list = field(default_factory=list)   # (WorkspacePool, Workspace) pairs
+
+    def __post_init__(self):
+        self._finalizer = weakref.finalize(self, _return_leases, self.leases) if self.leases else None
+
+    def release(self) -> None:
+        """Give the leased workspaces back; the table batches must not be used afterwards."""
+        self.table_batches = None
+        if self._finalizer is not None:
+            self._finalizer()
+
+
+def _return_leases(leases):
+    for pool, workspace in leases:
+        pool.release(workspace)
+    leases.clear()
 
 
 class TableLookup:
@@ -160,14 +182,18 @@ class TableLookup:
 
     def lookup(self, features, weights=None):
         slots, parts = self._prepare(features, weights)
-        table_batches, acts = [], []
+        table_batches, acts, leases = [], [], []
         for group, group_parts in zip(self._groups, parts):
-            tb = inputs.build_table_batch(group_parts) if group_parts else None
-            act = np.zeros((tb.n_out if tb else 0, group.dim), np.float32)
+            tb = None
+            if group_parts:
+                workspace = group.batch_pool.acquire()
+                leases.append((group.batch_pool, workspace))
+                tb = inputs.build_table_batch(group_parts, workspace)
+            act = np.empty((tb.n_out if tb else 0, group.dim), np.float32)  # every row is written
             if tb is not None and tb.n_out:
                 gather_combine(group.weights, tb.rows, tb.gains, tb.out_ptr, act)
             table_batches.append(tb)
             acts.append(act)
         activations = [acts[s.group][s.out_offset:s.out_offset + s.n_rows].reshape(s.shape) for s in slots]
-        ctx = LookupContext(id(self), table_batches, slots)
+        ctx = LookupContext(id(self), table_batches, slots, leases=leases)
         return inputs.unflatten(self._feature_config, activations), ctx

@@ -30,7 +30,7 @@ MB = 2 ** 20
 # not derivable from sizes; measured at about 10 KB for 4 features, allowed 32 KB.
 PYTHON_OBJECTS = 32 * 1024
 NRT_HEADER = 64    # a Numba array allocated in jitted code: its MemInfo and allocator header
-RADIX_COUNTS = 8 * (2 ** 11 + 1)  # kernels/dedup.py: counts of one 11-bit digit, int64
+RADIX_COUNTS = 8 * 2 ** 11  # kernels/dedup.py: counts of one 11-bit digit per sorting thread, int64
 
 
 @pytest.fixture(scope="module")
@@ -75,69 +75,59 @@ def batch_sizes(feature):
 
 
 def step_bound(shape, groups, batch, threads, n_rows=None):
-    """Upper bounds, in bytes, of a step's allocations above its start: ``(lookup, apply, apply_first)``.
+    """Upper bounds, in bytes, of a step's allocations above its start: ``{"lookup", "apply", "lookup_first",
+    "apply_first"}``, the last two for an engine's first step, which also allocates its grow-only workspaces. Variables
+    (per physical table g, in the engine's order): N_g occurrences (ids after sequence truncation), M_g ids
+    before truncation, U_g unique rows, A_g activation rows, d_g dim, S_g row slots, T_g row temporaries of
+    a per-row function (0 for the built-ins, inlined element-wise); per feature f: B_f samples, N_f ids.
+    Covers features given as int64 ``[B, k]`` arrays (ids) and float32 arrays (weights) with float32
+    gradients, as the workload does; other forms add conversions (ids of another integer type: +8 N_f;
+    weights of another type: 12 N_f; Sparse: +24 N_f for positions and their order; float64 gradients: a
+    9-byte-per-value range check in apply).
 
-    ``apply_first`` is an engine's first step, which also allocates its grow-only workspaces. Variables
-    (per physical table g, in the engine's order): N_g occurrences (ids after sequence truncation),
-    U_g unique rows, A_g activation rows, d_g dim, S_g row slots, T_g row temporaries of a per-row function
-    (0 for the built-ins, inlined element-wise); per feature f: B_f samples, N_f ids. Covers features given
-    as int64 ``[B, k]`` arrays (ids) and float32 arrays (weights) with float32 gradients, as the workload
-    does; other forms add conversions (ids of another integer type: +8 N_f; weights of another type: 12 N_f;
-    Ragged: +24 N_f for positions; float64 gradients: a 9-byte-per-value range check in apply).
-
-    Lookup (lookup.py, inputs.py):
-      per feature, held until lookup returns: row_splits 8 (B_f + 1), positions 8 N_f; a transient
-      N_f-byte finiteness mask of the weights;
-      per table, kept in the context: rows 8 N_g, gains 4 N_g, out_row 8 N_g, out_ptr 8 (A_g + 1); and the
-      activations 4 A_g d_g;
-      while a table's batch is built: the per-feature pieces (<= 20 N_g), loop variables left from the
-      previous feature and the current one (sample 8 N_f, keep N_f, ones 4 N_f; twice), then the larger of
-      one feature's temporaries (mean/sqrtn gains, computed in float64: ones 4, sample 8, weights as
-      float64 8, gathered denominators 8, quotient 8, mask 1, where 8 = 45 N_f; per sample arange, diff,
-      float64 bincount and sqrt 32 B_f; a sequence feature's masked copies 24 N_f + 16 B_f) and the
-      concatenation (20 N_g) with out_ptr and its bincount (16 (A_g + 1)).
+    Lookup (lookup.py, inputs.py, kernels/occurrences.py):
+      per feature, held until lookup returns: row_splits 8 (B_f + 1) (ids are range-checked and weights
+      checked in place, by jitted loops);
+      per table: the activations 4 A_g d_g; the table batch (rows 8 M_g, gains 4 M_g, out_row 8 M_g,
+      out_ptr 8 (A_g + 1)) is written into a workspace leased from the table's pool and kept in the context:
+      new memory only on the first step (apply_gradients gives the workspace back for the next lookup).
     Apply (engine.py, kernels/):
       held: every table's context and activations (above); gradients are copied into a workspace, never
-      a new array; per table, transient: radix-sort digit counts 8 * 2049; UpdateReport's status masks
-      (status == 1, status == 2, their |; then status == 3) 3 U_g bytes; per worker thread, the chunk's
-      scratch rows (gradient, new row, new row slots) (2 + S_g) (4 d_g + 64) and a per-row function's
-      temporaries T_g (4 d_g + 64).
+      a new array; per table, transient: radix-sort digit counts 8 * 2048 per sorting thread; the update
+      kernel's per-chunk flag counts 8 (U_g / 256 + 1); per worker thread, the chunk's scratch rows
+      (gradient, new row, new row slots) (2 + S_g) (4 d_g + 64) and a per-row function's temporaries
+      T_g (4 d_g + 64). (UpdateReport's status masks are made only when some row was skipped.)
       Non-lazy tables: ``status`` has one byte per table row, not per unique row: U_g is the table's row
       count (``n_rows``), the only term that depends on the vocabulary.
-    First step, workspaces (kernels/dedup.py, engine.py): order, scratch, uniq 24 N_g, ptr 8 (N_g + 1),
-      status U_g, and d_act 4 A_g d_g for a table fed by several features (or a non-float32 gradient).
+    First step, workspaces (kernels/dedup.py, engine.py): the packed occurrences, two key and two payload
+      sort buffers and uniq 48 N_g, ptr 8 (N_g + 1), status U_g, and d_act 4 A_g d_g for a table fed by
+      several features (or a non-float32 gradient); in lookup, the pooled table batch (above).
     Plus PYTHON_OBJECTS for the small objects of a step.
     """
     features = shape["features"]
-    live = sum(8 * (f["batch"] + 1) + 8 * batch_sizes(f)[0] for f in features)
-    prepare = live + max(batch_sizes(f)[0] for f in features if f["weighted"]) if any(
-        f["weighted"] for f in features) else live
-    lookup, held, apply_transient, workspaces = prepare, 0, 0, 0
+    live = sum(8 * (f["batch"] + 1) for f in features)
+    lookup_first = lookup_later = live
+    held_first = held_later = apply_transient = workspaces = 0
     for g, (group, sizes) in enumerate(zip(groups, batch)):
         mine = [f for f in features if f["group"] == g]
         n, a, d = sizes["n_occurrences"], sizes["n_activation_rows"], group["dim"]
         assert n == sum(batch_sizes(f)[1] for f in mine) and a == sum(batch_sizes(f)[2] for f in mine)
+        m = sum(batch_sizes(f)[0] for f in mine)
         u = sizes["n_unique"] if group["lazy"] else n_rows
-        table_batch, acts = 20 * n + 8 * (a + 1), 4 * a * d
-        n_max = max(batch_sizes(f)[0] for f in mine)
-        temporaries = []
-        for f in mine:
-            n_f, b_f = batch_sizes(f)[0], f["batch"]
-            if f["seq"]:
-                temporaries.append(24 * n_f + 16 * b_f)
-            elif group["combiner"] in ("mean", "sqrtn"):
-                temporaries.append(45 * n_f + 32 * b_f)
-            else:
-                temporaries.append(4 * n_f + 16 * b_f)
-        build = 20 * n + 2 * 13 * n_max + max(max(temporaries), 20 * n + 16 * (a + 1))
-        lookup = max(lookup, live + held + max(build, table_batch + acts))
-        held += table_batch + acts
+        table_batch = 20 * max(m, 16) + 8 * max(a + 1, 16) + 4 * NRT_HEADER
+        acts = 4 * a * d
+        lookup_first = max(lookup_first, live + held_first + table_batch + acts)
+        lookup_later = max(lookup_later, live + held_later + acts)
+        held_first += table_batch + acts
+        held_later += acts
         per_thread = (2 + group["row_slots"] + group.get("row_temporaries", 0)) * (4 * d + NRT_HEADER)
-        apply_transient = max(apply_transient, RADIX_COUNTS + NRT_HEADER + 3 * u + threads * per_thread)
+        flags = 8 * (max(u, 1) // 256 + 1) + NRT_HEADER
+        apply_transient = max(apply_transient, threads * (RADIX_COUNTS + NRT_HEADER) + flags + threads * per_thread)
         copies = len(mine) > 1
-        workspaces += 24 * max(n, 16) + 8 * max(n + 1, 16) + max(u, 16) + (4 * a * d if copies else 0)
-    apply = held + apply_transient
-    return lookup + PYTHON_OBJECTS, apply + PYTHON_OBJECTS, apply + workspaces + PYTHON_OBJECTS
+        workspaces += 48 * max(n, 16) + 8 * max(n + 1, 16) + max(u, 16) + (4 * a * d if copies else 0)
+    return {"lookup": lookup_later + PYTHON_OBJECTS, "apply": held_later + apply_transient + PYTHON_OBJECTS,
+            "lookup_first": lookup_first + PYTHON_OBJECTS,
+            "apply_first": held_first + apply_transient + workspaces + PYTHON_OBJECTS}
 
 
 def peaks(run):
@@ -151,9 +141,10 @@ def check_against_bound(peak, run, kind, non_lazy_rows=None):
     groups = peak["shape"]["groups"][kind]
     rows = []
     for name, step in [("first", run["first"])] + [(f"later{i}", s) for i, s in enumerate(run["later"])]:
-        lookup_bound, apply_bound, first_bound = step_bound(peak["shape"], groups, step["batch"], peak["threads"],
-                                                            n_rows=non_lazy_rows)
-        bound = first_bound if name == "first" else apply_bound
+        bounds = step_bound(peak["shape"], groups, step["batch"], peak["threads"], n_rows=non_lazy_rows)
+        first = name == "first"
+        lookup_bound = bounds["lookup_first"] if first else bounds["lookup"]
+        bound = apply_bound = bounds["apply_first"] if first else bounds["apply"]
         assert step["lookup"] <= lookup_bound, (kind, run["vocab"], name, step["lookup"], lookup_bound)
         assert step["apply"] <= bound, (kind, run["vocab"], name, step["apply"], bound)
         rows.append(f"{name}: lookup {step['lookup']:,} <= {lookup_bound:,} ({step['lookup'] / lookup_bound:.2f}), "

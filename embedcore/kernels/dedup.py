@@ -1,72 +1,191 @@
-"""Unique rows of a batch by LSD radix sort.
+"""Unique rows of a batch, by a stable LSD radix sort of the occurrences' rows.
 
 Given the physical row of every occurrence, produce the unique rows in ascending order, and the
 occurrences grouped by unique row (CSR: ``order[ptr[u]:ptr[u + 1]]`` are the occurrences of ``uniq[u]``,
 in their original order). The sort is stable, so every later sum over a row's occurrences runs in the
 same order on every run and thread count.
+
+:func:`group_rows` also lays out, in that grouped order, what the update needs of each occurrence (its
+activation row and its gain), so that the update reads them sequentially instead of through ``order``.
+
+The sort makes one pass per 11-bit digit of the row numbers, skipping digits on which all rows agree. Large
+batches sort in parallel: each thread counts and then scatters its own contiguous part of the input; the
+parts are placed in input order within every digit, which keeps the sort stable (and the result identical
+to the serial sort's).
 """
 
+import numba
 import numpy as np
-from numba import njit
+from numba import njit, prange
 
-__all__ = ["unique_rows", "DIGIT_BITS"]
+__all__ = ["unique_rows", "group_rows", "DIGIT_BITS", "PARALLEL_MIN"]
 
 DIGIT_BITS = 11
 _RADIX = 1 << DIGIT_BITS
+PARALLEL_MIN = 1 << 16  # below this many occurrences the serial sort is faster than waking threads
 
 
 @njit(cache=True)
-def _radix_sort(keys, n_bits, order, scratch_order):
-    """Stable sort of occurrence indices ``0..n-1`` by ``keys``; result in ``order``."""
+def _digit_is_constant(keys, shift):
+    """Whether every key has the same digit at ``shift`` (then that pass can be skipped)."""
     n = keys.shape[0]
-    for i in range(n):
-        order[i] = i
-    counts = np.empty(_RADIX + 1, np.int64)
-    shift = 0
-    src, dst = order, scratch_order
-    while shift < n_bits:
-        counts[:] = 0
+    if n == 0:
+        return True
+    first = (keys[0] >> shift) & (_RADIX - 1)
+    for i in range(1, n):
+        if ((keys[i] >> shift) & (_RADIX - 1)) != first:
+            return False
+    return True
+
+
+@njit(cache=True, inline="always")
+def _count(keys, lo, hi, shift, counts):
+    counts[:] = 0
+    for i in range(lo, hi):
+        counts[(keys[i] >> shift) & (_RADIX - 1)] += 1
+
+
+@njit(cache=True, inline="always")
+def _scatter(keys, payload, index_payload, lo, hi, shift, offsets, out_keys, out_payload):
+    """Move ``keys[lo:hi]`` and their payloads (or their indices, when ``index_payload``) to their digit's
+    next free slot; ``offsets`` holds each digit's next slot and is advanced."""
+    for i in range(lo, hi):
+        key = keys[i]
+        d = (key >> shift) & (_RADIX - 1)
+        at = offsets[d]
+        out_keys[at] = key
+        out_payload[at] = i if index_payload else payload[i]
+        offsets[d] = at + 1
+
+
+@njit(cache=True)
+def _sort_serial(keys, payload, index_payload, n_bits, keys_a, payload_a, keys_b, payload_b):
+    """Stable sort of ``keys`` carrying ``payload`` (or the indices ``0..n-1``, when ``index_payload``);
+    returns the sorted keys and payloads (views of the ``_a``/``_b`` buffers, or of the inputs)."""
+    n = keys.shape[0]
+    counts = np.empty((1, _RADIX), np.int64)
+    src_k, src_p, dst_k, dst_p = keys, payload, keys_a, payload_a
+    first = True
+    for shift in range(0, n_bits, DIGIT_BITS):
+        if _digit_is_constant(src_k, shift):
+            continue
+        _count(src_k, 0, n, shift, counts[0])
+        at = 0
+        for d in range(_RADIX):
+            c = counts[0, d]
+            counts[0, d] = at
+            at += c
+        _scatter(src_k, src_p, index_payload and first, 0, n, shift, counts[0], dst_k, dst_p)
+        first = False
+        src_k, src_p = dst_k, dst_p
+        dst_k, dst_p = (keys_b, payload_b) if dst_k is keys_a else (keys_a, payload_a)
+    if first and index_payload:  # no pass ran: already sorted, the payload is the identity
         for i in range(n):
-            counts[((keys[i] >> shift) & (_RADIX - 1)) + 1] += 1
-        if counts[1:].max() != n:  # skip a digit on which all keys agree
-            for d in range(_RADIX):
-                counts[d + 1] += counts[d]
-            for i in range(n):
-                o = src[i]
-                d = (keys[o] >> shift) & (_RADIX - 1)
-                dst[counts[d]] = o
-                counts[d] += 1
-            src, dst = dst, src
-        shift += DIGIT_BITS
-    if src is not order:
-        order[:] = src
+            payload_a[i] = i
+        return keys, payload_a
+    return src_k, src_p
+
+
+@njit(cache=True, parallel=True)
+def _sort_parallel(keys, payload, index_payload, n_bits, keys_a, payload_a, keys_b, payload_b, n_parts):
+    """:func:`_sort_serial`, each pass counting and scattering ``n_parts`` contiguous parts in parallel."""
+    n = keys.shape[0]
+    size = (n + n_parts - 1) // n_parts
+    counts = np.empty((n_parts, _RADIX), np.int64)
+    src_k, src_p, dst_k, dst_p = keys, payload, keys_a, payload_a
+    first = True
+    for shift in range(0, n_bits, DIGIT_BITS):
+        if _digit_is_constant(src_k, shift):
+            continue
+        for p in prange(n_parts):
+            _count(src_k, p * size, min(n, (p + 1) * size), shift, counts[p])
+        at = 0
+        for d in range(_RADIX):  # digit-major, part-minor: part p's keys of a digit follow part p - 1's
+            for p in range(n_parts):
+                c = counts[p, d]
+                counts[p, d] = at
+                at += c
+        by_index = index_payload and first
+        for p in prange(n_parts):
+            _scatter(src_k, src_p, by_index, p * size, min(n, (p + 1) * size), shift, counts[p], dst_k, dst_p)
+        first = False
+        src_k, src_p = dst_k, dst_p
+        dst_k, dst_p = (keys_b, payload_b) if dst_k is keys_a else (keys_a, payload_a)
+    if first and index_payload:
+        for i in prange(n):
+            payload_a[i] = i
+        return keys, payload_a
+    return src_k, src_p
 
 
 @njit(cache=True)
-def _group(keys, order, uniq, ptr):
-    n = keys.shape[0]
+def _group(sorted_keys, uniq, ptr):
+    """Unique keys and CSR offsets of their runs in ``sorted_keys``; returns the number of unique keys."""
+    n = sorted_keys.shape[0]
     n_unique = 0
-    previous = -1
     for k in range(n):
-        key = keys[order[k]]
-        if k == 0 or key != previous:
+        key = sorted_keys[k]
+        if k == 0 or key != sorted_keys[k - 1]:
             uniq[n_unique] = key
             ptr[n_unique] = k
             n_unique += 1
-            previous = key
     ptr[n_unique] = n
     return n_unique
 
 
-def unique_rows(rows: np.ndarray, n_rows: int, workspace):
-    """``(uniq, ptr, order)`` for int64 ``rows`` in ``[0, n_rows)``; buffers come from a ``Workspace``."""
+@njit(cache=True, parallel=True)
+def _pack(out_row, gain_bits, packed):
+    for i in prange(out_row.shape[0]):
+        packed[i] = (np.int64(out_row[i]) << 32) | np.int64(gain_bits[i])
+
+
+@njit(cache=True)
+def _pack_serial(out_row, gain_bits, packed):
+    for i in range(out_row.shape[0]):
+        packed[i] = (np.int64(out_row[i]) << 32) | np.int64(gain_bits[i])
+
+
+def _sort(rows, n_rows, payload, index_payload, workspace):
     n = rows.shape[0]
-    order = workspace.array("order", n, np.int64)
-    scratch = workspace.array("scratch_order", n, np.int64)
+    buffers = [workspace.array(name, n, np.int64) for name in ("sort_keys_a", "sort_payload_a", "sort_keys_b",
+                                                               "sort_payload_b")]
+    n_bits = max(1, int(n_rows - 1).bit_length())
+    threads = numba.get_num_threads()
+    if n >= PARALLEL_MIN and threads > 1:
+        sorted_keys, sorted_payload = _sort_parallel(rows, payload, index_payload, n_bits, *buffers, threads)
+    else:
+        sorted_keys, sorted_payload = _sort_serial(rows, payload, index_payload, n_bits, *buffers)
     uniq = workspace.array("uniq", n, np.int64)
     ptr = workspace.array("ptr", n + 1, np.int64)
-    n_bits = max(1, int(n_rows - 1).bit_length())
-    _radix_sort(rows, n_bits, order, scratch)
-    n_unique = _group(rows, order, uniq, ptr)
-    return uniq[:n_unique], ptr[:n_unique + 1], order
+    n_unique = _group(sorted_keys, uniq, ptr)
+    return uniq[:n_unique], ptr[:n_unique + 1], sorted_payload
 
+
+def unique_rows(rows: np.ndarray, n_rows: int, workspace):
+    """``(uniq, ptr, order)`` for int64 ``rows`` in ``[0, n_rows)``; buffers come from a ``Workspace``."""
+    rows = np.ascontiguousarray(rows, np.int64)
+    return _sort(rows, n_rows, rows, True, workspace)
+
+
+def group_rows(rows: np.ndarray, n_rows: int, out_row: np.ndarray, gains: np.ndarray, workspace):
+    """``(uniq, ptr, src_row, src_gain)``: :func:`unique_rows`, with each occurrence's activation row and
+    gain in grouped order, ``src_row[k] = out_row[order[k]]`` and ``src_gain[k] = gains[order[k]]``.
+
+    ``src_row`` (int32) and ``src_gain`` (float32) are strided views of one array of 64-bit words that the
+    sort carried along (activation row in the high half, the gain's bits in the low half), so no pass
+    gathers them through ``order``. Activation rows must be below 2**31.
+    """
+    rows = np.ascontiguousarray(rows, np.int64)
+    n = rows.shape[0]
+    packed = workspace.array("packed_occurrences", n, np.int64)
+    gains = np.ascontiguousarray(gains, np.float32)
+    (_pack if n >= PARALLEL_MIN else _pack_serial)(out_row, gains.view(np.uint32), packed)
+    uniq, ptr, sorted_packed = _sort(rows, n_rows, packed, False, workspace)
+    return uniq, ptr, source_views(sorted_packed)
+
+
+def source_views(packed: np.ndarray):
+    """``(src_row, src_gain)``: the int32 high halves and the float32 low halves of 64-bit ``packed`` words."""
+    if np.little_endian:
+        return packed.view(np.int32)[1::2], packed.view(np.float32)[0::2]
+    return packed.view(np.int32)[0::2], packed.view(np.float32)[1::2]

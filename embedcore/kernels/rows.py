@@ -13,16 +13,25 @@ Sums run in a fixed order, so results do not depend on the number of threads.
 import numpy as np
 from numba import njit, prange
 
+from .prefetch import prefetch_row
+
 __all__ = ["gather_combine", "sum_gradient", "sum_gradients", "count_non_finite"]
+
+
+ROWS_AHEAD = 8  # occurrences whose table rows a lookup prefetches ahead of the current one
 
 
 @njit(cache=True, parallel=True)
 def gather_combine(table, rows, gains, out_ptr, act):
+    """``act[a] = sum over o in out_ptr[a]:out_ptr[a + 1] (in order) of gains[o] * table[rows[o]]``."""
     n_out, dim = act.shape
+    n = rows.shape[0]
     for a in prange(n_out):
         for j in range(dim):
             act[a, j] = 0.0
         for o in range(out_ptr[a], out_ptr[a + 1]):
+            if o + ROWS_AHEAD < n:
+                prefetch_row(table, rows[o + ROWS_AHEAD])
             w = gains[o]
             r = rows[o]
             for j in range(dim):

@@ -8,8 +8,14 @@ For each unique row ``r`` (in parallel), its gradient ``g`` is summed into a scr
 
 * element-wise (when proven so): ``f`` runs on float32 scalars, once per column, inlined into the loop, so
   no temporary row is ever made;
-* per row: ``f`` runs on row views of the table and slots; what it returns is copied back. A function may
-  also update the row views in place and return them, which costs no allocation.
+* per row: ``f`` runs on scratch copies of the row and its slots; what it returns is copied back. A function
+  may also update those copies in place and return them, which costs no allocation.
+
+The gradient of unique row ``u`` is ``sum over k in ptr[u]:ptr[u + 1] of src_gain[k] * d_act[src_row[k]]``
+(the occurrences in grouped order, see :func:`embedcore.kernels.dedup.group_rows`), summed in that fixed
+order, so results do not depend on the thread count. The rows are read at random, so the loop prefetches
+the table and slot rows ``ROWS_AHEAD`` unique rows ahead and the gradient rows ``OCCURRENCES_AHEAD``
+occurrences ahead (:mod:`embedcore.kernels.prefetch`).
 
 ``lazy=False`` visits every row of the table, with a zero gradient for rows the batch did not touch
 (non-lazy Adam). A kernel is generated per (function, slot layout, mode) and kept for the process.
@@ -17,7 +23,8 @@ For each unique row ``r`` (in parallel), its gradient ``g`` is summed into a scr
 No NaN or Inf is ever written: a row whose summed gradient is not finite (float32 overflow of large
 gradients, or NaN/Inf let through on purpose) is not updated, and neither is a row for which ``f`` returns a
 non-finite value. The new values are computed into per-chunk scratch rows, checked, then stored; each
-skipped row gets a code in ``status`` (per unique row when lazy, per table row when not):
+skipped row gets a code in ``status`` (per unique row when lazy, per table row when not), and the kernel
+returns how many rows it flagged:
 
     STATUS_GRADIENT (1)  the summed gradient holds NaN/Inf; the row, its slots untouched
     STATUS_OUTPUT (2)    f returned NaN/Inf; the row, its slots untouched
@@ -30,12 +37,33 @@ import numpy as np
 from numba import njit, prange, types  # noqa: F401  (prange is used by the generated source)
 from numba.extending import overload
 
-from .rows import sum_gradient
+from ..compile_cache import load_source
+from .dedup import source_views
+from .prefetch import prefetch_row
 
-__all__ = ["update_kernel", "CHUNK_ROWS", "STATUS_GRADIENT", "STATUS_OUTPUT", "STATUS_LENGTH"]
+__all__ = ["update_kernel", "fused_update_kernel", "sum_rows", "all_finite", "CHUNK_ROWS", "ROWS_AHEAD",
+           "OCCURRENCES_AHEAD", "STATUS_GRADIENT", "STATUS_OUTPUT", "STATUS_LENGTH"]
 
 CHUNK_ROWS = 256
+ROWS_AHEAD = 4          # unique rows whose table and slot rows are prefetched ahead of the current one
+OCCURRENCES_AHEAD = 8   # occurrences whose gradient rows are prefetched ahead of the current one
 STATUS_GRADIENT, STATUS_OUTPUT, STATUS_LENGTH = 1, 2, 3
+
+
+@njit(cache=True, inline="always")
+def sum_rows(g_row, lo, hi, src_row, src_gain, d_act):
+    """``g_row = sum over k in [lo, hi) (in order) of src_gain[k] * d_act[src_row[k]]``, prefetching ahead."""
+    dim = g_row.shape[0]
+    for j in range(dim):
+        g_row[j] = 0.0
+    n = src_row.shape[0]
+    for k in range(lo, hi):
+        if k + OCCURRENCES_AHEAD < n:
+            prefetch_row(d_act, src_row[k + OCCURRENCES_AHEAD])
+        w = src_gain[k]
+        a = src_row[k]
+        for j in range(dim):
+            g_row[j] += w * d_act[a, j]
 
 
 def all_finite(value):
@@ -43,14 +71,14 @@ def all_finite(value):
     raise NotImplementedError("only callable from jitted code")
 
 
-@overload(all_finite, inline="always")
+@overload(all_finite)
 def _all_finite_impl(value):
     if isinstance(value, types.Array):
         def impl(value):
-            for j in range(value.shape[0]):
-                if not np.isfinite(value[j]):
-                    return False
-            return True
+            ok = True
+            for j in range(value.shape[0]):  # no early exit, so the loop vectorises
+                ok = ok & np.isfinite(value[j])
+            return ok
         return impl
 
     def impl_scalar(value):
@@ -58,36 +86,37 @@ def _all_finite_impl(value):
     return impl_scalar
 
 
-def store_row(dst, value):
-    """Copy ``value`` (a row or a scalar broadcast to the row) into the row view ``dst``; 0 on a length mismatch."""
+def store_row(dst, r, value):
+    """``dst[r] = value`` (a row, or a scalar broadcast to the row); 0 on a length mismatch, else 1."""
     raise NotImplementedError("only callable from jitted code")
 
 
 @overload(store_row, inline="always")
-def _store_row_impl(dst, value):
+def _store_row_impl(dst, r, value):
     if isinstance(value, types.Array):
-        def impl(dst, value):
-            n = dst.shape[0]
+        def impl(dst, r, value):
+            n = dst.shape[1]
             if value.shape[0] != n:
                 return 0
             for j in range(n):
-                dst[j] = value[j]
+                dst[r, j] = value[j]
             return 1
         return impl
 
-    def impl_scalar(dst, value):
-        for j in range(dst.shape[0]):
-            dst[j] = value
+    def impl_scalar(dst, r, value):
+        for j in range(dst.shape[1]):
+            dst[r, j] = value
         return 1
     return impl_scalar
 
 
 _TEMPLATE = '''
-def kernel(table, slots, uniq, ptr, order, out_row, gains, d_act, learning_rate, hyperparameters, status):
+def kernel(table, slots, uniq, ptr, src_row, src_gain, d_act, learning_rate, hyperparameters, status):
 {unpack}
     n_unique = uniq.shape[0]
     dim = table.shape[1]
 {loop}
+    return flags.sum()
 '''
 
 # Per chunk: one scratch row for the gradient and one for each new row / slot row (none per table row).
@@ -98,12 +127,15 @@ _SCRATCH = '''        g_row = np.empty(dim, np.float32)
 # Lazy: unique rows in chunks.
 _LAZY_LOOP = '''
     n_chunks = (n_unique + CHUNK - 1) // CHUNK
+    flags = np.zeros(n_chunks, np.int64)
     for c in prange(n_chunks):
 {scratch}
         for u in range(c * CHUNK, min(n_unique, (c + 1) * CHUNK)):
+            if u + ROWS_AHEAD < n_unique:
+{prefetch}
             r = uniq[u]
             item = u
-            sum_gradient(g_row, u, ptr, order, out_row, gains, d_act)
+            sum_rows(g_row, ptr[u], ptr[u + 1], src_row, src_gain, d_act)
 {body}
 '''
 
@@ -111,6 +143,7 @@ _LAZY_LOOP = '''
 _DENSE_LOOP = '''
     n_rows = table.shape[0]
     n_chunks = (n_rows + CHUNK - 1) // CHUNK
+    flags = np.zeros(n_chunks, np.int64)
     for c in prange(n_chunks):
         lo = c * CHUNK
         hi = min(n_rows, lo + CHUNK)
@@ -119,7 +152,7 @@ _DENSE_LOOP = '''
         for r in range(lo, hi):
             item = r
             if u < n_unique and uniq[u] == r:
-                sum_gradient(g_row, u, ptr, order, out_row, gains, d_act)
+                sum_rows(g_row, ptr[u], ptr[u + 1], src_row, src_gain, d_act)
                 u += 1
             else:
                 g_row[:] = 0.0
@@ -136,13 +169,23 @@ def _scratch(slot_dims):
     return _SCRATCH.format(slot_scratch="\n".join(lines) + ("\n" if lines else ""))
 
 
+def _prefetch(slot_dims):
+    lines = ["ahead = uniq[u + ROWS_AHEAD]", "prefetch_row(table, ahead)"]
+    lines += [f"prefetch_row(s{k}, ahead)" for k in range(len(slot_dims))]
+    return _indent(lines, 4)
+
+
+def _flag(code):
+    return [f"    status[item] = {code}", "    flags[c] += 1", "    continue"]
+
+
 def _body(slot_dims, elementwise):
     """Compute the new row and slots into scratch, check them, then store them (or record a status)."""
     n = len(slot_dims)
-    lines = ["if not all_finite(g_row):", "    status[item] = STATUS_GRADIENT", "    continue", "ok = True"]
+    lines = ["finite = all_finite(g_row)", "if not finite:"] + _flag("STATUS_GRADIENT")
     if elementwise:
         slot_args = "".join(f"s{k}[r, j], " for k in range(n))
-        lines.append("for j in range(dim):")
+        lines += ["ok = True", "for j in range(dim):"]
         call = f"fn(g_row[j], table[r, j], ({slot_args}), learning_rate, hyperparameters)"
         if n == 0:
             lines += [f"    w_new[j] = {call}", "    ok = ok & np.isfinite(w_new[j])"]
@@ -150,57 +193,98 @@ def _body(slot_dims, elementwise):
             lines += [f"    out = {call}", "    w_new[j] = out[0]", "    ok = ok & np.isfinite(out[0])"]
             for k in range(n):
                 lines += [f"    n{k}[j] = out[{k + 1}]", f"    ok = ok & np.isfinite(out[{k + 1}])"]
-        lines += ["if not ok:", "    status[item] = STATUS_OUTPUT", "    continue", "for j in range(dim):",
-                  "    table[r, j] = w_new[j]"]
+        lines += ["if not ok:"] + _flag("STATUS_OUTPUT") + ["for j in range(dim):", "    table[r, j] = w_new[j]"]
         lines += [f"    s{k}[r, j] = n{k}[j]" for k in range(n)]
         return lines
     # Per row: the function gets scratch copies, so in-place edits reach the table only once checked.
-    lines.append("w_new[:] = table[r]")
-    lines += [f"n{k}[:] = s{k}[r]" for k, d in enumerate(slot_dims) if d == 2]
+    lines += ["for j in range(dim):", "    w_new[j] = table[r, j]"]
+    lines += [f"    n{k}[j] = s{k}[r, j]" for k, d in enumerate(slot_dims) if d == 2]
     slot_args = "".join(f"n{k}, " if d == 2 else f"s{k}[r], " for k, d in enumerate(slot_dims))
     lines.append(f"out = fn(g_row, w_new, ({slot_args}), learning_rate, hyperparameters)")
     outputs = ["out"] if n == 0 else [f"out[{k}]" for k in range(n + 1)]
-    lines.append("if not (" + " and ".join(f"all_finite({o})" for o in outputs) + "):")
-    lines += ["    status[item] = STATUS_OUTPUT", "    continue"]
-    lines.append(f"if store_row(table[r], {outputs[0]}) == 0:")
-    lines.append("    status[item] = STATUS_LENGTH")
+    lines.append(f"ok = all_finite({outputs[0]})")
+    lines += [f"ok = ok & all_finite({o})" for o in outputs[1:]]
+    lines += ["if not ok:"] + _flag("STATUS_OUTPUT")
+    lines.append(f"stored = store_row(table, r, {outputs[0]})")
     for k, d in enumerate(slot_dims):
         if d == 1:
             lines.append(f"s{k}[r] = out[{k + 1}]")
         else:
-            lines.append(f"if store_row(s{k}[r], out[{k + 1}]) == 0:")
-            lines.append("    status[item] = STATUS_LENGTH")
+            lines.append(f"stored = stored & store_row(s{k}, r, out[{k + 1}])")
+    lines += ["if stored == 0:", "    status[item] = STATUS_LENGTH", "    flags[c] += 1"]
     return lines
 
 
 _KERNELS: dict = {}
 
 
-def update_kernel(row_function, lazy=True):
+def kernel_source(row_function, lazy=True) -> str:
+    """The Python source of the update kernel generated for ``row_function``."""
+    slot_dims = row_function.slot_dims
+    unpack = [f"s{k} = slots[{k}]" for k in range(len(slot_dims))] or ["pass"]
+    loop = (_LAZY_LOOP if lazy else _DENSE_LOOP).format(
+        scratch=_scratch(slot_dims), prefetch=_prefetch(slot_dims),
+        body=_indent(_body(slot_dims, row_function.elementwise), 3))
+    return _TEMPLATE.format(unpack=_indent(unpack, 1), loop=loop)
+
+
+def kernel_namespace(row_function) -> dict:
+    """The globals the generated source refers to."""
+    return {"np": np, "prange": prange, "fn": row_function.dispatcher, "store_row": store_row,
+            "all_finite": all_finite, "sum_rows": sum_rows, "prefetch_row": prefetch_row, "CHUNK": CHUNK_ROWS,
+            "ROWS_AHEAD": ROWS_AHEAD, "STATUS_GRADIENT": STATUS_GRADIENT, "STATUS_OUTPUT": STATUS_OUTPUT,
+            "STATUS_LENGTH": STATUS_LENGTH}
+
+
+def fused_update_kernel(row_function, lazy=True):
     """The jitted update kernel for a :class:`~embedcore.compiler.CompiledRowFunction`.
 
-    ``kernel(table, slots, uniq, ptr, order, out_row, gains, d_act, learning_rate, hyperparameters, status)``
-    updates ``table`` rows ``uniq`` (sorted, unique); the gradient of ``uniq[u]`` is summed on the fly from
-    the activation gradients ``d_act`` (see :func:`~embedcore.kernels.rows.sum_gradient`), so it is never
-    written to memory. ``status`` (uint8, zeroed, one entry per unique row when lazy, per table row when
-    not) receives the code of every row that was not updated (see the module docstring).
+    ``kernel(table, slots, uniq, ptr, src_row, src_gain, d_act, learning_rate, hyperparameters, status)``
+    updates ``table`` rows ``uniq`` (sorted, unique) and returns the number of rows it flagged in ``status``
+    (uint8, zeroed, one entry per unique row when lazy, per table row when not; see the module docstring).
+    ``src_row``/``src_gain`` are the occurrences in grouped order, as :func:`~embedcore.kernels.dedup.group_rows`
+    returns them; the gradient of ``uniq[u]`` is summed from them on the fly and never written to memory.
     """
     key = (row_function.dispatcher, row_function.slot_dims, row_function.elementwise, lazy)
     kernel = _KERNELS.get(key)
     if kernel is None:
-        slot_dims = row_function.slot_dims
-        unpack = [f"s{k} = slots[{k}]" for k in range(len(slot_dims))] or ["pass"]
-        depth = 3
-        loop = (_LAZY_LOOP if lazy else _DENSE_LOOP).format(
-            scratch=_scratch(slot_dims), body=_indent(_body(slot_dims, row_function.elementwise), depth))
-        source = _TEMPLATE.format(unpack=_indent(unpack, 1), loop=loop)
-        namespace = {"np": np, "prange": prange, "fn": row_function.dispatcher, "store_row": store_row,
-                     "all_finite": all_finite, "sum_gradient": sum_gradient, "CHUNK": CHUNK_ROWS,
-                     "STATUS_GRADIENT": STATUS_GRADIENT, "STATUS_OUTPUT": STATUS_OUTPUT,
-                     "STATUS_LENGTH": STATUS_LENGTH}
-        exec(compile(source, f"<embedcore update kernel for {row_function.python_function!r}>", "exec"),
-             namespace)
-        kernel = njit(parallel=True, error_model="numpy")(namespace["kernel"])
+        source = kernel_source(row_function, lazy)
+        namespace = kernel_namespace(row_function)
+        function = None
+        if row_function.fingerprint is not None:  # a file of its own, so Numba can cache the compiled code
+            function = load_source(source, namespace, "kernel", ("update kernel", row_function.fingerprint,
+                                                                 row_function.slot_dims, row_function.elementwise,
+                                                                 lazy))
+        cached = function is not None
+        if not cached:
+            exec(compile(source, f"<embedcore update kernel for {row_function.python_function!r}>", "exec"),
+                 namespace)
+            function = namespace["kernel"]
+        kernel = njit(parallel=True, error_model="numpy", cache=cached)(function)
         kernel.source = source
         _KERNELS[key] = kernel
+    return kernel
+
+
+@njit(cache=True)
+def _pack_ordered(order, out_row, gains, packed):
+    gain_bits = gains.view(np.uint32)
+    for k in range(order.shape[0]):
+        o = order[k]
+        packed[k] = (np.int64(out_row[o]) << 32) | np.int64(gain_bits[o])
+
+
+def update_kernel(row_function, lazy=True):
+    """The update as ``kernel(table, slots, uniq, ptr, order, out_row, gains, d_act, learning_rate,
+    hyperparameters, status)``, for occurrences grouped by :func:`~embedcore.kernels.dedup.unique_rows`
+    (``order``) rather than laid out by :func:`~embedcore.kernels.dedup.group_rows`; returns the number of
+    flagged rows. Runs the same compiled kernel as :func:`fused_update_kernel`."""
+    fused = fused_update_kernel(row_function, lazy)
+
+    def kernel(table, slots, uniq, ptr, order, out_row, gains, d_act, learning_rate, hyperparameters, status):
+        packed = np.empty(order.shape[0], np.int64)
+        _pack_ordered(np.ascontiguousarray(order, np.int64), np.ascontiguousarray(out_row, np.int64),
+                      np.ascontiguousarray(gains, np.float32), packed)
+        src_row, src_gain = source_views(packed)
+        return fused(table, slots, uniq, ptr, src_row, src_gain, d_act, learning_rate, hyperparameters, status)
     return kernel

@@ -165,11 +165,11 @@ def traced_step(emb, ids, weights, grads):
     tracemalloc.reset_peak()
     acts, ctx = emb.lookup(ids, weights)
     after_lookup, lookup_peak = tracemalloc.get_traced_memory()
+    batch = [{"n_occurrences": int(tb.rows.shape[0]), "n_unique": int(np.unique(tb.rows).shape[0]),
+              "n_activation_rows": int(tb.n_out)} for tb in ctx.table_batches]  # before apply releases them
     tracemalloc.reset_peak()
     emb.apply_gradients(grads, ctx)
     _, apply_peak = tracemalloc.get_traced_memory()
-    batch = [{"n_occurrences": int(tb.rows.shape[0]), "n_unique": int(np.unique(tb.rows).shape[0]),
-              "n_activation_rows": int(tb.n_out)} for tb in ctx.table_batches]
     del acts, ctx
     gc.collect()
     return {"lookup": lookup_peak - base, "apply": apply_peak - base, "held_after_lookup": after_lookup - base,
@@ -232,7 +232,8 @@ def peak_phase():
             hwm = [hwm_step(emb, *batches[3]) for _ in range(3)]
             out["runs"][f"{kind}:{vocab}"] = {
                 "kind": kind, "vocab": vocab, "table_bytes": table_bytes, "first": first, "later": later,
-                "hwm_rise": hwm, "workspace_bytes": [g.workspace.nbytes for g in emb._groups]}
+                "hwm_rise": hwm, "workspace_bytes": [g.workspace.nbytes for g in emb._groups],
+                "pooled_workspaces": [g.batch_pool.idle for g in emb._groups]}
             del emb
             gc.collect()
     return out
