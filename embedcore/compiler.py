@@ -25,6 +25,8 @@ import numpy as np
 from numba import types
 from numba.core import ir
 
+from . import compile_cache
+
 __all__ = ["RowFunctionError", "CompiledRowFunction", "compile_row_function", "compile_cached", "strip_del",
            "is_elementwise", "describe"]
 
@@ -106,6 +108,7 @@ class CompiledRowFunction:
     n_hyperparameters: int
     elementwise: bool
     reason: str               # why it is (not) element-wise, for users asking ``optimizer.explain()``
+    fingerprint: str | None = None  # compile_cache.fingerprint of the function; None: not cacheable
 
 
 def _check_outputs(fn, return_type, slot_dims):
@@ -138,6 +141,15 @@ def compile_row_function(fn, slot_dims, n_hyperparameters, dim) -> CompiledRowFu
     dispatcher = _DISPATCHERS.get(fn)
     if dispatcher is None:
         dispatcher = _DISPATCHERS[fn] = numba.njit(strip_del(fn), inline="always", error_model="numpy")
+    try:
+        digest = compile_cache.fingerprint(fn)
+    except compile_cache.Uncacheable:
+        digest = None
+    verdict_key = ("row function", digest, slot_dims, n_hyperparameters, dim)
+    verdict = compile_cache.read_verdict(verdict_key) if digest is not None else None
+    if verdict is not None:  # this function compiled, passed the checks and was judged before
+        return CompiledRowFunction(fn, dispatcher, slot_dims, n_hyperparameters, verdict["elementwise"],
+                                   verdict["reason"], digest)
     signature = row_signature(slot_dims, n_hyperparameters)
     try:
         dispatcher.compile(signature)
@@ -156,7 +168,9 @@ def compile_row_function(fn, slot_dims, n_hyperparameters, dim) -> CompiledRowFu
             dispatcher.compile(row_signature(slot_dims, n_hyperparameters, elementwise=True))
         except Exception as exc:
             elementwise, reason = False, f"element-wise in form, but does not compile on scalars: {exc}"
-    return CompiledRowFunction(fn, dispatcher, slot_dims, n_hyperparameters, elementwise, reason)
+    if digest is not None:
+        compile_cache.write_verdict(verdict_key, {"elementwise": elementwise, "reason": reason})
+    return CompiledRowFunction(fn, dispatcher, slot_dims, n_hyperparameters, elementwise, reason, digest)
 
 
 _DISPATCHERS: dict = {}

@@ -1,0 +1,217 @@
+"""On-disk cache of the generated update kernels and of the compiler's verdicts, so a second process
+(another run, another MPI rank) does not compile again.
+
+Numba caches a jitted function next to its source file, keyed by the file's name and time stamp. A
+generated kernel has no source file, and its behaviour depends on the user's row function, which Numba's
+cache would not notice changing. So each kernel's source is written to a file of its own in the cache
+folder, named by a digest of everything the compiled code depends on:
+
+* the generated source and the Numba and Python versions;
+* the sources of embedcore's compiler, optimizers and kernels (any change to embedcore invalidates);
+* a *fingerprint* of the row function: its bytecode and constants, the values of the closure cells and
+  globals it reads, and, recursively, the same of every Python or jitted function among them.
+
+A function whose fingerprint cannot be taken (it reads a global that is neither a number, string, array,
+module nor function, such as an instance of a user class) is compiled in memory each time, as without a
+cache. The folder is ``EMBEDCORE_CACHE_DIR`` if set (``off`` or an empty value disables caching), else
+``$XDG_CACHE_HOME/embedcore`` or ``~/.cache/embedcore``; a folder that cannot be written disables it too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import sys
+import tempfile
+import types as pytypes
+
+import numba
+import numpy as np
+
+__all__ = ["cache_dir", "fingerprint", "Uncacheable", "load_source", "read_verdict", "write_verdict"]
+
+_EMBEDCORE_SOURCES = ("compiler.py", "compile_cache.py", "optimizers.py", "common_options.py", "kernels")
+
+
+class Uncacheable(Exception):
+    """The row function reads something whose value cannot be fingerprinted."""
+
+
+def cache_dir() -> str | None:
+    """The cache folder for this Python and Numba version, created if needed; None when caching is off."""
+    configured = os.environ.get("EMBEDCORE_CACHE_DIR")
+    if configured is not None and configured.strip().lower() in ("", "off", "0", "none"):
+        return None
+    base = configured or os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
+                                      "embedcore")
+    folder = os.path.join(base, f"py{sys.version_info[0]}{sys.version_info[1]}-numba{numba.__version__}")
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError:
+        return None
+    return folder if os.access(folder, os.W_OK) else None
+
+
+_PACKAGE_DIGEST = None
+
+
+def _package_digest() -> str:
+    global _PACKAGE_DIGEST
+    if _PACKAGE_DIGEST is None:
+        h = hashlib.sha256()
+        root = os.path.dirname(os.path.abspath(__file__))
+        paths = []
+        for name in _EMBEDCORE_SOURCES:
+            path = os.path.join(root, name)
+            if os.path.isdir(path):
+                paths += sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".py"))
+            else:
+                paths.append(path)
+        for path in paths:
+            h.update(path[len(root):].encode())
+            with open(path, "rb") as f:
+                h.update(f.read())
+        _PACKAGE_DIGEST = h.hexdigest()
+    return _PACKAGE_DIGEST
+
+
+def fingerprint(fn) -> str:
+    """A digest of what the compiled code of ``fn`` depends on; raises :class:`Uncacheable`."""
+    h = hashlib.sha256()
+    _feed(h, fn, set())
+    return h.hexdigest()
+
+
+def _feed(h, value, seen):
+    if isinstance(value, numba.core.registry.CPUDispatcher):
+        h.update(b"dispatcher")
+        h.update(repr(sorted((k, repr(v)) for k, v in value.targetoptions.items())).encode())
+        value = value.py_func
+    if isinstance(value, pytypes.FunctionType):
+        if id(value) in seen:
+            h.update(b"recursion:" + value.__qualname__.encode())
+            return
+        seen.add(id(value))
+        h.update(f"function {value.__module__}.{value.__qualname__}".encode())
+        _feed_code(h, value.__code__, value, seen)
+        if value.__defaults__:
+            _feed(h, value.__defaults__, seen)
+        for name, cell in zip(value.__code__.co_freevars, value.__closure__ or ()):
+            h.update(b"freevar " + name.encode())
+            _feed(h, cell.cell_contents, seen)
+        return
+    if isinstance(value, pytypes.ModuleType):
+        version = getattr(value, "__version__", "")
+        h.update(f"module {value.__name__} {version}".encode())
+        return
+    if value is None or isinstance(value, (bool, int, float, complex, str, bytes)):
+        h.update(f"{type(value).__name__}:{value!r}".encode())
+        return
+    if isinstance(value, np.generic):
+        h.update(f"{value.dtype.str}:{value!r}".encode())
+        return
+    if isinstance(value, np.ndarray):
+        h.update(f"ndarray {value.dtype.str} {value.shape}".encode())
+        h.update(np.ascontiguousarray(value).tobytes())
+        return
+    if isinstance(value, (tuple, list)):
+        h.update(f"{type(value).__name__} {len(value)}".encode())
+        for item in value:
+            _feed(h, item, seen)
+        return
+    if isinstance(value, (np.ufunc, pytypes.BuiltinFunctionType)):
+        h.update(f"builtin {getattr(value, '__module__', '')}.{value.__name__}".encode())
+        return
+    raise Uncacheable(f"cannot fingerprint {type(value).__name__} {value!r:.80}")
+
+
+def _feed_code(h, code, fn, seen):
+    h.update(code.co_code)
+    h.update(repr(code.co_names).encode())
+    h.update(repr(code.co_varnames).encode())
+    for const in code.co_consts:
+        if isinstance(const, pytypes.CodeType):
+            _feed_code(h, const, fn, seen)
+        else:
+            h.update(f"{type(const).__name__}:{const!r}".encode())
+    for name in code.co_names:
+        if name in fn.__globals__:
+            h.update(b"global " + name.encode())
+            _feed(h, fn.__globals__[name], seen)
+
+
+def _key(*parts) -> str:
+    h = hashlib.sha256()
+    h.update(f"{sys.version} numba {numba.__version__} embedcore {_package_digest()}".encode())
+    for part in parts:
+        h.update(b"\x00" + str(part).encode())
+    return h.hexdigest()[:32]
+
+
+def _write_atomically(path: str, text: str) -> None:
+    folder = os.path.dirname(path)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def load_source(source: str, namespace: dict, function: str, key_parts) -> pytypes.FunctionType | None:
+    """``function`` defined by ``source`` in a module file of the cache folder, its globals ``namespace``,
+    so that ``numba.njit(cache=True)`` can cache it; None when caching is off."""
+    folder = cache_dir()
+    if folder is None:
+        return None
+    key = _key(source, *key_parts)
+    path = os.path.join(folder, f"kernel_{key}.py")
+    try:
+        if not os.path.exists(path):
+            _write_atomically(path, source)
+        name = f"embedcore_generated_{key}"
+        module = sys.modules.get(name)
+        if module is None:
+            spec = importlib.util.spec_from_file_location(name, path)
+            module = importlib.util.module_from_spec(spec)
+            module.__dict__.update(namespace)
+            spec.loader.exec_module(module)
+            # Registered, so that Numba finds the module of the function again when it loads the compiled
+            # code from its cache (in this process or the next one, which also comes through here first).
+            sys.modules[name] = module
+    except OSError:
+        return None
+    return getattr(module, function)
+
+
+def _verdict_path(key_parts) -> str | None:
+    folder = cache_dir()
+    return None if folder is None else os.path.join(folder, f"verdict_{_key(*key_parts)}.json")
+
+
+def read_verdict(key_parts) -> dict | None:
+    """A verdict stored by :func:`write_verdict` under the same key, or None."""
+    path = _verdict_path(key_parts)
+    if path is None:
+        return None
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def write_verdict(key_parts, verdict: dict) -> None:
+    path = _verdict_path(key_parts)
+    if path is not None:
+        try:
+            _write_atomically(path, json.dumps(verdict))
+        except OSError:
+            pass
