@@ -23,9 +23,9 @@ import math
 import numbers
 
 import numpy as np
-from numba import njit
 
 from . import compiler
+from .common_options import N_COMMON, clip, with_common_options
 from .initializers import Initializer
 
 __all__ = ["Optimizer", "CustomOptimizer", "SGD", "Adagrad", "AdagradMomentum", "Adam", "FTRL",
@@ -180,41 +180,22 @@ class CustomOptimizer(Optimizer):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Built-in optimizers. Their hyperparameter tuples start with the five common options
-#   (clip_gradient_min, clip_gradient_max, weight_decay, clip_weight_min, clip_weight_max)
-# and continue with each optimizer's own, from index 5 (Numba indexes tuples only with constants).
-_N_COMMON = 5
-
-
-@njit(inline="always")
-def _clip(x, low, high):
-    return np.minimum(np.maximum(x, low), high)
-
-
-@njit(inline="always")
-def _prologue(gradient, embedding_table, hyperparameters):
-    """Clipped gradient and decayed weights: ``(clip(g), w - decay * w)``."""
-    return (_clip(gradient, hyperparameters[0], hyperparameters[1]),
-            embedding_table - hyperparameters[2] * embedding_table)
-
-
-@njit(inline="always")
-def _epilogue(new_weights, hyperparameters):
-    """Weight clipping after the update."""
-    return _clip(new_weights, hyperparameters[3], hyperparameters[4])
+# Built-in optimizers: each a recipe (the optimizer's own update, written as a per-row function), run with
+# TensorFlow's common options composed around it (see :mod:`embedcore.common_options`). Their
+# hyperparameter tuples start with the five common values and continue with each optimizer's own, from
+# index 5 (Numba indexes tuples only with constants).
+_N_COMMON = N_COMMON
 
 
 def sgd_row(gradient, embedding_table, slot_variables, learning_rate, hyperparameters):
     """``w <- w - lr * g``."""
-    g, w = _prologue(gradient, embedding_table, hyperparameters)
-    return _epilogue(w - learning_rate * g, hyperparameters)
+    return embedding_table - learning_rate * gradient
 
 
 def adagrad_row(gradient, embedding_table, slot_variables, learning_rate, hyperparameters):
     """``a <- a + g^2;  w <- w - lr * g / sqrt(a)``."""
-    g, w = _prologue(gradient, embedding_table, hyperparameters)
-    accumulator = slot_variables[0] + g * g
-    return _epilogue(w - learning_rate * g / np.sqrt(accumulator), hyperparameters), accumulator
+    accumulator = slot_variables[0] + gradient * gradient
+    return embedding_table - learning_rate * gradient / np.sqrt(accumulator), accumulator
 
 
 def adagrad_momentum_row(gradient, embedding_table, slot_variables, learning_rate, hyperparameters):
@@ -226,23 +207,23 @@ def adagrad_momentum_row(gradient, embedding_table, slot_variables, learning_rat
     """
     momentum, nesterov, power = hyperparameters[5], hyperparameters[6], hyperparameters[7]
     keep, add, epsilon = hyperparameters[8], hyperparameters[9], hyperparameters[10]
-    g, w = _prologue(gradient, embedding_table, hyperparameters)
+    g = gradient
     accumulator = keep * slot_variables[0] + add * g * g
     scaled = np.power(accumulator + epsilon, power) * g
     m = momentum * slot_variables[1] + scaled
     step = nesterov * (momentum * m + scaled) + (1 - nesterov) * m
-    return _epilogue(w - learning_rate * step, hyperparameters), accumulator, m
+    return embedding_table - learning_rate * step, accumulator, m
 
 
 def adam_row(gradient, embedding_table, slot_variables, learning_rate, hyperparameters):
     """``m <- b1 m + (1 - b1) g;  v <- b2 v + (1 - b2) g^2;  w <- w - lr_t m / d`` with
     ``d = sqrt(v + eps^2)`` (sum inside sqrt) or ``sqrt(v) + eps``; ``lr_t`` already holds the bias correction."""
     beta1, beta2, epsilon, inside = hyperparameters[5], hyperparameters[6], hyperparameters[7], hyperparameters[8]
-    g, w = _prologue(gradient, embedding_table, hyperparameters)
+    g = gradient
     m = beta1 * slot_variables[0] + (1.0 - beta1) * g
     v = beta2 * slot_variables[1] + (1.0 - beta2) * g * g
     denominator = np.sqrt(v + inside * epsilon * epsilon) + (1.0 - inside) * epsilon
-    return _epilogue(w - learning_rate * m / denominator, hyperparameters), m, v
+    return embedding_table - learning_rate * m / denominator, m, v
 
 
 def ftrl_row(gradient, embedding_table, slot_variables, learning_rate, hyperparameters):
@@ -252,7 +233,7 @@ def ftrl_row(gradient, embedding_table, slot_variables, learning_rate, hyperpara
     ``w <- (clip(L, -lr l1, lr l1) - L) / (a'^p + 2 lr l2 + beta)``."""
     power, l1, l2 = hyperparameters[5], hyperparameters[6], hyperparameters[7]
     beta, multiply = hyperparameters[8], hyperparameters[9]
-    g, w = _prologue(gradient, embedding_table, hyperparameters)
+    g, w = gradient, embedding_table
     accumulator = slot_variables[0]
     new_accumulator = accumulator + g * g
     new_power = np.power(new_accumulator, power)
@@ -260,11 +241,11 @@ def ftrl_row(gradient, embedding_table, slot_variables, learning_rate, hyperpara
     if multiply > 0.0:
         linear = slot_variables[1] + learning_rate * g - delta * w
         limit = learning_rate * l1
-        new_w = (_clip(linear, -limit, limit) - linear) / (new_power + 2.0 * learning_rate * l2 + beta)
+        new_w = (clip(linear, -limit, limit) - linear) / (new_power + 2.0 * learning_rate * l2 + beta)
     else:
         linear = slot_variables[1] + g - delta * w / learning_rate
-        new_w = (_clip(linear, -l1, l1) - linear) / ((new_power + beta) / learning_rate + 2.0 * l2)
-    return _epilogue(new_w, hyperparameters), new_accumulator, linear
+        new_w = (clip(linear, -l1, l1) - linear) / ((new_power + beta) / learning_rate + 2.0 * l2)
+    return new_w, new_accumulator, linear
 
 
 def rowwise_adagrad_row(gradient, embedding_table, slot_variables, learning_rate, hyperparameters):
@@ -337,8 +318,16 @@ class _BuiltinOptimizer(Optimizer):
         self.multiply_weight_decay_factor_by_learning_rate = bool(multiply_weight_decay_factor_by_learning_rate)
         self.low_dimensional_packing_status = low_dimensional_packing_status
 
+    _composes_options = True  # False: the row function applies the common options itself
+
     def row_function(self):
-        return type(self)._row
+        recipe = type(self)._row
+        if not self._composes_options:
+            return recipe
+        return with_common_options(recipe, clip_gradient=self.clip_gradient_min is not None or
+                                   self.clip_gradient_max is not None,
+                                   decay=bool(self.weight_decay_factor),
+                                   clip_weights=self.clip_weight_min is not None or self.clip_weight_max is not None)
 
     @property
     def n_hyperparameters(self):
@@ -520,6 +509,7 @@ class RowwiseAdagrad(_BuiltinOptimizer):
     ``initial_accumulator_value``. With 0 and ``epsilon > 0`` this is FBGEMM's ``EXACT_ROWWISE_ADAGRAD``.
     One of ``initial_accumulator_value`` and ``epsilon`` must be positive.""" + _COMMON_DOC
     _row = rowwise_adagrad_row
+    _composes_options = False
     _n_specific = 1
     slot_names = ("accumulators",)
     slot_dims = (1,)
