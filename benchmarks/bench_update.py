@@ -21,10 +21,10 @@ steps; medians are over all steps of all rounds):
    initializer=Zeros(), combiner="sum")), Adagrad(...))``; per step one lookup (not timed) gives ``ctx``,
    then only ``emb.apply_gradients(grads, ctx)`` is timed (validation + dedup + gradient reduction + fused
    update).
-2. ``embedcore kernels``: the three kernels that ``Embedding._apply`` calls, called directly on a separate
-   copy of the table: ``kernels.dedup.unique_rows`` (radix sort) and the fused
-   update kernel from ``kernels.update.update_kernel`` (it sums each row's gradient as it updates the row).
-   Each phase is timed too.
+2. ``embedcore kernels``: the two kernels that ``Embedding._apply`` calls, called directly on a separate
+   copy of the table: ``kernels.dedup.group_rows`` (radix sort carrying each occurrence's activation row
+   and gain) and the fused update kernel from ``kernels.update.fused_update_kernel`` (it sums each row's
+   gradient as it updates the row). Each phase is timed too.
 3. ``numpy add.at``: ``np.unique(return_inverse=True)``, ``np.add.at`` to sum gradients per unique id,
    fancy-index gather, Adagrad math, scatter back (own copy of the table).
 4. ``numpy argsort+reduceat``: the same with a stable ``argsort`` and ``np.add.reduceat`` instead of
@@ -65,9 +65,9 @@ import numba
 from numba import njit, prange
 
 import embedcore
-from embedcore.kernels.dedup import unique_rows
 from embedcore.bench.machine import cpu_snapshot, others_share, peak_rss_gb
-from embedcore.kernels.update import update_kernel
+from embedcore.kernels.dedup import group_rows
+from embedcore.kernels.update import fused_update_kernel
 from embedcore.kernels.workspace import Workspace
 
 LEARNING_RATE = 0.01
@@ -171,13 +171,13 @@ class KernelPath:
         self.step += 1
         lr, hyper = self.optimizer.step_values(self.step)
         t0 = time.perf_counter()
-        uniq, ptr, order = unique_rows(tb.rows, self.n_rows, self.ws)
+        uniq, ptr, (src_row, src_gain) = group_rows(tb.rows, self.n_rows, tb.out_row, tb.gains, self.ws)
         t1 = time.perf_counter()
         status = np.zeros(uniq.shape[0] if self.lazy else self.table.shape[0], np.uint8)
-        kernel = update_kernel(self.row_function, lazy=self.lazy)
-        kernel(self.table, self.slots, uniq, ptr, order, tb.out_row, tb.gains, d_act, lr, hyper, status)
+        kernel = fused_update_kernel(self.row_function, lazy=self.lazy)
+        flagged = kernel(self.table, self.slots, uniq, ptr, src_row, src_gain, d_act, lr, hyper, status)
         t2 = time.perf_counter()
-        assert not status.any()
+        assert not flagged
         return uniq.shape[0], {"dedup": t1 - t0, "reduce+update": t2 - t1}
 
 

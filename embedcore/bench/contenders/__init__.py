@@ -75,6 +75,7 @@ class Contender:
 # name -> (module, class); the order is the order of the printed table.
 REGISTRY = {
     "embedcore": ("embedcore_engine", "EmbedcoreContender"),
+    "embedcore-custom": ("embedcore_custom", "EmbedcoreCustomContender"),
     "embedcore-torch": ("embedcore_torch", "EmbedcoreTorchContender"),
     "fbgemm": ("fbgemm_tbe", "FbgemmContender"),
     "torch": ("torch_bag", "TorchBagContender"),
@@ -82,7 +83,7 @@ REGISTRY = {
     "tensorflow": ("tf_sparse", "TensorflowContender"),
     "numpy": ("numpy_ref", "NumpyContender"),
 }
-DEFAULT = ("embedcore", "fbgemm", "torch", "jax", "tensorflow", "numpy")
+DEFAULT = ("embedcore", "embedcore-custom", "fbgemm", "torch", "jax", "tensorflow", "numpy")
 
 
 def load(name: str, threads: int) -> Contender:
