@@ -32,10 +32,11 @@ Per step every rank waits at a barrier (not timed), then times ``lookup`` and ``
   rank itself used in them (its wall time minus that is waiting: for peers, or for a core); samples/s per
   rank = ``B / median step``.
 * job: per step the slowest rank's step time; job samples/s = ``K B / median of that``.
-* bytes per rank per step, counted from the routes of each step's lookup context (not measured on a wire):
+* bytes per rank per step, counted from the route of each step's lookup context (not measured on a wire):
   lookup request ids (8 B per unique id sent to its owner), returned rows (``dim * 4`` B per id), gradient
   sums (``dim * 4`` B per unique id), each sent and received, "remote" excluding what a rank sends to itself
-  (MPI copies that in memory) and "all" including it; plus the per-table count exchange (8 B to every rank).
+  (MPI copies that in memory) and "all" including it; plus the lookup's count all-to-all (8 B to every rank;
+  the agreements' all-reduces are not counted).
 * memory per rank: bytes of this rank's tables and slots (``emb.embedding_tables`` / ``slot_variables``
   nbytes) and the process's VmRSS (after imports, after making the batches, after building the engine, at the
   end of the timed loop) and VmHWM (peak; both before any ``--baseline`` engine is built).
@@ -100,7 +101,7 @@ def _parser():
                    help="with one rank: also time a single-process embedcore.Embedding on the same batches")
     p.add_argument("--wait", choices=("engine", "yield"), default="engine",
                    help="how a rank waits for a collective: 'engine' (default) as the engine does (poll "
-                        "Request.Test with sleeps backing off from 10 us to 10 ms); 'yield' (diagnostic: the "
+                        "Request.Test yielding the core for 50 ms, then sleeping up to 1 ms); 'yield' (diagnostic: the "
                         "benchmark replaces Exchanger._wait) polls Test with os.sched_yield() between polls, "
                         "same deadline")
     p.add_argument("--json", default=None, help="rank 0 writes the results here")
@@ -130,39 +131,25 @@ def make_batches(ds, rank, world, batch, n_steps, dim, seed):
     return out
 
 
-def route_bytes(ctx, rank, dim):
-    """Bytes this rank sends and receives in one step, from the lookup context's routes."""
-    ids_out = ids_in = ids_out_all = ids_in_all = 0
-    unique = occurrences = 0
-    for route in ctx.table_batches:
-        s, r = route.send_counts, route.recv_counts
-        ids_out_all += int(s.sum())
-        ids_in_all += int(r.sum())
-        ids_out += int(s.sum() - s[rank])
-        ids_in += int(r.sum() - r[rank])
-        unique += int(route.uniq.shape[0])
-        occurrences += int(route.tb.rows.shape[0])
-    world = len(ctx.table_batches[0].send_counts) if ctx.table_batches else 1
-    row = dim * FLOAT_BYTES
-    n_tables = len(ctx.table_batches)
-    counts = n_tables * (world - 1) * ID_BYTES  # the count all-to-all before each table's lookup, remote part
-    remote = {
-        "lookup_ids_sent": ids_out * ID_BYTES, "lookup_ids_received": ids_in * ID_BYTES,
-        "lookup_rows_sent": ids_in * row, "lookup_rows_received": ids_out * row,
-        "grad_sums_sent": ids_out * row, "grad_sums_received": ids_in * row,
-        "counts_sent": counts, "counts_received": counts,
-    }
-    remote["sent"] = sum(v for k, v in remote.items() if k.endswith("_sent"))
-    remote["received"] = sum(v for k, v in remote.items() if k.endswith("_received"))
-    everything = {"sent": ids_out_all * ID_BYTES + ids_in_all * row + ids_out_all * row + n_tables * world * 8,
-                  "received": ids_in_all * ID_BYTES + ids_out_all * row + ids_in_all * row + n_tables * world * 8}
-    return {"remote": remote, "all": everything, "unique_ids": unique, "remote_unique_ids": ids_out,
-            "occurrences": occurrences}
+def route_bytes(ctx, rank):
+    """Bytes this rank sends and receives in one step, from the lookup context's route."""
+    route = ctx.route
+    moved = route.bytes_moved(rank)
+    world = route.ids_to.shape[0]
+    for scope, peers in (("remote", world - 1), ("all", world)):
+        b = moved[scope]
+        b["counts_sent"] = b["counts_received"] = ID_BYTES * peers  # the one count all-to-all of the lookup
+        b["sent"] = sum(v for k, v in b.items() if k.endswith("_sent"))
+        b["received"] = sum(v for k, v in b.items() if k.endswith("_received"))
+    return {"remote": moved["remote"], "all": moved["all"],
+            "unique_ids": int(sum(g["uniq"].shape[0] for g in route.groups)),
+            "remote_unique_ids": int(route.ids_to.sum() - route.ids_to[rank]),
+            "occurrences": int(sum(g["tb"].rows.shape[0] for g in route.groups))}
 
 
-def timed_loop(emb, batches, warmup, barrier=None):
-    """Run every step; time those after ``warmup``. Returns one record per timed step (with its context, whose
-    routes ``route_bytes`` reads: the engine's private ``_Route`` fields ``send_counts``/``recv_counts``)."""
+def timed_loop(emb, batches, warmup, barrier=None, rank=None):
+    """Run every step; time those after ``warmup``. Returns one record per timed step (with the bytes of its
+    route, counted after the step, untimed, when ``rank`` is given)."""
     records = []
     for t, (ids, weights, grads) in enumerate(batches):
         if barrier is not None:
@@ -174,7 +161,8 @@ def timed_loop(emb, batches, warmup, barrier=None):
         w2, c2 = time.perf_counter(), time.process_time()
         if t >= warmup:
             records.append({"lookup_s": w1 - w0, "apply_s": w2 - w1, "step_s": w2 - w0,
-                            "lookup_cpu_s": c1 - c0, "apply_cpu_s": c2 - c1, "ctx": ctx})
+                            "lookup_cpu_s": c1 - c0, "apply_cpu_s": c2 - c1,
+                            "bytes": route_bytes(ctx, rank) if rank is not None else None})
     return records
 
 
@@ -234,17 +222,14 @@ def run(args):
     snap0 = _cpu_snapshot()
     cpu0 = time.process_time()
     wall0 = time.perf_counter()
-    records = timed_loop(emb, batches, args.warmup, barrier=comm.Barrier)
+    records = timed_loop(emb, batches, args.warmup, barrier=comm.Barrier, rank=rank)
     wall = time.perf_counter() - wall0
     my_cpu = time.process_time() - cpu0
     comm.Barrier()
     snap1 = _cpu_snapshot()
     load_after = _loadavg()
 
-    per_step = []
-    for rec in records:
-        b = route_bytes(rec.pop("ctx"), rank, args.dim)
-        per_step.append(dict(rec, bytes=b))
+    per_step = records
     remote_keys = list(per_step[0]["bytes"]["remote"]) if per_step else []
     mine = {
         "rank": rank,
@@ -334,8 +319,8 @@ def summary_row(result):
         "samples_per_s_job": result["job"]["samples_per_s"],
         "unique_ids": mean("unique_ids"), "remote_unique_ids": mean("remote_unique_ids"),
         "sent_remote_kb": br("sent") / 1e3, "received_remote_kb": br("received") / 1e3,
-        "lookup_ids_sent_kb": br("lookup_ids_sent") / 1e3, "lookup_rows_received_kb": br("lookup_rows_received") / 1e3,
-        "grad_sums_sent_kb": br("grad_sums_sent") / 1e3,
+        "lookup_ids_sent_kb": br("ids_sent") / 1e3, "lookup_rows_received_kb": br("rows_received") / 1e3,
+        "grad_sums_sent_kb": br("grads_sent") / 1e3,
         "sent_all_kb": float(np.mean([r["bytes_all"]["sent"] for r in ranks])) / 1e3,
         "tables_slots_mb": mean("table_bytes") / 1e6 + mean("slot_bytes") / 1e6,
         "rss_end_mb": mean("rss_end_mb"), "peak_rss_mb": mean("peak_rss_mb"),

@@ -1,10 +1,14 @@
-"""Sharded tables over MPI ranks equal one process fed the concatenated batches (mpiexec -n 1..4)."""
+"""Sharded tables over MPI ranks equal one process fed the concatenated batches (mpiexec -n 1..4); failures
+are refused on every rank, or end the job in bounded time; checkpoints commit only whole."""
 
+import functools
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -18,112 +22,24 @@ import mpi_train  # noqa: E402
 
 WORKERS = os.path.join(os.path.dirname(__file__), "workers")
 MPIEXEC = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec")
-STEPS = 4
+STEPS, SAVED_AT = 4, 2
 
 
-def mpirun(n, script, *args, timeout=240):
+def mpirun(n, script, *args, timeout=240, python=()):
     if MPIEXEC is None:
         pytest.fail("mpi4py is installed but no mpiexec was found (pip install 'embedcore[mpi]' brings one)")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(__file__)),
                                                       os.environ.get("PYTHONPATH", "")]))
-    return subprocess.run([MPIEXEC, "-n", str(n), sys.executable, os.path.join(WORKERS, script), *map(str, args)],
-                          capture_output=True, text=True, timeout=timeout, env=env)
+    return subprocess.run([MPIEXEC, "-n", str(n), sys.executable, *python, os.path.join(WORKERS, script),
+                           *map(str, args)], capture_output=True, text=True, timeout=timeout, env=env)
 
 
-@pytest.fixture(scope="module")
-def one_process():
-    """Single-process Embedding trained on the global batches, samples ordered as the ranks concatenate them."""
-    results = {}
-
-    def run(world):
-        if world not in results:
-            features, optimizer = mpi_train.config()
-            emb = ec.Embedding(features, optimizer, seed=3)
-            order = np.concatenate([np.arange(k, mpi_train.GLOBAL, world) for k in range(world)])
-            for t in range(STEPS):
-                f, w, seed = mpi_train.take(mpi_train.global_batch(t, mpi_train.GLOBAL), order)
-                weights = {"user": None, "items": w["items"], "recent": None, "tags": None}
-                acts, ctx = emb.lookup(f, weights)
-                emb.apply_gradients(mpi_train.gradients(acts, seed, order), ctx)
-            results[world] = emb
-        return results[world]
-    return run
-
-
-@pytest.mark.parametrize("world", [1, 2, 3, 4])
-def test_sharded_training_equals_one_process(tmp_path, one_process, world):
-    out = tmp_path / "tables.npz"
-    proc = mpirun(world, "mpi_train.py", out, STEPS)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    facts = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert facts["world"] == world and facts["step"] == STEPS
-    # Rows per rank: about 1/world of each table (memory per rank ~ 1/N).
-    assert facts["rows"]["items"] == len(range(0, 257, world)) or facts["rows"]["items"] == 257 // world
-    emb = one_process(world)
-    got = np.load(out)
-    for name, table in emb.embedding_tables.items():
-        tolerance = {"rtol": 0, "atol": 0} if world == 1 else {"rtol": 1e-5, "atol": 1e-6}
-        np.testing.assert_allclose(got[f"{name}/weights"], table, err_msg=name, **tolerance)
-        for slot, value in emb.slot_variables[name].items():
-            np.testing.assert_allclose(got[f"{name}/{slot}"], value, err_msg=f"{name}/{slot}", **tolerance)
-
-
-def rank_reports(out_dir):
-    reports = {}
-    for name in os.listdir(out_dir):
-        with open(os.path.join(out_dir, name)) as f:
-            facts = json.load(f)
-        reports[facts["rank"]] = facts
-    return reports
-
-
-def test_a_config_that_differs_between_ranks_is_refused_everywhere(tmp_path):
-    proc = mpirun(3, "mpi_failures.py", "config", tmp_path, timeout=180)
-    reports = rank_reports(tmp_path)
-    assert sorted(reports) == [0, 1, 2], proc.stdout + proc.stderr[-2000:]
-    for r in reports.values():
-        assert r["stage"] == "construct"
-        assert "configuration" in r["error"] and "ranks [1] disagree with rank 0" in r["error"]
-
-
-@pytest.mark.parametrize("mode, match", [("bad_ids", "rank 1: .*feature 'f'.*40"),
-                                         ("nan", "rank 1: .*NaN")])
-def test_bad_input_on_one_rank_is_refused_on_every_rank_and_changes_nothing(tmp_path, mode, match):
-    proc = mpirun(2, "mpi_failures.py", mode, tmp_path, timeout=180)
-    reports = rank_reports(tmp_path)
-    assert sorted(reports) == [0, 1], proc.stdout + proc.stderr[-2000:]
-    import re
-    for r in reports.values():
-        assert r["stage"] == "step" and r["step"] == 0 and r["unchanged"], r
-        assert re.search(match, r["error"]), r["error"]
-
-
-def test_a_stuck_rank_makes_the_others_fail_within_the_timeout(tmp_path):
-    import time
-    start = time.monotonic()
-    proc = mpirun(3, "mpi_failures.py", "stuck", tmp_path, timeout=180)
-    reports = rank_reports(tmp_path)
-    for rank in (0, 2):
-        assert reports[rank]["type"] == "DistributedError", reports
-        assert "did not complete within 5 s" in reports[rank]["error"]
-    assert time.monotonic() - start < 170
-
-
-def test_a_dead_rank_ends_the_job_with_an_error_not_a_hang(tmp_path):
-    proc = mpirun(3, "mpi_failures.py", "die", tmp_path, timeout=180)  # raises TimeoutExpired on a hang
-    assert proc.returncode != 0
-    assert 1 not in rank_reports(tmp_path)
-
-
-def reference_run(orders):
-    """One process, step t fed the global batch in the sample order ``orders[t]`` (the world size then)."""
-    features, optimizer = mpi_train.config()
-    emb = ec.Embedding(features, optimizer, seed=3)
-    for t, world in enumerate(orders):
-        order = np.concatenate([np.arange(k, mpi_train.GLOBAL, world) for k in range(world)])
-        f, w, seed = mpi_train.take(mpi_train.global_batch(t, mpi_train.GLOBAL), order)
-        acts, ctx = emb.lookup(f, {"user": None, "items": w["items"], "recent": None, "tags": None})
-        emb.apply_gradients(mpi_train.gradients(acts, seed, order), ctx)
+@functools.lru_cache(maxsize=None)
+def reference(worlds):
+    """One process trained on the global batches, step t's samples in the order the ranks of a job of
+    ``worlds[t]`` ranks hold them (their concatenation), with the workers' schedule."""
+    emb = ec.Embedding(*mpi_train.config(), seed=3)
+    mpi_train.train(emb, len(worlds), lambda t: np.concatenate(mpi_train.assignment(t, worlds[t])))
     return emb
 
 
@@ -135,21 +51,188 @@ def assert_tables(npz, emb, exact):
             np.testing.assert_allclose(npz[f"{name}/{slot}"], value, err_msg=f"{name}/{slot}", **tolerance)
 
 
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """``trained(K)``: a K-rank job's run of mpi_train (4 steps, a checkpoint at step 2, placeholders poisoned)."""
+    runs = {}
+
+    def run(world):
+        if world not in runs:
+            d = tmp_path_factory.mktemp(f"world{world}")
+            proc = mpirun(world, "mpi_train.py", d / "tables.npz", STEPS, "--save-at", SAVED_AT, d / "ckpt",
+                          "--poison", 1)
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            runs[world] = {"dir": d, "facts": json.loads(proc.stdout.strip().splitlines()[-1])}
+        return runs[world]
+    return run
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_sharded_training_equals_one_process(trained, world):
+    # Covered on the way: tables of two dims in one exchange, a rank with no samples in every step (K > 1),
+    # a non-lazy Adam table of 2 rows (ranks owning none of it for K > 2: their placeholder row holds NaN and
+    # must not show), two lookups before the first one's update.
+    run = trained(world)
+    facts = run["facts"]
+    assert facts["world"] == world and facts["step"] == STEPS
+    assert facts["rows"]["items"] in (257 // world, -(-257 // world))  # memory per rank ~ 1/N
+    placeholders = [z for z in facts["placeholders_were_zero"] if z is not None]  # per rank owning no rows
+    assert len(placeholders) >= (world > 2) and all(placeholders)
+    assert_tables(np.load(run["dir"] / "tables.npz"), reference((world,) * STEPS), exact=(world == 1))
+
+
 @pytest.mark.parametrize("written, read", [(4, 2), (2, 3), (1, 4), (3, 1)])
-def test_checkpoints_move_between_world_sizes(tmp_path, written, read):
-    ckpt = tmp_path / "ckpt"
-    proc = mpirun(written, "mpi_train.py", tmp_path / "saved.npz", 2, "--save", ckpt)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    saved = np.load(tmp_path / "saved.npz")
+def test_checkpoints_move_between_world_sizes(trained, tmp_path, written, read):
+    run = trained(written)
+    ckpt = run["dir"] / "ckpt"
+    saved = np.load(run["dir"] / "tables.npz.saved.npz")
     # One process without MPI reads the sharded checkpoint whole.
     alone = ec.Embedding.restore(ckpt)
-    assert alone.step == 2
+    assert alone.step == SAVED_AT
     assert_tables(saved, alone, exact=True)
     names = sorted(os.listdir(open_snapshot(ckpt).dir))
     assert sum(n.startswith("table-0000-shard-") for n in names) == written
     # Another world size loads exactly those tables and trains on.
     out = str(tmp_path / "resumed.npz")
-    proc = mpirun(read, "mpi_train.py", out, 4, "--resume", ckpt)
+    proc = mpirun(read, "mpi_train.py", out, STEPS, "--resume", ckpt)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_tables(np.load(out + ".loaded.npz"), alone, exact=True)
-    assert_tables(np.load(out), reference_run([written] * 2 + [read] * 2), exact=(written == read == 1))
+    assert_tables(np.load(out), reference((written,) * SAVED_AT + (read,) * (STEPS - SAVED_AT)),
+                  exact=(written == read == 1))
+
+
+def rank_reports(out_dir):
+    reports = {}
+    for name in os.listdir(out_dir):
+        if name.startswith("rank-"):
+            with open(os.path.join(out_dir, name)) as f:
+                facts = json.load(f)
+            reports[facts["rank"]] = facts
+    return reports
+
+
+@pytest.fixture(scope="module")
+def refusals(tmp_path_factory):
+    out, ckpt = tmp_path_factory.mktemp("refusals"), tmp_path_factory.mktemp("refusals_ckpt")
+    proc = mpirun(3, "mpi_failures.py", "refusals", out, ckpt, timeout=240)
+    reports = rank_reports(out)
+    assert sorted(reports) == [0, 1, 2], proc.stdout + proc.stderr[-3000:]
+    return {"ranks": {k: r["scenarios"] for k, r in reports.items()}, "reports": reports, "dir": out, "ckpt": ckpt}
+
+
+def test_configurations_that_differ_or_fail_on_one_rank_are_refused_everywhere(refusals):
+    for r in refusals["reports"].values():
+        assert "configuration" in r["differing"] and "ranks [1] disagree with rank 0" in r["differing"]
+        # Not a timeout: the failing rank took part in the agreement.
+        assert re.search(r"refused on 1 of 3 ranks.*rank 1: ValueError: feature_config entry 'f' must be a "
+                         r"FeatureConfig", r["invalid_on_one"]), r["invalid_on_one"]
+        assert r["good"] is None
+
+
+REFUSED = {  # scenario -> (pattern every rank's error matches, the exception type)
+    "bad_ids": (r"lookup was refused on 1 of 3 ranks.*rank 1: feature 'f': id 40", "DistributedError"),
+    "out_of_memory": (r"lookup was refused on 1 of 3 ranks.*rank 1: MemoryError: cannot allocate", "DistributedError"),
+    "nan_gradient": (r"apply_gradients was refused on 1 of 3 ranks.*rank 1: .*holds nan", "DistributedError"),
+    "foreign_context": (r"refused on 1 of 3 ranks.*rank 1: ctx must be the context returned by this engine",
+                        "DistributedError"),
+    "consumed_context": (r"refused on 1 of 3 ranks.*rank 1: .*already applied", "DistributedError"),
+    "different_lookups": (r"ranks disagree: rank 0: .*lookup number (\d+); rank 1: .*lookup number (?!\1)\d+",
+                          "DistributedError"),
+    "message_too_large": (r"lookup: some rank's message would hold 160 elements, more than .* \(60", "DistributedError"),
+    "second_thread": (r"cannot lookup: another thread is using this ShardedEmbedding", "RuntimeError"),
+    "load_different_checkpoints": (r"load was refused on every rank.*rank 0: read snapshot snapshot-0+(\d+)-.*/a; "
+                                   r"rank 1: read snapshot snapshot-0+(?!\1)\d+-.*/b", "DistributedError"),
+    "bad_metadata": (r"save was refused on 1 of 3 ranks.*rank 1: metadata must be JSON", "DistributedError"),
+    "save_fails_on_one_rank": (r"save \(writing shards\) was refused on 1 of 3 ranks.*rank 1: OSError: .*No space "
+                               r"left on device", "DistributedError"),
+}
+
+
+@pytest.mark.parametrize("scenario", sorted(REFUSED))
+def test_a_bad_call_on_one_rank_is_refused_on_every_rank_and_changes_nothing(refusals, scenario):
+    pattern, kind = REFUSED[scenario]
+    for rank, scenarios in refusals["ranks"].items():
+        r = scenarios[scenario]
+        assert r["type"] == kind and r["unchanged"], (rank, r)
+        assert re.search(pattern, r["error"]), (rank, r["error"])
+
+
+def test_after_refusals_the_engine_works_and_contexts_stay_valid(refusals):
+    for scenarios in refusals["ranks"].values():
+        # Both contexts of two back-to-back lookups applied after the refused attempt: two steps.
+        assert scenarios["then_both_apply"] == {"error": None, "unchanged": False, "step": 2}
+        assert scenarios["message_fits"]["error"] is None
+
+
+def test_rows_left_unchanged_and_bad_row_functions_raise_on_every_rank(refusals):
+    for scenarios in refusals["ranks"].values():
+        r = scenarios["overflow"]  # row 5 and 6: two ranks' sums overflow to inf at their owners
+        assert r["type"] == "NonFiniteError" and r["step"] == 3, r
+        assert re.search(r"rows 5\b", r["error"]) and re.search(r"rows 6\b", r["error"]), r["error"]
+        assert "step is now 3 on every rank" in r["error"]
+        r = scenarios["wrong_length"]
+        assert r["type"] == "RowFunctionError" and r["step"] == 1, r
+        assert "short_when_large returned rows of the wrong length" in r["error"]
+
+
+def test_a_save_that_fails_on_one_rank_leaves_the_previous_checkpoint_current(refusals):
+    zero = refusals["ranks"][0]
+    failed = zero["save_fails_on_one_rank"]
+    assert failed["current_step"] == zero["first_save_step"]
+    # Only the previous snapshot is left: the half-written one is gone.
+    assert len(failed["snapshots"]) == 1 and failed["snapshots"][0].startswith(
+        f"snapshot-{zero['first_save_step']:012d}-"), failed["snapshots"]
+    # The next save works and is the only snapshot left.
+    again = zero["save_again"]
+    assert again["error"] is None and again["snapshots"] == [open_snapshot(refusals["ckpt"] / "a").name]
+    alone = ec.Embedding.restore(refusals["ckpt"] / "a")
+    assert alone.step == again["step"]
+    np.testing.assert_array_equal(alone.embedding_tables["t"], np.load(refusals["dir"] / "tables.npy"))
+
+
+def test_a_rank_stuck_during_save_means_no_commit_within_the_timeout(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    start = time.monotonic()
+    proc = mpirun(3, "mpi_failures.py", "save_stuck", tmp_path, ckpt, timeout=180)
+    reports = rank_reports(tmp_path)
+    assert sorted(reports) == [0, 1, 2], proc.stdout + proc.stderr[-2000:]
+    for rank in (0, 2):
+        r = reports[rank]["save"]
+        assert r["type"] == "DistributedError" and "did not complete within 5 s" in r["error"], r
+    assert ec.Embedding.restore(ckpt).step == 1
+    assert time.monotonic() - start < 170
+
+
+def test_a_rank_killed_during_save_leaves_the_previous_checkpoint_and_a_new_job_saves(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    proc = mpirun(3, "mpi_failures.py", "save_killed", tmp_path, ckpt, timeout=180)  # TimeoutExpired on a hang
+    assert proc.returncode != 0
+    reports = rank_reports(tmp_path)
+    assert all(r["first_save"] == 1 and "second_save" not in r for r in reports.values()), reports
+    assert ec.Embedding.restore(ckpt).step == 1
+    again = tmp_path / "again"
+    again.mkdir()
+    proc = mpirun(2, "mpi_failures.py", "resave", again, ckpt, timeout=180)
+    reports = rank_reports(again)
+    assert sorted(reports) == [0, 1], proc.stdout + proc.stderr[-2000:]
+    assert all(r["restored_step"] == 1 and r["saved_step"] == 2 for r in reports.values())
+    assert ec.Embedding.restore(ckpt).step == 2
+    assert [n for n in os.listdir(ckpt) if n.startswith("snapshot-")] == [open_snapshot(ckpt).name]
+
+
+def test_a_stuck_rank_makes_the_others_fail_within_the_timeout_and_end_the_job(tmp_path):
+    start = time.monotonic()
+    proc = mpirun(3, "mpi_failures.py", "stuck", tmp_path, timeout=180, python=("-m", "mpi4py"))
+    reports = rank_reports(tmp_path)
+    for rank in (0, 2):
+        assert reports[rank]["type"] == "DistributedError", reports
+        assert "did not complete within 5 s" in reports[rank]["error"]
+    # Their unhandled error aborted the job long before rank 1 would have woken up (90 s).
+    assert proc.returncode != 0 and 1 not in reports
+    assert time.monotonic() - start < 80
+
+
+def test_a_dead_rank_ends_the_job_with_an_error_not_a_hang(tmp_path):
+    proc = mpirun(3, "mpi_failures.py", "die", tmp_path, timeout=180)  # raises TimeoutExpired on a hang
+    assert proc.returncode != 0
+    assert 1 not in rank_reports(tmp_path)

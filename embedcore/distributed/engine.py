@@ -1,15 +1,18 @@
 """``ShardedEmbedding``: every table split by rows over the processes of an MPI communicator.
 
-Each rank feeds its own local batch (data parallel) and gets its own activations back. Per table and step:
+Each rank feeds its own local batch (data parallel) and gets its own activations back. One step, for all
+tables at once (tables of equal ``dim`` are stacked into one id space, as one process stacks them):
 
 lookup
-    dedup the batch's ids locally; send each unique id to its owner (all-to-all-v, counts first); owners
-    gather the rows from their shard and send them back; each rank combines its activations from the
-    received rows, with the same kernel and order as a single-process lookup (so activations are
-    bit-identical to one process's).
+    dedup the batch's ids locally; one all-to-all of counts (which also agrees on input errors), one
+    all-to-all-v sending every unique id to its owner, one all-to-all-v bringing all their rows back (rows
+    of different widths packed end to end); each rank combines its activations from the received rows with
+    the same kernel and order as a single-process lookup (so activations are bit-identical to one process's).
 apply_gradients
-    sum each unique id's gradient locally (fixed order); send the sums to the owners; each owner runs the
-    fused optimizer on its shard, summing the received sums of one row in rank order.
+    one all-reduce agreeing that every rank's gradients are valid (and belong to the same lookup); sum each
+    unique id's gradient locally (fixed order); one all-to-all-v of all the sums to their owners; each owner
+    runs the fused optimizer on its shards, summing the sums of one row in rank order; one all-reduce
+    agreeing on rows left unchanged (NaN/Inf) or a row function's wrong-length result.
 
 N ranks with local batches b_1..b_N give the tables of one process fed the concatenated batch, up to float32
 summation order: one process sums a row's occurrences left to right, the sharded engine sums each rank's
@@ -24,29 +27,33 @@ is left waiting inside an exchange; a peer that dies or stops answering makes th
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
+from dataclasses import dataclass
 
 import numpy as np
 
 from .. import inputs
-from ..checkpoint import (CheckpointError, check_compatible, check_save_inputs, manifest_of, open_snapshot,
-                          table_rows, write_table_shards)
-from ..checkpoint import _EXTRA
-from ..checkpoint.config_codec import FunctionResolver, decode_engine_config, encode_engine_config
-from ..checkpoint.store import SnapshotWriter
+from ..checkpoint.config_codec import encode_engine_config
+from ..compiler import RowFunctionError, describe
+from ..config import FeatureConfig, TableConfig
 from ..engine import Embedding, NonFiniteError, UpdateReport, _check_gradient
 from ..inputs import InputError
 from ..kernels.dedup import unique_rows
 from ..kernels.rows import gather_combine, sum_gradients
-from ..kernels.update import update_kernel
+from ..kernels.update import STATUS_LENGTH, update_kernel
 from ..kernels.workspace import Workspace
-from ..config import FeatureConfig, TableConfig
 from ..lookup import LookupContext, TableLookup, _PhysicalTable
-from .exchange import DistributedError, Exchanger
-from .sharding import local_index, owners, rotation, shard_of
+from . import checkpoint as _checkpoint
+from .exchange import DistributedError, Exchanger, describe_error
+from .kernels import flat_to_rows, occurrence_unique, rows_to_flat
+from .routing import Layout, Route, resolve, route_requests
+from .sharding import rotation, shard_of
 
-__all__ = ["ShardedEmbedding", "DistributedError"]
+__all__ = ["ShardedEmbedding", "ShardedLookupContext", "DistributedError"]
+
+_WRONG_LENGTH = "[row function] "
 
 
 def _world_comm(comm):
@@ -60,12 +67,32 @@ def _world_comm(comm):
     return MPI.COMM_WORLD
 
 
-class _Route:
-    """One table's lookup routing on this rank: unique ids, who owns them, what peers asked us for."""
+@dataclass
+class ShardedLookupContext(LookupContext):
+    """A :class:`~embedcore.LookupContext` that also holds the lookup's :class:`~.routing.Route`."""
 
-    def __init__(self, tb, uniq, ptr, order, perm, send_counts, recv_counts, asked_local):
-        self.tb, self.uniq, self.ptr, self.order = tb, uniq, ptr, order
-        self.perm, self.send_counts, self.recv_counts, self.asked_local = perm, send_counts, recv_counts, asked_local
+    route: Route = None
+
+
+class _Constants:
+    """Grow-only ``arange`` and ``ones`` (the owner's update sees each received sum as one occurrence)."""
+
+    def __init__(self):
+        self._arange, self._ones = np.zeros(0, np.int64), np.zeros(0, np.float32)
+
+    def get(self, n: int):
+        if self._arange.shape[0] < n:
+            size = max(n, 2 * self._arange.shape[0], 16)
+            self._arange, self._ones = np.arange(size, dtype=np.int64), np.ones(size, np.float32)
+        return self._arange[:n], self._ones[:n]
+
+
+def _attempt(fn):
+    """``(fn(), None, None)``, or ``(None, message, exception)`` if it raised."""
+    try:
+        return fn(), None, None
+    except Exception as e:  # any failure on one rank must reach the agreement, or the others would wait
+        return None, describe_error(e), e
 
 
 class ShardedEmbedding(TableLookup):
@@ -74,32 +101,53 @@ class ShardedEmbedding(TableLookup):
     Args:
         feature_config, optimizer, seed, non_finite: as for :class:`~embedcore.Embedding`; must be equal
             on every rank (checked at construction).
-        comm: an ``mpi4py`` communicator; ``None`` means ``MPI.COMM_WORLD``.
+        comm: an ``mpi4py`` communicator; ``None`` means ``MPI.COMM_WORLD``. ``lookup``,
+            ``apply_gradients``, ``save``, ``load`` and ``gather_tables`` are collectives on it: call them in
+            the same order on every rank (pass ``comm.Dup()`` to keep them apart from your own collectives).
         timeout: seconds any exchange may wait for the other ranks before raising ``DistributedError``.
+
+    Thread safety: one call at a time per engine (lookups too, unlike ``Embedding``: each is a collective);
+    a second thread gets a ``RuntimeError`` and changes nothing.
     """
 
     def __init__(self, feature_config, optimizer=None, *, comm=None, seed=0, non_finite="raise",
                  timeout: float = 120.0):
         self.comm = _world_comm(comm)
         self.rank, self.world_size = self.comm.Get_rank(), self.comm.Get_size()
-        self._exchange = Exchanger(self.comm, timeout)
-        tables = self._init_features(feature_config)
-        config = encode_engine_config(feature_config, tables, optimizer, seed)
-        config["non_finite"] = non_finite
-        self._config = config
-        self._exchange.same_everywhere(json.dumps(config, sort_keys=True), "the embedding configuration "
-                                       "(feature_config, tables, optimizers, seed, non_finite)")
+        self._exchange = ex = Exchanger(self.comm, timeout)
+
+        def describe_config():
+            tables = self._init_features(feature_config)
+            config = encode_engine_config(feature_config, tables, optimizer, seed)
+            config["non_finite"] = non_finite
+            return tables, config
+        result, error, exc = _attempt(describe_config)
+        self._agreed(error, exc, "building the embedding configuration")
+        tables, self._config = result
+        ex.same_everywhere(json.dumps(self._config, sort_keys=True), "the embedding configuration "
+                           "(feature_config, tables, optimizers, seed, non_finite)")
+        _, error, exc = _attempt(lambda: self._build(tables, optimizer, seed, non_finite))
+        self._agreed(error, exc, "building this rank's shards")
+
+    def _build(self, tables, optimizer, seed, non_finite):
         self._optimizer, self.seed, self.non_finite = optimizer, int(seed), non_finite
         self.step = 0
         self.skipped_rows = {}
         self._lock = threading.Lock()
-        # Lookups route by global table: one virtual group per table, its rows held by their owners.
-        self._index_groups([_PhysicalTable([t], [0], t.dim, None) for t in tables])
+        by_dim = {}
+        for t in tables:
+            by_dim.setdefault(t.dim, []).append(t)
+        groups = []
+        for dim, members in by_dim.items():
+            offsets = np.cumsum([0] + [t.vocabulary_size for t in members[:-1]]).tolist()
+            groups.append(_PhysicalTable(members, offsets, dim, None))
+        # Lookups stack the tables of equal dim into one id space each, their rows held by their owners.
+        self._index_groups(groups)
         self._rotation = {t.name: rotation(t.name, self.world_size) for t in tables}
         self.shards = {t.name: shard_of(t.vocabulary_size, self.world_size, self.rank, self._rotation[t.name])
                        for t in tables}
         # This rank's rows: an ordinary engine over the shards (stacked as usual), filled with the values the
-        # whole tables would hold.
+        # whole tables would hold. A shard of no rows keeps one zero placeholder row (tables need a row).
         local_tables = {t.name: TableConfig(max(self.shards[t.name].rows, 1), t.dim, initializer=t.initializer,
                                             optimizer=t.optimizer, combiner=t.combiner, name=t.name) for t in tables}
         self.local = Embedding.__new__(Embedding)
@@ -107,9 +155,36 @@ class ShardedEmbedding(TableLookup):
                           True, fill=False, non_finite=non_finite)
         for t in tables:
             shard = self.shards[t.name]
+            if shard.rows == 0:
+                g, offset = self.local._group_of[id(self.local._table_configs[t.name])]
+                for array in (self.local._groups[g].weights,) + self.local._groups[g].slots:
+                    array[offset] = 0
             self.local._fill_table(self.local._table_configs[t.name], shard.first, shard.stride,
                                    t.vocabulary_size, n_rows=shard.rows)
-        self._workspaces = {t.name: Workspace() for t in tables}
+        self._layout = Layout(self._groups, tables, self._rotation, self.local, self.shards, self.world_size)
+        self._workspace = Workspace()
+        self._batch_workspaces = [Workspace() for _ in groups]  # a lookup's table batches, kept for its update
+        self._constants = _Constants()
+        self._lookups = 0
+        self._pending = None  # the last lookup's route while its gradients are not applied
+
+    def _agreed(self, error, exc, what, **tag):
+        """:meth:`Exchanger.agree`, chaining this rank's own exception to the ``DistributedError``."""
+        try:
+            self._exchange.agree(error, what, **tag)
+        except DistributedError as e:
+            raise e from exc
+
+    @contextlib.contextmanager
+    def _exclusive(self, what: str):
+        self._exchange.check_usable()
+        if not self._lock.acquire(blocking=False):
+            raise RuntimeError(f"cannot {what}: another thread is using this ShardedEmbedding (its calls are "
+                               f"collectives: one at a time)")
+        try:
+            yield
+        finally:
+            self._lock.release()
 
     # -- state -------------------------------------------------------------------------------------------
     @property
@@ -123,19 +198,12 @@ class ShardedEmbedding(TableLookup):
                 for name, slots in self.local.slot_variables.items()}
 
     def gather_tables(self, root: int = 0):
-        """The whole tables and slots on ``root`` (``None`` elsewhere): ``{name: (weights, {slot: array})}``."""
-        out = {}
-        for name, table in self._table_configs.items():
-            shard = self.shards[name]
-            parts = [self.embedding_tables[name]] + list(self.slot_variables[name].values())
-            gathered = self.comm.gather((shard.global_rows(), [np.array(p) for p in parts]), root=root)
-            if self.rank == root:
-                whole = [np.empty((table.vocabulary_size,) + p.shape[1:], np.float32) for p in parts]
-                for rows, pieces in gathered:
-                    for w, piece in zip(whole, pieces):
-                        w[rows] = piece
-                out[name] = (whole[0], dict(zip(self.slot_variables[name], whole[1:])))
-        return out if self.rank == root else None
+        """The whole tables and slots on ``root`` (``None`` elsewhere): ``{name: (weights, {slot: array})}``.
+
+        For tests and small tables: it holds everything on ``root``.
+        """
+        with self._exclusive("gather_tables"):
+            return _checkpoint.gather_tables(self, root)
 
     def __repr__(self):
         return (f"ShardedEmbedding(rank {self.rank} of {self.world_size}; " +
@@ -148,216 +216,164 @@ class ShardedEmbedding(TableLookup):
 
         ``path`` must be on a file system every rank sees. ``extra`` (e.g. the dense model, replicated in
         data-parallel training) is taken from rank 0. The layout is the one single-process checkpoints use,
-        with each table in one shard per rank: it restores on any number of ranks, or on one process.
+        with each table in one shard per rank: it restores on any number of ranks, or on one process. If any
+        rank fails (or stops answering) before every rank has written its part, nothing is committed and the
+        previous checkpoint stays current.
         """
-        ex = self._exchange
-        ex.check_usable()
-        error, writer, name = None, None, None
-        try:
-            extra = check_save_inputs(extra if self.rank == 0 else None, metadata)
-            if self.rank == 0:
-                writer = SnapshotWriter(path, self.step)
-                name = writer.name
-        except (CheckpointError, OSError) as e:
-            error = str(e)
-        ex.agree(error, "save")
-        name = self.comm.bcast(name, root=0)
-        try:
-            if writer is None:
-                writer = SnapshotWriter.attach(path, name)
-            shards = {n: (s.first, s.stride, s.rows) for n, s in self.shards.items()}
-            entries = write_table_shards(writer, self._table_configs, self.embedding_tables, self.slot_variables,
-                                         shards, suffix=f"-shard-{self.rank:05d}-of-{self.world_size:05d}")
-            if self.rank == 0 and extra:
-                writer.add(_EXTRA, extra)
-            error = None
-        except (CheckpointError, OSError) as e:
-            error = str(e)
-        try:
-            ex.agree(error, "save (writing shards)")
-        except DistributedError:
-            if self.rank == 0:
-                writer.abort()
-            raise
-        parts = self.comm.gather((entries, writer.files), root=0)
-        error = None
-        if self.rank == 0:
-            try:
-                merged = {}
-                for part_entries, files in parts:
-                    writer.files.update(files)
-                    for table, entry in part_entries.items():
-                        merged.setdefault(table, dict(entry, shards=[]))["shards"] += entry["shards"]
-                writer.commit(manifest_of(self.step, self._config, merged, _EXTRA if extra else None, metadata))
-            except BaseException as e:
-                writer.abort()
-                error = f"{type(e).__name__}: {e}"
-        ex.agree(error, "save (commit)")
-        return writer.dir
+        with self._exclusive("save"):
+            return _checkpoint.save(self, path, extra, metadata)
 
     def load(self, path, strict: bool = True) -> None:
-        """Load this rank's rows of a checkpoint written by any number of ranks (or one process)."""
-        ex = self._exchange
-        ex.check_usable()
-        staged, error = [], None
-        try:
-            snap = open_snapshot(path)
-            slots = self.slot_variables
-            check_compatible(snap, self._config, {n: list(v) for n, v in slots.items()}, strict)
-            for name, table in self.embedding_tables.items():
-                shard = self.shards[name]
-                targets = {"weights": table}
-                targets.update({f"slot/{s}": v for s, v in slots[name].items()})
-                for key, target in targets.items():
-                    rows = table_rows(snap, name, key, shard.first, shard.stride, shard.rows)
-                    if rows.shape != target.shape:
-                        raise CheckpointError(f"{snap.dir}: table '{name}' tensor '{key}' rows have shape "
-                                              f"{rows.shape[1:]}, the engine needs {target.shape[1:]}")
-                    staged.append((target, rows))
-        except CheckpointError as e:
-            error = str(e)
-        ex.agree(error, "load")
-        for target, rows in staged:
-            target[...] = rows
-        self.step = snap.step
+        """Load this rank's rows of a checkpoint written by any number of ranks (or one process).
+
+        Verified on every rank before anything changes; refused on every rank if any rank finds it corrupt
+        or incompatible, or if the ranks read different checkpoints.
+        """
+        with self._exclusive("load"):
+            _checkpoint.load(self, path, strict)
 
     @classmethod
     def restore(cls, path, *, comm=None, functions=None, allow_import: bool = False, timeout: float = 120.0):
         """A sharded engine built from a checkpoint's configuration (see ``Embedding.restore``)."""
-        snap = open_snapshot(path)
-        features, optimizer, seed = decode_engine_config(snap.manifest["config"],
-                                                         FunctionResolver(functions, allow_import))
-        emb = cls(features, optimizer, comm=comm, seed=seed, timeout=timeout,
-                  non_finite=snap.manifest["config"].get("non_finite", "raise"))
-        emb.load(path, strict=False)
-        return emb
+        return _checkpoint.restore(cls, path, _world_comm(comm), functions, allow_import, timeout)
 
     # -- lookup ------------------------------------------------------------------------------------------
     def lookup(self, features, weights=None):
-        """This rank's activations for its local batch, and the context for :meth:`apply_gradients`."""
-        self._exchange.check_usable()
-        try:
+        """This rank's activations for its local batch, and the context for :meth:`apply_gradients`.
+
+        A context stays valid until its gradients are applied, whatever lookups come in between (a lookup
+        made while an earlier one's gradients are pending copies the earlier one's routing first).
+        """
+        with self._exclusive("lookup"):
+            return self._lookup(features, weights)
+
+    def _lookup(self, features, weights):
+        ex, layout, ws = self._exchange, self._layout, self._workspace
+        if self._pending is not None:
+            self._pending.detach()
+            self._pending = None
+
+        def requests():
             slots, parts = self._prepare(features, weights)
-            error = None
-        except InputError as e:
-            error = str(e)
-        self._exchange.agree(error, "lookup")
-        routes, acts = [], []
-        for group, group_parts in zip(self._groups, parts):
-            table = group.tables[0]
-            tb = inputs.build_table_batch(group_parts) if group_parts else inputs.build_table_batch([])
-            route = self._route(table, tb)
-            rows_u = self._fetch_rows(table, route)
-            occurrence_unique = np.empty(tb.rows.shape[0], np.int64)
-            occurrence_unique[route.order] = np.repeat(np.arange(route.uniq.shape[0]), np.diff(route.ptr))
+            batches = [inputs.build_table_batch(p, w) for p, w in zip(parts, self._batch_workspaces)]
+            return slots, *route_requests(layout, self._groups, batches, ws, self._lookups + 1)
+        result, error, exc = _attempt(requests)
+        try:
+            route = result[1] if result else None
+            route_ids_from = ex.counts(route.ids_to if route else None, error, "lookup")
+            ex.check_sizes(max(int(route.ids_to.sum()), int(route_ids_from.sum())) * layout.max_dim, "lookup")
+        except DistributedError as e:
+            raise e from exc
+        slots, route, send_ids = result
+        route.ids_from = route_ids_from
+        recv_ids = ws.array("recv_ids", int(route.ids_from.sum()), np.int64)
+        ex.alltoallv(send_ids, route.ids_to, recv_ids, route.ids_from, "lookup (ids)")
+        resolve(layout, route, recv_ids, ws)
+        answer = ws.array("answer", int(route.floats_to.sum()), np.float32)
+        for lg, group in enumerate(self.local._groups):
+            lo, hi = route.group_ptr[lg], route.group_ptr[lg + 1]
+            rows_to_flat(group.weights, route.own_rows[lo:hi], route.own_offset[lo:hi], answer)
+        received = ws.array("rows_in", int(route.floats_from.sum()), np.float32)
+        ex.alltoallv(answer, route.floats_to, received, route.floats_from, "lookup (rows)")
+        acts = []
+        for k, (group, g) in enumerate(zip(self._groups, route.groups)):
+            tb = g["tb"]
+            rows_u = ws.array(f"rows_{k}", (g["uniq"].shape[0], group.dim), np.float32)
+            flat_to_rows(received, g["row_offset"], rows_u)
+            occurrence = ws.array(f"occurrence_{k}", tb.rows.shape[0], np.int64)
+            occurrence_unique(g["ptr"], g["order"], occurrence)
             act = np.zeros((tb.n_out, group.dim), np.float32)
             if tb.n_out:
-                gather_combine(rows_u, occurrence_unique, tb.gains, tb.out_ptr, act)
-            routes.append(route)
+                gather_combine(rows_u, occurrence, tb.gains, tb.out_ptr, act)
             acts.append(act)
+        self._lookups = route.seq
+        self._pending = route
         activations = [acts[s.group][s.out_offset:s.out_offset + s.n_rows].reshape(s.shape) for s in slots]
-        ctx = LookupContext(id(self), routes, slots)
+        ctx = ShardedLookupContext(id(self), [g["tb"] for g in route.groups], slots, route=route)
         return inputs.unflatten(self._feature_config, activations), ctx
-
-    def _route(self, table, tb) -> _Route:
-        rot = self._rotation[table.name]
-        uniq, ptr, order = unique_rows(tb.rows, table.vocabulary_size, self._workspaces[table.name])
-        uniq, ptr, order = uniq.copy(), ptr.copy(), order.copy()  # the workspace is reused by apply
-        owner = owners(uniq, self.world_size, rot)
-        perm = np.argsort(owner, kind="stable")
-        send_counts = np.bincount(owner, minlength=self.world_size).astype(np.int64)
-        what = f"lookup of table '{table.name}'"
-        recv_counts = self._exchange.counts(send_counts, what)
-        asked = self._exchange.rows(uniq[perm], send_counts, recv_counts, what)
-        return _Route(tb, uniq, ptr, order, perm, send_counts, recv_counts,
-                      local_index(asked, self.world_size, rot))
-
-    def _fetch_rows(self, table, route: _Route) -> np.ndarray:
-        mine = self.local.embedding_tables[table.name]
-        answer = mine[route.asked_local]
-        received = self._exchange.rows(answer, route.recv_counts, route.send_counts,
-                                       f"lookup of table '{table.name}' (rows)")
-        rows_u = np.empty_like(received)
-        rows_u[route.perm] = received
-        return rows_u
 
     # -- update ------------------------------------------------------------------------------------------
     def apply_gradients(self, gradients, ctx: LookupContext):
-        """Apply this rank's activation gradients; every rank must call it for the same step."""
-        if not isinstance(ctx, LookupContext) or ctx.engine_id != id(self):
-            raise InputError("ctx must be the context returned by this engine's lookup")
-        if not self._lock.acquire(blocking=False):
-            raise RuntimeError("cannot apply_gradients: another thread is using this ShardedEmbedding")
-        try:
+        """Apply this rank's activation gradients; every rank must call it for the same lookup."""
+        with self._exclusive("apply_gradients"):
             return self._apply(gradients, ctx)
-        finally:
-            self._lock.release()
+
+    def _checked_gradients(self, gradients, ctx):
+        if not isinstance(ctx, ShardedLookupContext) or ctx.engine_id != id(self):
+            raise InputError("ctx must be the context returned by this engine's lookup")
+        if ctx.consumed:
+            raise InputError("these activations' gradients were already applied; look up again")
+        leaves = inputs.flatten_like(self._feature_config, gradients, "gradients")
+        refuse = self.non_finite == "raise"
+        return [_check_gradient(grad, s, refuse) for grad, s in zip(leaves, ctx.features)]
 
     def _apply(self, gradients, ctx):
-        self._exchange.check_usable()
-        try:
-            if ctx.consumed:
-                raise InputError("these activations' gradients were already applied; look up again")
-            leaves = inputs.flatten_like(self._feature_config, gradients, "gradients")
-            refuse = self.non_finite == "raise"
-            checked = [_check_gradient(grad, s, refuse) for grad, s in zip(leaves, ctx.features)]
-            error = None
-        except InputError as e:
-            error = str(e)
-        self._exchange.agree(error, "apply_gradients")
+        ex, ws = self._exchange, self._workspace
+        checked, error, exc = _attempt(lambda: self._checked_gradients(gradients, ctx))
+        seq = ctx.route.seq if error is None else -1
+        self._agreed(error, exc, "apply_gradients", tag=seq,
+                     tag_text=lambda: f"applies the gradients of this engine's lookup number {seq}")
+        route = ctx.route
         step = self.step + 1
-        incoming = {}
-        for g, (group, route) in enumerate(zip(self._groups, ctx.table_batches)):
-            table = group.tables[0]
-            d_act = Embedding._gradient_rows(g, group, route.tb, checked, ctx.features)
-            sums = np.empty((route.uniq.shape[0], group.dim), np.float32)
+        sums_out = ws.array("grads_out", int(route.floats_from.sum()), np.float32)
+        for k, (group, g) in enumerate(zip(self._groups, route.groups)):
+            tb = g["tb"]
+            d_act = Embedding._gradient_rows(k, group, tb, checked, ctx.features)
+            sums = ws.array(f"sums_{k}", (g["uniq"].shape[0], group.dim), np.float32)
             if sums.shape[0]:
-                sum_gradients(sums, route.ptr, route.order, route.tb.out_row, route.tb.gains, d_act)
-            received = self._exchange.rows(sums[route.perm], route.send_counts, route.recv_counts,
-                                           f"apply_gradients of table '{table.name}'")
-            incoming[table.name] = (route.asked_local, received)
-        report = self._update_shards(incoming, step)
+                sum_gradients(sums, g["ptr"], g["order"], tb.out_row, tb.gains, d_act)
+            rows_to_flat(sums, self._constants.get(sums.shape[0])[0], g["row_offset"], sums_out)
+        sums_in = ws.array("grads_in", int(route.floats_to.sum()), np.float32)
+        ex.alltoallv(sums_out, route.floats_from, sums_in, route.floats_to, "apply_gradients (gradient sums)")
+        report, wrong_length = self._update_shards(route, sums_in, step)
         self.step = step
         ctx.consumed = True
+        if self._pending is route:
+            self._pending = None
         for name, rows in report.skipped.items():
             self.skipped_rows[name] = self.skipped_rows.get(name, 0) + sum(len(v) for v in rows.values())
-        message = report.describe() if (report.skipped and self.non_finite == "raise") else None
+        message = "; ".join(([_WRONG_LENGTH + wrong_length] if wrong_length else []) +
+                            ([report.describe()] if report.skipped and self.non_finite == "raise" else [])) or None
         try:
-            self._exchange.agree(message, "the update (rows left unchanged)")
+            ex.agree(message, "the update", outcome="reported rows left unchanged or a failing row function")
         except DistributedError as e:
-            raise NonFiniteError(f"{e}. The other rows were updated and step is now {step} on every rank; "
-                                 f"non_finite='skip' skips such rows and reports them instead") from None
+            kind = RowFunctionError if _WRONG_LENGTH in str(e) else NonFiniteError
+            raise kind(f"{e}. The other rows were updated and step is now {step} on every rank" +
+                       ("; non_finite='skip' skips NaN/Inf rows and reports them instead"
+                        if kind is NonFiniteError else "")) from None
         return report
 
-    def _update_shards(self, incoming, step) -> UpdateReport:
-        """Run each local physical table's fused kernel on the gradient sums this rank received."""
-        local = self.local
-        values = {}
+    def _update_shards(self, route: Route, sums_in, step):
+        """Run each local physical table's fused kernel on the gradient sums this rank received.
+
+        Returns the report (global row ids) and a description of a row function's wrong-length result, if any.
+        """
         report = UpdateReport(step)
-        for group in local._groups:
-            rows, grads = [], []
-            for table, offset in zip(group.tables, group.offsets):
-                local_rows, received = incoming[table.name]
-                rows.append(local_rows + offset)
-                grads.append(received)
-            rows = np.concatenate(rows) if rows else np.zeros(0, np.int64)
-            d_act = np.concatenate(grads) if grads else np.zeros((0, group.dim), np.float32)
+        values, wrong_length = {}, None
+        for lg, group in enumerate(self.local._groups):
+            lo, hi = int(route.group_ptr[lg]), int(route.group_ptr[lg + 1])
             lazy = group.optimizer.lazy
-            if rows.shape[0] == 0 and lazy:
+            if hi == lo and lazy:
                 continue
             if id(group.optimizer) not in values:
                 values[id(group.optimizer)] = group.optimizer.step_values(step)
             lr, hyper = values[id(group.optimizer)]
+            d_act = self._workspace.array(f"owner_sums_{lg}", (hi - lo, group.dim), np.float32)
+            flat_to_rows(sums_in, route.own_offset[lo:hi], d_act)
             ws = group.workspace
-            uniq, ptr, order = unique_rows(rows, group.n_rows, ws)
+            uniq, ptr, order = unique_rows(route.own_rows[lo:hi], group.n_rows, ws)
             status = ws.array("status", (uniq.shape[0] if lazy else group.n_rows,), np.uint8)
             status[:] = 0
-            n = rows.shape[0]
-            kernel = update_kernel(group.row_function, lazy=lazy)
-            kernel(group.weights, group.slots, uniq, ptr, order, np.arange(n, dtype=np.int64),
-                   np.ones(n, np.float32), np.ascontiguousarray(d_act, np.float32), lr, hyper, status)
+            out_row, gains = self._constants.get(hi - lo)
+            update_kernel(group.row_function, lazy=lazy)(group.weights, group.slots, uniq, ptr, order, out_row, gains,
+                                                         d_act, lr, hyper, status)
+            if not lazy:
+                status[self._layout.placeholders[lg]] = 0  # placeholder rows are not table rows
+            if wrong_length is None and np.any(status[np.flatnonzero(status)] == STATUS_LENGTH):
+                wrong_length = (f"{describe(group.row_function.python_function)} returned rows of the wrong "
+                                f"length for some row(s) of table(s) {[t.name for t in group.tables]}")
             self._record_skips(report, group, uniq, status, lazy)
-        return report
+        return report, wrong_length
 
     def _record_skips(self, report, group, uniq, status, lazy):
         """Like ``UpdateReport._record``, but with global row ids."""

@@ -1,48 +1,80 @@
-"""Collective exchanges with deadlines: sizes first, then the data, never a fixed capacity.
+"""Collectives with deadlines: sizes first, then the data, never a fixed capacity; errors agreed everywhere.
 
-Every exchange is an MPI all-to-all-v: a process sends ``counts[k]`` rows of its (destination-sorted)
-buffer to rank ``k``. The counts are exchanged first, so receive buffers are sized exactly and no id is
-ever dropped. Each collective is non-blocking and polled until a deadline: when a peer has died or is stuck,
-the others raise :class:`DistributedError` within ``timeout`` seconds instead of hanging forever.
+Every collective here is non-blocking and polled until a deadline, so when a peer has died or is stuck the
+others raise :class:`DistributedError` within ``timeout`` seconds instead of hanging forever; after that the
+exchanger is unusable (the communicator holds an unfinished collective). Every data exchange is an MPI
+all-to-all-v whose per-peer sizes are known to both sides beforehand (a count exchange, or the sizes of the
+lookup a gradient belongs to), so receive buffers are sized exactly and nothing is ever dropped.
+
+Agreement: a rank that cannot take part in a step (bad input, a failed write) still enters the same
+collectives as the others, carrying its error; then every rank raises, naming each failing rank and its
+message, and no rank is left waiting inside an exchange.
 """
 
 from __future__ import annotations
 
+import hashlib
+import math
 import time
 
 import numpy as np
 
-__all__ = ["DistributedError", "Exchanger"]
+__all__ = ["DistributedError", "Exchanger", "describe_error"]
 
 
 class DistributedError(RuntimeError):
-    """A collective step failed on some rank, or a peer did not answer in time; the engine is unusable."""
+    """A collective step failed on some rank, or a peer did not answer in time."""
 
 
-def _exclusive_cumsum(counts: np.ndarray) -> np.ndarray:
-    out = np.zeros_like(counts)
+def describe_error(e: BaseException) -> str:
+    """The text another rank sees for an exception raised here."""
+    from ..inputs import InputError
+    from ..checkpoint import CheckpointError
+    return str(e) if isinstance(e, (InputError, CheckpointError)) else f"{type(e).__name__}: {e}"
+
+
+def displacements(counts: np.ndarray) -> np.ndarray:
+    """Exclusive prefix sums: where each peer's part starts."""
+    out = np.zeros(counts.shape[0], np.int64)
     np.cumsum(counts[:-1], out=out[1:])
     return out
 
 
 class Exchanger:
-    """All-to-all exchanges and agreement on errors over one communicator."""
+    """All-to-all exchanges, small gathers and agreement on errors over one communicator.
+
+    ``large_counts``: the MPI library is MPI-4 (mpi4py then passes counts of 2^31 elements or more through the
+    ``MPI_*_c`` routines); without it one message may hold at most ``max_elements`` elements, which
+    :meth:`check_sizes` verifies collectively before the data move.
+    """
 
     def __init__(self, comm, timeout: float):
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout) or \
+                timeout <= 0:
+            raise ValueError(f"timeout must be a finite number of seconds > 0, got {timeout!r}")
         from mpi4py import MPI
         self.MPI = MPI
         self.comm = comm
         self.rank, self.world = comm.Get_rank(), comm.Get_size()
         self.timeout = float(timeout)
         self.broken = None
+        self.large_counts = MPI.Get_version() >= (4, 0)
+        self.max_elements = 2 ** 31 - 1
 
+    # -- waiting -----------------------------------------------------------------------------------------
     def _wait(self, request, what: str) -> None:
         # MPI progresses an exchange only while some rank is inside an MPI call: poll without sleeping (only
         # yielding the core) for the first 50 ms, then back off to at most 1 ms between polls.
         start = time.monotonic()
         deadline = start + self.timeout
         pause = 0.0
-        while not request.Test():
+        while True:
+            try:
+                if request.Test():
+                    return
+            except self.MPI.Exception as e:
+                self.broken = f"rank {self.rank}: {what} failed in MPI: {e}"
+                raise DistributedError(self.broken) from e
             now = time.monotonic()
             if now > deadline:
                 self.broken = (f"rank {self.rank}: {what} did not complete within {self.timeout:g} s; a peer "
@@ -56,54 +88,113 @@ class Exchanger:
         if self.broken:
             raise DistributedError(f"this engine is unusable after an earlier failure: {self.broken}")
 
-    def counts(self, send_counts: np.ndarray, what: str) -> np.ndarray:
-        """Exchange per-destination counts: returns how many rows each rank will send here."""
-        send = np.ascontiguousarray(send_counts, np.int64)
+    # -- agreement ---------------------------------------------------------------------------------------
+    def agree(self, error: str | None, what: str, tag: int = 0, tag_text=None, outcome: str | None = None) -> None:
+        """Raise on every rank if ``error`` is set on any, or if ``tag`` (>= 0) differs between ranks.
+
+        One 24-byte all-reduce when all is well. When the tags differ, every rank's message is
+        ``tag_text()`` (what its tag stands for). ``outcome``: what the error means, if not that ``what`` was
+        refused with nothing changed.
+        """
+        mine = np.array([0 if error is None else 1, tag, -tag], np.int64)
+        out = np.empty(3, np.int64)
+        self._wait(self.comm.Iallreduce(mine, out, op=self.MPI.MAX), what)
+        if out[0]:
+            self._refuse(error, what, outcome)
+        if out[1] != -out[2]:
+            texts = self.allgather_bytes(str(tag_text() if tag_text else tag).encode("utf-8"), what)
+            raise DistributedError(f"{what} was refused on every rank (nothing changed on any rank): the ranks "
+                                   f"disagree: " + "; ".join(f"rank {k}: {t.decode('utf-8')}"
+                                                             for k, t in enumerate(texts)))
+
+    def _refuse(self, error: str | None, what: str, outcome: str | None = None):
+        """Every rank calls this once it knows some rank failed: raises, naming each failing rank."""
+        texts = self.allgather_bytes(b"" if error is None else b"\x01" + error.encode("utf-8"), what)
+        messages = [f"rank {k}: " + t[1:].decode("utf-8") for k, t in enumerate(texts) if t]
+        raise DistributedError(f"{what} {outcome or 'was refused'} on {len(messages)} of {self.world} ranks" +
+                               ("" if outcome else " (nothing changed on any rank)") + ": " + "; ".join(messages))
+
+    def counts(self, send_counts: np.ndarray | None, error: str | None, what: str) -> np.ndarray:
+        """Exchange per-peer counts, and agree on errors in the same collective.
+
+        Returns how many elements each rank will send here. A rank with an ``error`` sends -1 to every
+        peer instead of counts; then every rank raises (see :meth:`agree`).
+        """
+        send = np.full(self.world, -1, np.int64)
+        if error is None:
+            send[:] = send_counts
         recv = np.empty(self.world, np.int64)
         self._wait(self.comm.Ialltoall([send, self.MPI.INT64_T], [recv, self.MPI.INT64_T]), what)
+        if (recv < 0).any():
+            self._refuse(error, what)
         return recv
 
-    def rows(self, send: np.ndarray, send_counts: np.ndarray, recv_counts: np.ndarray, what: str) -> np.ndarray:
-        """Send ``send_counts[k]`` rows of ``send`` (destination-sorted) to each rank ``k``; receive theirs."""
-        send = np.ascontiguousarray(send)
-        row_bytes = send.dtype.itemsize * int(np.prod(send.shape[1:], dtype=np.int64))
-        recv = np.empty((int(recv_counts.sum()),) + send.shape[1:], send.dtype)
-        s_bytes, r_bytes = send_counts * row_bytes, recv_counts * row_bytes
-        if max(int(s_bytes.sum()), int(r_bytes.sum())) >= 2 ** 31:
-            raise DistributedError(f"{what}: a message of 2 GiB or more; use smaller batches")
-        byte = self.MPI.BYTE
-        request = self.comm.Ialltoallv(
-            [send.reshape(-1).view(np.uint8), (s_bytes, _exclusive_cumsum(s_bytes)), byte],
-            [recv.reshape(-1).view(np.uint8), (r_bytes, _exclusive_cumsum(r_bytes)), byte])
-        self._wait(request, what)
-        return recv
-
-    def agree(self, error: str | None, what: str) -> None:
-        """Raise on every rank if ``error`` is set on any, naming the ranks and their messages."""
-        flags = np.empty(self.world, np.int64)
-        mine = np.array([0 if error is None else len(error.encode("utf-8")) + 1], np.int64)
-        self._wait(self.comm.Iallgather([mine, self.MPI.INT64_T], [flags, self.MPI.INT64_T]), what)
-        if not flags.any():
+    def check_sizes(self, elements: int, what: str) -> None:
+        """Without MPI-4 large counts: raise on every rank if any rank's message would exceed ``max_elements``."""
+        if self.large_counts:
             return
-        size = int(flags.max())
-        text = np.zeros(size, np.uint8)
-        if error is not None:
-            encoded = np.frombuffer(error.encode("utf-8"), np.uint8)
-            text[:encoded.size] = encoded
-        everyone = np.empty((self.world, size), np.uint8)
-        self._wait(self.comm.Iallgather([text, self.MPI.BYTE], [everyone, self.MPI.BYTE]), what)
-        nul = b"\x00"
-        messages = [f"rank {k}: " + bytes(everyone[k]).rstrip(nul).decode("utf-8")
-                    for k in range(self.world) if flags[k]]
-        raise DistributedError(f"{what} was refused on {len(messages)} of {self.world} ranks (nothing changed "
-                               f"on any rank): " + "; ".join(messages))
+        mine = np.array([elements], np.int64)
+        out = np.empty(1, np.int64)
+        self._wait(self.comm.Iallreduce(mine, out, op=self.MPI.MAX), what)
+        if out[0] > self.max_elements:
+            raise DistributedError(f"{what}: some rank's message would hold {int(out[0]):,} elements, more than "
+                                   f"this MPI library can address ({self.max_elements:,}; it lacks MPI-4 large "
+                                   f"counts); nothing changed on any rank: use smaller batches")
 
     def same_everywhere(self, text: str, what: str) -> None:
         """Raise on every rank unless ``text`` is identical on all of them, naming the ranks that differ."""
-        import hashlib
         digest = np.frombuffer(hashlib.sha256(text.encode("utf-8")).digest(), np.uint8).copy()
         everyone = np.empty((self.world, digest.size), np.uint8)
         self._wait(self.comm.Iallgather([digest, self.MPI.BYTE], [everyone, self.MPI.BYTE]), what)
         differ = [k for k in range(self.world) if not np.array_equal(everyone[k], everyone[0])]
         if differ:
             raise DistributedError(f"{what} differs between ranks: ranks {differ} disagree with rank 0")
+
+    # -- data --------------------------------------------------------------------------------------------
+    def _type(self, array: np.ndarray):
+        return {np.dtype(np.int64): self.MPI.INT64_T, np.dtype(np.float32): self.MPI.FLOAT,
+                np.dtype(np.uint8): self.MPI.BYTE}[array.dtype]
+
+    def alltoallv(self, send: np.ndarray, send_counts, recv: np.ndarray, recv_counts, what: str) -> None:
+        """Send ``send_counts[k]`` elements of the flat ``send`` (peer ``k``'s part after peer ``k - 1``'s)
+        to every rank ``k``, and receive ``recv_counts[k]`` elements from each into ``recv`` likewise."""
+        t = self._type(send)
+        request = self.comm.Ialltoallv([send, (send_counts, displacements(send_counts)), t],
+                                       [recv, (recv_counts, displacements(recv_counts)), t])
+        self._wait(request, what)
+
+    def allgather_bytes(self, data: bytes, what: str) -> list:
+        """Every rank's ``data``, in rank order, on every rank (sizes first)."""
+        sizes = np.empty(self.world, np.int64)
+        self._wait(self.comm.Iallgather([np.array([len(data)], np.int64), self.MPI.INT64_T],
+                                        [sizes, self.MPI.INT64_T]), what)
+        out = np.empty(int(sizes.sum()), np.uint8)
+        self._wait(self.comm.Iallgatherv([np.frombuffer(data, np.uint8), self.MPI.BYTE],
+                                         [out, (sizes, displacements(sizes)), self.MPI.BYTE]), what)
+        starts = displacements(sizes)
+        return [out[s:s + n].tobytes() for s, n in zip(starts, sizes)]
+
+    def gather_bytes(self, data: bytes, root: int, what: str):
+        """Every rank's ``data`` in rank order on ``root`` (``None`` elsewhere)."""
+        sizes = np.empty(self.world, np.int64)
+        self._wait(self.comm.Igather([np.array([len(data)], np.int64), self.MPI.INT64_T],
+                                     [sizes, self.MPI.INT64_T], root=root), what)
+        out = np.empty(int(sizes.sum()) if self.rank == root else 0, np.uint8)
+        self.gatherv(np.frombuffer(data, np.uint8), out, sizes, root, what)
+        if self.rank != root:
+            return None
+        return [out[s:s + n].tobytes() for s, n in zip(displacements(sizes), sizes)]
+
+    def gatherv(self, send: np.ndarray, recv: np.ndarray, counts, root: int, what: str) -> None:
+        """``counts[k]`` elements from every rank ``k`` into ``recv`` on ``root``, in rank order."""
+        t = self._type(send)
+        recv_spec = [recv, (counts, displacements(np.asarray(counts, np.int64))), t] if self.rank == root else None
+        self._wait(self.comm.Igatherv([send.reshape(-1), t], recv_spec, root=root), what)
+
+    def bcast_bytes(self, data: bytes | None, root: int, what: str) -> bytes:
+        """``root``'s ``data`` on every rank."""
+        size = np.array([len(data) if self.rank == root else 0], np.int64)
+        self._wait(self.comm.Ibcast([size, self.MPI.INT64_T], root=root), what)
+        buf = np.frombuffer(data, np.uint8).copy() if self.rank == root else np.empty(int(size[0]), np.uint8)
+        self._wait(self.comm.Ibcast([buf, self.MPI.BYTE], root=root), what)
+        return buf.tobytes()

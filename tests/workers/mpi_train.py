@@ -1,11 +1,16 @@
 """Run under ``mpiexec -n K``: train a ShardedEmbedding on each rank's slice of fixed global batches.
 
-``python mpi_train.py OUT STEPS [--save CKPT] [--resume CKPT]`` trains up to step STEPS and writes, on rank 0,
-``OUT`` (an .npz of every table and slot, gathered whole) and prints one JSON line of facts. ``--resume``
-starts from a checkpoint (written by any number of ranks) and also writes ``OUT.loaded.npz``, the tables as
-loaded; ``--save`` writes a checkpoint at the end. The global batch of step t depends only on t; rank k
-takes samples ``k, k + K, k + 2K, ...`` of it, so the concatenation over ranks is the global batch
-reordered, which is what ``tests/test_distributed.py`` feeds one process.
+``python mpi_train.py OUT STEPS [--save-at STEP CKPT] [--resume CKPT] [--poison 1]`` trains up to step STEPS
+and writes, on rank 0, ``OUT`` (an .npz of every table and slot, gathered whole) and prints one JSON line of
+facts. ``--save-at`` saves a checkpoint once the engine reaches that step and writes ``OUT.saved.npz``, the
+tables as saved; ``--resume`` starts from a checkpoint (written by any number of ranks) and also writes
+``OUT.loaded.npz``, the tables as loaded. ``--poison 1`` fills the placeholder row that stands in for a shard
+of no rows with NaN, which must never show.
+
+The global batch of step t depends only on t; :func:`assignment` splits it over the ranks (one rank gets no
+samples at all in every step of a multi-rank run), and :func:`train` is the schedule, shared with the
+single-process reference in ``tests/test_distributed.py``: steps 2 and 3 are looked up together before
+either's gradients are applied.
 """
 
 import json
@@ -14,16 +19,22 @@ import sys
 import numpy as np
 
 import embedcore as ec
-from embedcore.distributed import ShardedEmbedding
+
+GLOBAL = 24
+PAIRED = (2, 3)  # looked up back to back, then applied in order
 
 
 def config():
-    users = ec.TableConfig(101, 8, name="users", combiner="sum")
-    items = ec.TableConfig(257, 8, name="items", optimizer=ec.Adam(0.01, lazy_adam=False))
-    tags = ec.TableConfig(3, 4, name="tags", optimizer=ec.FTRL(0.1), combiner="sqrtn")
+    """Two dims in one exchange; non-lazy Adam tables (stacked on each rank), one of fewer rows than ranks;
+    a lazy Adagrad table. Two optimizers only: each costs every rank seconds of compilation."""
+    adam = ec.Adam(0.01, lazy_adam=False)
+    users = ec.TableConfig(101, 8, name="users", combiner="sum", optimizer=adam)
+    items = ec.TableConfig(257, 8, name="items", optimizer=adam)
+    tiny = ec.TableConfig(2, 8, name="tiny", optimizer=adam)
+    tags = ec.TableConfig(3, 4, name="tags", combiner="sqrtn")
     return {"user": ec.FeatureConfig(users), "items": ec.FeatureConfig(items),
-            "recent": ec.FeatureConfig(items, max_sequence_length=3), "tags": ec.FeatureConfig(tags)}, \
-        ec.Adagrad(0.1)
+            "recent": ec.FeatureConfig(items, max_sequence_length=3), "tags": ec.FeatureConfig(tags),
+            "tiny": ec.FeatureConfig(tiny)}, ec.Adagrad(0.1)
 
 
 def global_batch(t, size):
@@ -33,9 +44,21 @@ def global_batch(t, size):
     weights = [list(rng.uniform(0.5, 2.0, n)) for n in lengths]
     features = {"user": rng.integers(0, 101, size), "items": items,
                 "recent": [list(rng.integers(0, 257, rng.integers(0, 5))) for _ in range(size)],
-                "tags": rng.integers(0, 3, (size, 2))}
+                "tags": rng.integers(0, 3, (size, 2)), "tiny": rng.integers(0, 2, size)}
     grads_seed = 900 + t
     return features, {"items": weights}, grads_seed
+
+
+def assignment(t, world):
+    """The global batch's samples each rank takes at step ``t``; in a multi-rank run rank ``t % world``
+    takes none."""
+    if world == 1:
+        return [np.arange(GLOBAL)]
+    active = [k for k in range(world) if k != t % world]
+    out = [np.zeros(0, np.int64)] * world
+    for j, k in enumerate(active):
+        out[k] = np.arange(j, GLOBAL, len(active))
+    return out
 
 
 def take(batch, rows):
@@ -55,7 +78,24 @@ def gradients(acts, seed, rows):
     return out
 
 
-GLOBAL = 24
+def lookup(emb, t, rows):
+    f, w, seed = take(global_batch(t, GLOBAL), rows)
+    acts, ctx = emb.lookup(f, {"user": None, "items": w["items"], "recent": None, "tags": None, "tiny": None})
+    return gradients(acts, seed, rows), ctx
+
+
+def train(emb, stop, rows_of, on_step=None):
+    """Train ``emb`` from its step to ``stop``; ``rows_of(t)``: the samples it takes at step ``t``.
+    ``on_step(emb)`` runs after every update."""
+    while emb.step < stop:
+        t = emb.step
+        steps = PAIRED if t == PAIRED[0] and stop > PAIRED[0] + 1 else (t,)
+        pending = [lookup(emb, s, rows_of(s)) for s in steps]
+        for grads, ctx in pending:
+            emb.apply_gradients(grads, ctx)
+            if on_step:
+                on_step(emb)
+
 
 def save_tables(emb, path):
     tables = emb.gather_tables()
@@ -67,10 +107,28 @@ def save_tables(emb, path):
         np.savez(path, **arrays)
 
 
+def poison_placeholders(emb):
+    """NaN in the placeholder row of every shard of no rows; returns whether they all were zero before."""
+    zero = True
+    for name, shard in emb.shards.items():
+        if shard.rows == 0:
+            g, offset = emb.local._group_of[id(emb.local._table_configs[name])]
+            group = emb.local._groups[g]
+            for array in (group.weights,) + group.slots:
+                zero &= bool(np.all(array[offset] == 0))
+                array[offset] = np.nan
+    return zero
+
+
 if __name__ == "__main__":
-    out_path, steps = sys.argv[1], int(sys.argv[2])
-    options = dict(zip(sys.argv[3::2], sys.argv[4::2]))
+    from embedcore.distributed import ShardedEmbedding
     from mpi4py import MPI
+    out_path, steps = sys.argv[1], int(sys.argv[2])
+    args = sys.argv[3:]
+    options = {}
+    while args:
+        key = args.pop(0)
+        options[key] = [args.pop(0), args.pop(0)] if key == "--save-at" else args.pop(0)
     comm = MPI.COMM_WORLD
     rank, world = comm.Get_rank(), comm.Get_size()
     if "--resume" in options:
@@ -79,14 +137,16 @@ if __name__ == "__main__":
     else:
         features, optimizer = config()
         emb = ShardedEmbedding(features, optimizer, seed=3)
-    rows = np.arange(rank, GLOBAL, world)
-    while emb.step < steps:
-        f, w, seed = take(global_batch(emb.step, GLOBAL), rows)
-        weights = {"user": None, "items": w["items"], "recent": None, "tags": None}
-        acts, ctx = emb.lookup(f, weights)
-        emb.apply_gradients(gradients(acts, seed, rows), ctx)
-    if "--save" in options:
-        emb.save(options["--save"])
+    zero = poison_placeholders(emb) if options.get("--poison") == "1" else None
+    save_at = options.get("--save-at")
+
+    def checkpoint(emb):
+        if save_at and emb.step == int(save_at[0]):
+            emb.save(save_at[1])
+            save_tables(emb, out_path + ".saved.npz")
+    train(emb, steps, lambda t: assignment(t, world)[rank], checkpoint)
     save_tables(emb, out_path)
+    zeros = comm.gather(zero, root=0)
     if rank == 0:
-        print(json.dumps({"world": world, "step": emb.step, "rows": {n: s.rows for n, s in emb.shards.items()}}))
+        print(json.dumps({"world": world, "step": emb.step, "rows": {n: s.rows for n, s in emb.shards.items()},
+                          "placeholders_were_zero": zeros}))

@@ -1,0 +1,159 @@
+"""Checkpoints of a ``ShardedEmbedding``: every rank writes its rows; one commit, only when all succeeded.
+
+The layout is that of single-process checkpoints (:mod:`embedcore.checkpoint`) with each table in one shard
+per rank (``table-XXXX-shard-RRRRR-of-KKKKK``, recording first row, stride and rows), so a checkpoint written
+by K ranks loads on any number of ranks, or in one process. Every step that can fail on one rank is agreed
+on by all before the next begins; rank 0 replaces ``CURRENT`` only after every rank has reported that its
+shards are written (with their SHA-256), so a failure anywhere before that leaves the previous checkpoint
+current and the half-written snapshot is removed (or, if rank 0 died, pruned by the next successful save).
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+
+import numpy as np
+
+from ..checkpoint import (_EXTRA, CheckpointError, check_compatible, check_save_inputs, manifest_of,
+                          open_snapshot, table_rows, write_table_shards)
+from ..checkpoint.config_codec import FunctionResolver, decode_engine_config
+from ..checkpoint.store import SnapshotWriter
+from .exchange import DistributedError, Exchanger, describe_error
+from .sharding import shard_of
+
+__all__ = ["save", "load", "restore", "gather_tables"]
+
+
+def _agree(ex: Exchanger, error, exc, what, **tag):
+    try:
+        ex.agree(error, what, **tag)
+    except DistributedError as e:
+        raise e from exc
+
+
+def _snapshot_tag(snap) -> int:
+    """A number naming the snapshot (its name and manifest), equal on ranks that read the same one."""
+    return zlib.crc32(json.dumps([snap.name, snap.manifest], sort_keys=True, default=str).encode("utf-8"))
+
+
+def save(emb, path, extra, metadata) -> str:
+    """See :meth:`ShardedEmbedding.save`."""
+    ex, rank, step = emb._exchange, emb.rank, emb.step
+    writer, error, exc = None, None, None
+    try:
+        extra = check_save_inputs(extra if rank == 0 else None, metadata)
+        if rank == 0:
+            writer = SnapshotWriter(path, step)
+    except Exception as e:
+        error, exc = describe_error(e), e
+    try:
+        _agree(ex, error, exc, "save", tag=step, tag_text=lambda: f"saves at step {step}")
+        name = ex.bcast_bytes(writer.name.encode("utf-8") if rank == 0 else None, 0, "save").decode("utf-8")
+        error = exc = None
+        try:
+            if writer is None:
+                writer = SnapshotWriter.attach(path, name)
+            shards = {n: (s.first, s.stride, s.rows) for n, s in emb.shards.items()}
+            entries = write_table_shards(writer, emb._table_configs, emb.embedding_tables, emb.slot_variables,
+                                         shards, suffix=f"-shard-{rank:05d}-of-{emb.world_size:05d}")
+            if rank == 0 and extra:
+                writer.add(_EXTRA, extra)
+        except Exception as e:
+            error, exc = describe_error(e), e
+        _agree(ex, error, exc, "save (writing shards)")
+        parts = ex.gather_bytes(json.dumps([entries, writer.files]).encode("utf-8"), 0, "save (collecting digests)")
+    except DistributedError:
+        if rank == 0 and writer is not None:
+            writer.abort()
+        raise
+    error = exc = None
+    if rank == 0:
+        try:
+            merged = {}
+            for part in parts:
+                part_entries, files = json.loads(part)
+                writer.files.update(files)
+                for table, entry in part_entries.items():
+                    merged.setdefault(table, dict(entry, shards=[]))["shards"] += entry["shards"]
+            writer.commit(manifest_of(step, emb._config, merged, _EXTRA if extra else None, metadata))
+        except Exception as e:
+            writer.abort()
+            error, exc = describe_error(e), e
+    _agree(ex, error, exc, "save (commit)")
+    return writer.dir
+
+
+def load(emb, path, strict: bool) -> None:
+    """See :meth:`ShardedEmbedding.load`."""
+    staged, snap = [], None
+
+    def stage():
+        nonlocal snap
+        snap = open_snapshot(path)
+        slots = emb.slot_variables
+        check_compatible(snap, emb._config, {n: list(v) for n, v in slots.items()}, strict)
+        for name, table in emb.embedding_tables.items():
+            shard = emb.shards[name]
+            targets = {"weights": table}
+            targets.update({f"slot/{s}": v for s, v in slots[name].items()})
+            for key, target in targets.items():
+                rows = table_rows(snap, name, key, shard.first, shard.stride, shard.rows)
+                if rows.shape != target.shape:
+                    raise CheckpointError(f"{snap.dir}: table '{name}' tensor '{key}' rows have shape "
+                                          f"{rows.shape[1:]}, the engine needs {target.shape[1:]}")
+                staged.append((target, rows))
+    error = exc = None
+    try:
+        stage()
+    except Exception as e:
+        error, exc = describe_error(e), e
+    tag = _snapshot_tag(snap) if snap is not None else 0
+    _agree(emb._exchange, error, exc, "load", tag=tag,
+           tag_text=lambda: f"read snapshot {snap.name} of {snap.path}")
+    for target, rows in staged:
+        target[...] = rows
+    emb.step = snap.step
+
+
+def restore(cls, path, comm, functions, allow_import: bool, timeout: float):
+    """See :meth:`ShardedEmbedding.restore`."""
+    ex = Exchanger(comm, timeout)
+    config, error, exc = None, None, None
+    try:
+        snap = open_snapshot(path)
+        config = snap.manifest["config"]
+        features, optimizer, seed = decode_engine_config(config, FunctionResolver(functions, allow_import))
+    except Exception as e:
+        error, exc = describe_error(e), e
+    _agree(ex, error, exc, "restore")
+    emb = cls(features, optimizer, comm=comm, seed=seed, timeout=timeout,
+              non_finite=config.get("non_finite", "raise"))
+    load(emb, path, strict=False)
+    return emb
+
+
+def gather_tables(emb, root: int):
+    """See :meth:`ShardedEmbedding.gather_tables`: one gather per tensor, sizes known from the sharding rule."""
+    ex, world = emb._exchange, emb.world_size
+    out = {}
+    tables, slots = emb.embedding_tables, emb.slot_variables
+    for name, config in emb._table_configs.items():
+        rot = emb._rotation[name]
+        shards = [shard_of(config.vocabulary_size, world, k, rot) for k in range(world)]
+        whole = {}
+        for key, part in [("weights", tables[name])] + list(slots[name].items()):
+            width = int(np.prod(part.shape[1:], dtype=np.int64))
+            counts = np.array([s.rows * width for s in shards], np.int64)
+            recv = np.empty(int(counts.sum()) if emb.rank == root else 0, np.float32)
+            ex.gatherv(np.ascontiguousarray(part), recv, counts, root, f"gather_tables ({name})")
+            if emb.rank == root:
+                array = np.empty((config.vocabulary_size,) + part.shape[1:], np.float32)
+                start = 0
+                for s in shards:
+                    array[s.first::s.stride] = recv[start:start + s.rows * width].reshape((s.rows,) + part.shape[1:])
+                    start += s.rows * width
+                whole[key] = array
+        if emb.rank == root:
+            out[name] = (whole.pop("weights"), whole)
+    return out if emb.rank == root else None
