@@ -236,3 +236,50 @@ def test_a_dead_rank_ends_the_job_with_an_error_not_a_hang(tmp_path):
     proc = mpirun(3, "mpi_failures.py", "die", tmp_path, timeout=180)  # raises TimeoutExpired on a hang
     assert proc.returncode != 0
     assert 1 not in rank_reports(tmp_path)
+
+
+class _Request:
+    """Stands in for an MPI request: completes at the ``after``-th poll (never, if None)."""
+
+    def __init__(self, after):
+        self.after, self.polls = after, 0
+
+    def Test(self):
+        self.polls += 1
+        return self.after is not None and self.polls >= self.after
+
+
+def _bare_exchanger(timeout):
+    from embedcore.distributed import exchange
+    ex = exchange.Exchanger.__new__(exchange.Exchanger)
+    ex.rank, ex.timeout, ex.broken, ex.MPI = 0, timeout, None, None
+    return ex
+
+
+def test_waiting_for_a_collective_yields_the_core_between_polls_and_does_not_sleep_at_first(monkeypatch):
+    # time.sleep(0) sleeps for the timer slack (~50 us): between polls it made exchanges 40x slower.
+    from embedcore.distributed import exchange
+    sleeps, yields = [], []
+    monkeypatch.setattr(exchange.time, "sleep", sleeps.append)
+    monkeypatch.setattr(exchange, "_yield", lambda: yields.append(1))
+    request = _Request(after=1000)
+    _bare_exchanger(10.0)._wait(request, "x")
+    assert request.polls == 1000 and len(yields) == 999 and sleeps == []
+
+
+def test_a_wait_that_never_completes_raises_at_its_deadline_sleeping_at_most_1_ms():
+    from embedcore.distributed import exchange
+    ex = _bare_exchanger(0.3)
+    start = time.monotonic()
+    with pytest.raises(exchange.DistributedError, match=r"x did not complete within 0.3 s"):
+        ex._wait(_Request(after=None), "x")
+    assert 0.3 <= time.monotonic() - start < 0.35
+    with pytest.raises(exchange.DistributedError, match="unusable after an earlier failure"):
+        ex.check_usable()
+
+
+@pytest.mark.parametrize("timeout", [float("nan"), float("inf"), 0, -1.0, True, "5"])
+def test_a_timeout_that_could_never_fire_is_refused(timeout):
+    from embedcore.distributed import exchange
+    with pytest.raises(ValueError, match="timeout must be a finite number of seconds > 0"):
+        exchange.Exchanger(None, timeout)

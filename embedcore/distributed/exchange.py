@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
 import time
 
 import numpy as np
@@ -31,6 +32,9 @@ def describe_error(e: BaseException) -> str:
     from ..inputs import InputError
     from ..checkpoint import CheckpointError
     return str(e) if isinstance(e, (InputError, CheckpointError)) else f"{type(e).__name__}: {e}"
+
+
+_yield = getattr(os, "sched_yield", lambda: time.sleep(0))
 
 
 def displacements(counts: np.ndarray) -> np.ndarray:
@@ -63,8 +67,9 @@ class Exchanger:
 
     # -- waiting -----------------------------------------------------------------------------------------
     def _wait(self, request, what: str) -> None:
-        # MPI progresses an exchange only while some rank is inside an MPI call: poll without sleeping (only
-        # yielding the core) for the first 50 ms, then back off to at most 1 ms between polls.
+        # MPI progresses an exchange only while some rank is inside an MPI call: poll, only yielding the core
+        # between polls, for the first 50 ms, then back off to sleeps of at most 1 ms. Not time.sleep(0):
+        # it sleeps for the timer slack (~50 us on Linux), which made a 350 KB all-to-all-v 40x slower.
         start = time.monotonic()
         deadline = start + self.timeout
         pause = 0.0
@@ -82,7 +87,9 @@ class Exchanger:
                 raise DistributedError(self.broken)
             if now - start > 0.05:
                 pause = min(max(pause * 2, 1e-5), 1e-3)
-            time.sleep(pause)
+                time.sleep(pause)
+            else:
+                _yield()
 
     def check_usable(self) -> None:
         if self.broken:
