@@ -32,7 +32,8 @@ import numpy as np
 
 __all__ = ["cache_dir", "fingerprint", "Uncacheable", "load_source", "read_verdict", "write_verdict"]
 
-_EMBEDCORE_SOURCES = ("compiler.py", "compile_cache.py", "optimizers.py", "common_options.py", "kernels")
+_EMBEDCORE_SOURCES = ("compiler.py", "compile_cache.py", "split_reductions.py", "optimizers.py", "common_options.py",
+                      "kernels")
 
 
 class Uncacheable(Exception):

@@ -26,6 +26,7 @@ from numba import types
 from numba.core import ir
 
 from . import compile_cache
+from .split_reductions import NotSplittable, split_reductions
 
 __all__ = ["RowFunctionError", "CompiledRowFunction", "compile_row_function", "compile_cached", "strip_del",
            "is_elementwise", "describe"]
@@ -109,6 +110,7 @@ class CompiledRowFunction:
     elementwise: bool
     reason: str               # why it is (not) element-wise, for users asking ``optimizer.explain()``
     fingerprint: str | None = None  # compile_cache.fingerprint of the function; None: not cacheable
+    split: bool = False       # ``dispatcher`` runs the function's reductions-then-element-wise rewrite
 
 
 def _check_outputs(fn, return_type, slot_dims):
@@ -148,8 +150,10 @@ def compile_row_function(fn, slot_dims, n_hyperparameters, dim) -> CompiledRowFu
     verdict_key = ("row function", digest, slot_dims, n_hyperparameters, dim)
     verdict = compile_cache.read_verdict(verdict_key) if digest is not None else None
     if verdict is not None:  # this function compiled, passed the checks and was judged before
+        if verdict.get("split"):
+            dispatcher = _split_dispatcher(fn, slot_dims)
         return CompiledRowFunction(fn, dispatcher, slot_dims, n_hyperparameters, verdict["elementwise"],
-                                   verdict["reason"], digest)
+                                   verdict["reason"], digest, bool(verdict.get("split")))
     signature = row_signature(slot_dims, n_hyperparameters)
     try:
         dispatcher.compile(signature)
@@ -168,9 +172,51 @@ def compile_row_function(fn, slot_dims, n_hyperparameters, dim) -> CompiledRowFu
             dispatcher.compile(row_signature(slot_dims, n_hyperparameters, elementwise=True))
         except Exception as exc:
             elementwise, reason = False, f"element-wise in form, but does not compile on scalars: {exc}"
+    split = False
+    if not elementwise:
+        split_dispatcher, why = _try_split(fn, dispatcher, signature, slot_dims, n_hyperparameters, dim)
+        if split_dispatcher is not None:
+            dispatcher, split = split_dispatcher, True
+        reason = f"{reason}; {why}"
     if digest is not None:
-        compile_cache.write_verdict(verdict_key, {"elementwise": elementwise, "reason": reason})
-    return CompiledRowFunction(fn, dispatcher, slot_dims, n_hyperparameters, elementwise, reason, digest)
+        compile_cache.write_verdict(verdict_key, {"elementwise": elementwise, "reason": reason, "split": split})
+    return CompiledRowFunction(fn, dispatcher, slot_dims, n_hyperparameters, elementwise, reason, digest, split)
+
+
+def _split_dispatcher(fn, slot_dims):
+    split_fn, _ = split_reductions(fn, slot_dims)
+    return numba.njit(split_fn, inline="always", error_model="numpy")
+
+
+def _try_split(fn, dispatcher, signature, slot_dims, n_hyperparameters, dim):
+    """``(dispatcher of the split form, why)`` if ``fn`` splits (see :mod:`embedcore.split_reductions`) and
+    the split form computes exactly what ``fn`` does on trial rows; else ``(None, why not)``."""
+    try:
+        split_fn, summary = split_reductions(fn, slot_dims)
+    except NotSplittable as exc:
+        return None, f"its temporaries are allocated per row (not split into loops: {exc})"
+    split = numba.njit(split_fn, inline="always", error_model="numpy")
+    try:
+        split.compile(signature)
+    except Exception as exc:
+        return None, f"its temporaries are allocated per row (the split form does not compile: {exc})"
+    rng = np.random.default_rng(0)
+    for trial in range(3):
+        g = rng.standard_normal(dim).astype(np.float32)
+        row = rng.standard_normal(dim).astype(np.float32)
+        slots = [np.abs(rng.standard_normal(dim)).astype(np.float32) + np.float32(0.1) if d == 2 else
+                 np.float32(rng.uniform(0.1, 1.0)) for d in slot_dims]
+        hyper = tuple(np.float32(rng.uniform(0.1, 0.9)) for _ in range(n_hyperparameters))
+        lr = np.float32(rng.uniform(0.001, 0.1))
+        expected = dispatcher(g.copy(), row.copy(), tuple(s.copy() if d == 2 else s for s, d in zip(slots, slot_dims)),
+                              lr, hyper)
+        got = split(g.copy(), row.copy(), tuple(s.copy() if d == 2 else s for s, d in zip(slots, slot_dims)), lr, hyper)
+        expected, got = (expected, got) if slot_dims else ((expected,), (got,))
+        for e, o in zip(expected, got):
+            e, o = np.broadcast_to(np.asarray(e), (dim,)), np.broadcast_to(np.asarray(o), (dim,))
+            if not np.array_equal(e.astype(np.float32), o.astype(np.float32), equal_nan=True):
+                return None, "its temporaries are allocated per row (the split form disagreed on a trial row)"
+    return split, f"split into loops that allocate nothing: {summary}"
 
 
 _DISPATCHERS: dict = {}

@@ -95,7 +95,9 @@ class Optimizer:
     def explain(self, dim: int = 8) -> str:
         """How the engine runs this optimizer's row function, and why."""
         c = self.compiled(dim)
-        how = "element by element, inlined" if c.elementwise else "once per row, on row views"
+        how = ("element by element, inlined" if c.elementwise else
+               "once per row, its reductions first, then element by element in place" if c.split else
+               "once per row, on row views")
         return f"{compiler.describe(c.python_function)} runs {how}: {c.reason}"
 
     def _key(self):

@@ -245,7 +245,7 @@ def fused_update_kernel(row_function, lazy=True):
     ``src_row``/``src_gain`` are the occurrences in grouped order, as :func:`~embedcore.kernels.dedup.group_rows`
     returns them; the gradient of ``uniq[u]`` is summed from them on the fly and never written to memory.
     """
-    key = (row_function.dispatcher, row_function.slot_dims, row_function.elementwise, lazy)
+    key = (row_function.dispatcher, row_function.slot_dims, row_function.elementwise, row_function.split, lazy)
     kernel = _KERNELS.get(key)
     if kernel is None:
         source = kernel_source(row_function, lazy)
@@ -254,7 +254,7 @@ def fused_update_kernel(row_function, lazy=True):
         if row_function.fingerprint is not None:  # a file of its own, so Numba can cache the compiled code
             function = load_source(source, namespace, "kernel", ("update kernel", row_function.fingerprint,
                                                                  row_function.slot_dims, row_function.elementwise,
-                                                                 lazy))
+                                                                 row_function.split, lazy))
         cached = function is not None
         if not cached:
             exec(compile(source, f"<embedcore update kernel for {row_function.python_function!r}>", "exec"),
