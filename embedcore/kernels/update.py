@@ -12,8 +12,8 @@ For each unique row ``r`` (in parallel), its gradient ``g`` is summed into a scr
   may also update those copies in place and return them, which costs no allocation.
 
 The gradient of unique row ``u`` is ``sum over k in ptr[u]:ptr[u + 1] of src_gain[k] * d_act[src_row[k]]``
-(the occurrences in grouped order, see :func:`embedcore.kernels.dedup.group_rows`), summed in that fixed
-order, so results do not depend on the thread count. The rows are read at random, so the loop prefetches
+(the occurrences in grouped order, see :func:`embedcore.kernels.dedup.group_rows`), summed by
+:func:`embedcore.kernels.rows.weighted_sum` in a fixed order, so results do not depend on the thread count. The rows are read at random, so the loop prefetches
 the table and slot rows ``ROWS_AHEAD`` unique rows ahead and the gradient rows ``OCCURRENCES_AHEAD``
 occurrences ahead (:mod:`embedcore.kernels.prefetch`).
 
@@ -40,30 +40,15 @@ from numba.extending import overload
 from ..compile_cache import load_source
 from .dedup import source_views
 from .prefetch import prefetch_row
+from .rows import weighted_sum
 
-__all__ = ["update_kernel", "fused_update_kernel", "sum_rows", "all_finite", "CHUNK_ROWS", "ROWS_AHEAD",
+__all__ = ["update_kernel", "fused_update_kernel", "all_finite", "CHUNK_ROWS", "ROWS_AHEAD",
            "OCCURRENCES_AHEAD", "STATUS_GRADIENT", "STATUS_OUTPUT", "STATUS_LENGTH"]
 
 CHUNK_ROWS = 256
 ROWS_AHEAD = 4          # unique rows whose table and slot rows are prefetched ahead of the current one
 OCCURRENCES_AHEAD = 8   # occurrences whose gradient rows are prefetched ahead of the current one
 STATUS_GRADIENT, STATUS_OUTPUT, STATUS_LENGTH = 1, 2, 3
-
-
-@njit(cache=True, inline="always")
-def sum_rows(g_row, lo, hi, src_row, src_gain, d_act):
-    """``g_row = sum over k in [lo, hi) (in order) of src_gain[k] * d_act[src_row[k]]``, prefetching ahead."""
-    dim = g_row.shape[0]
-    for j in range(dim):
-        g_row[j] = 0.0
-    n = src_row.shape[0]
-    for k in range(lo, hi):
-        if k + OCCURRENCES_AHEAD < n:
-            prefetch_row(d_act, src_row[k + OCCURRENCES_AHEAD])
-        w = src_gain[k]
-        a = src_row[k]
-        for j in range(dim):
-            g_row[j] += w * d_act[a, j]
 
 
 def all_finite(value):
@@ -120,7 +105,8 @@ def kernel(table, slots, uniq, ptr, src_row, src_gain, d_act, learning_rate, hyp
 '''
 
 # Per chunk: one scratch row for the gradient and one for each new row / slot row (none per table row).
-_SCRATCH = '''        g_row = np.empty(dim, np.float32)
+_SCRATCH = '''        g_sum = np.empty((1, dim), np.float32)
+        g_row = g_sum[0]
         w_new = np.empty(dim, np.float32)
 {slot_scratch}'''
 
@@ -135,7 +121,7 @@ _LAZY_LOOP = '''
 {prefetch}
             r = uniq[u]
             item = u
-            sum_rows(g_row, ptr[u], ptr[u + 1], src_row, src_gain, d_act)
+            weighted_sum(g_sum, 0, ptr[u], ptr[u + 1], src_row, src_gain, d_act, OCCURRENCES_AHEAD)
 {body}
 '''
 
@@ -152,7 +138,7 @@ _DENSE_LOOP = '''
         for r in range(lo, hi):
             item = r
             if u < n_unique and uniq[u] == r:
-                sum_rows(g_row, ptr[u], ptr[u + 1], src_row, src_gain, d_act)
+                weighted_sum(g_sum, 0, ptr[u], ptr[u + 1], src_row, src_gain, d_act, OCCURRENCES_AHEAD)
                 u += 1
             else:
                 g_row[:] = 0.0
@@ -231,8 +217,8 @@ def kernel_source(row_function, lazy=True) -> str:
 def kernel_namespace(row_function) -> dict:
     """The globals the generated source refers to."""
     return {"np": np, "prange": prange, "fn": row_function.dispatcher, "store_row": store_row,
-            "all_finite": all_finite, "sum_rows": sum_rows, "prefetch_row": prefetch_row, "CHUNK": CHUNK_ROWS,
-            "ROWS_AHEAD": ROWS_AHEAD, "STATUS_GRADIENT": STATUS_GRADIENT, "STATUS_OUTPUT": STATUS_OUTPUT,
+            "all_finite": all_finite, "weighted_sum": weighted_sum, "prefetch_row": prefetch_row,
+            "CHUNK": CHUNK_ROWS, "ROWS_AHEAD": ROWS_AHEAD, "OCCURRENCES_AHEAD": OCCURRENCES_AHEAD, "STATUS_GRADIENT": STATUS_GRADIENT, "STATUS_OUTPUT": STATUS_OUTPUT,
             "STATUS_LENGTH": STATUS_LENGTH}
 
 
