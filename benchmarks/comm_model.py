@@ -4,33 +4,36 @@ Run from the repository root (no MPI needed; about 10 s)::
 
     python benchmarks/comm_model.py [--json /tmp/comm_model.json] [--bench-json /tmp/dist_k1.json]
 
-The exchange (``embedcore/distributed``), per table and step, on every one of ``N`` hosts (one rank each):
+The exchange (``embedcore/distributed``), per step for all tables at once, on every one of ``N`` hosts (one
+rank each):
 
-1. all-to-all of counts: 8 B to every other rank;
-2. all-to-all-v of the table's unique ids of the local batch, each to its owner: 8 B per id;
-3. all-to-all-v of the rows back: ``dim * 4`` B per id;
-4. in ``apply_gradients``, all-to-all-v of each unique id's summed gradient to its owner: ``dim * 4`` B.
+1. lookup: one all-to-all of counts, 8 B to every other rank (it also carries the agreement on input errors);
+2. one all-to-all-v of the unique ids of the local batch (all tables), each to its owner: 8 B per id;
+3. one all-to-all-v of the rows back: ``dim * 4`` B per id;
+4. apply_gradients: one 24-byte all-reduce agreeing that every rank's gradients are valid;
+5. one all-to-all-v of each unique id's summed gradient to its owner: ``dim * 4`` B per id;
+6. one 24-byte all-reduce agreeing on the update's outcome (rows left unchanged).
 
-Plus three 8-byte all-gathers per step (error agreement), ignored here. A host dedups only its own batch, so
-the unique ids per host per step ``U`` do not depend on ``N``; an id is remote with probability
-``(N - 1) / N`` (row ``r`` lives on rank ``(r + rotation) % N``; hot ids are scattered over the table, so
-owners are uniform). By symmetry a host receives as much as it sends, so per host and step
+A host dedups only its own batch, so the unique ids per host per step ``U`` do not depend on ``N``; an id is
+remote with probability ``(N - 1) / N`` (row ``r`` lives on rank ``(r + rotation) % N``; hot ids are scattered
+over the table, so owners are uniform). By symmetry a host receives as much as it sends, so per host and step
 
-    sent = received = (N - 1)/N * U * (8 + 2 * dim * 4)  +  8 * T * (N - 1)        [bytes]
+    sent = received = (N - 1)/N * U * (8 + 2 * dim * 4)  +  8 * (N - 1)  +  2 * 24 * ceil(log2 N)     [bytes]
 
-(ids it asks for + rows it returns to the hosts that asked it + its gradient sums; the last term is the count
-exchange, T tables). Communication would take as long as computation at the link bandwidth
+(ids it asks for + rows it returns to the hosts that asked it + its gradient sums; then the count exchange
+and the two all-reduces, recursive doubling). Communication would take as long as computation at the link
+bandwidth
 
     break-even bandwidth = sent / compute time per step        (full duplex: each direction)
 
 below which communication dominates a step (more if it does not overlap with compute, which it does not
 today: every exchange is waited for in the step's critical path). Messages: each all-to-all-v sends to the
-peers that own at least one of the ids, ``min(N - 1, ~U_t)`` for a table with ``U_t`` unique ids; the count
-exchange is an all-to-all of 8 B (MPICH: Bruck's algorithm, ~log2 N rounds). ``4 T + 3`` collectives per
-step are synchronisation points: a step waits for the slowest host ``4 T + 3`` times. The latency floor is
-messages x an assumed per-message cost (``--latency-us``, default 2 us); the "fused" columns count the
-messages if all tables shared one exchange per phase (one count all-to-all and three all-to-all-v per step,
-to at most N - 1 peers each), which the engine does not do today.
+peers that own at least one of the ids, ``(N - 1)(1 - (1 - 1/N)^U)``; the count all-to-all of 8 B and each
+all-reduce take ~log2 N rounds of one message. The 6 collectives per step are synchronisation points: a step
+waits for the slowest host 6 times. The latency floor is messages x an assumed per-message cost
+(``--latency-us``, default 2 us). The "per table" figures are those of the engine before the exchange was
+fused (one count all-to-all and three all-to-all-v per table, 8 B per table per peer of counts, three 8-byte
+all-gathers: ``4 T + 3`` collectives per step), for comparison.
 
 Workloads:
 
@@ -74,8 +77,10 @@ HOSTS = [2 ** k for k in range(1, 11)]
 
 # Measured on the 2-core development machine (see docs/distributed.md for the runs):
 DEMO_STEP_MS = 1024 / 40_000 * 1e3        # embedcore demo, whole training step, idle machine (BENCHMARKS.md)
-EMBEDDING_MS = {0.01: 9.2, 1.0: 17.8}     # single-process Embedding lookup + apply: the fastest of 3 --baseline runs
+EMBEDDING_MS = {0.01: 2.8, 1.0: 3.3}      # single-process Embedding lookup + apply: the fastest --baseline run on
+                                          # the idle machine (2026-12-01, docs/distributed.md)
 LATENCY_US = 2.0                          # assumed cost of one small MPI message (fast datacenter network)
+AGREEMENT_BYTES = 24                      # one all-reduce of the agreement: error flag and a tag (max, -min)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -137,7 +142,7 @@ def sampled_unique(v, s, n, seed=0):
 # Bytes, messages, break-even
 
 def per_step(tables_unique, n_hosts, dim, remote_measured=None):
-    """Bytes sent (= received) per host per step on ``n_hosts`` hosts; ``tables_unique``: U per table."""
+    """Bytes sent (= received) and messages per host per step on ``n_hosts`` hosts; ``tables_unique``: U per table."""
     t = len(tables_unique)
     u = float(sum(tables_unique))
     f = (n_hosts - 1) / n_hosts
@@ -145,16 +150,21 @@ def per_step(tables_unique, n_hosts, dim, remote_measured=None):
     ids = f * u * ID_BYTES
     rows = f * u * row
     grads = f * u * row
-    counts = ID_BYTES * t * (n_hosts - 1)
-    # peers with at least one id of a table: (N - 1) * (1 - (1 - 1/N)^U_t)
-    peers = sum((n_hosts - 1) * (1.0 - (1.0 - 1.0 / n_hosts) ** ut) for ut in tables_unique)
-    messages = 3 * peers + t * math.ceil(math.log2(n_hosts))
-    # the same exchange with all tables fused into one all-to-all-v per phase (not what the engine does today)
-    fused = 3 * (n_hosts - 1) * (1.0 - (1.0 - 1.0 / n_hosts) ** u) + math.ceil(math.log2(n_hosts))
+    rounds = math.ceil(math.log2(n_hosts))
+    counts = ID_BYTES * (n_hosts - 1)
+    agreements = 2 * AGREEMENT_BYTES * rounds
+    # peers owning at least one of the host's ids: (N - 1) * (1 - (1 - 1/N)^U)
+    peers = (n_hosts - 1) * (1.0 - (1.0 - 1.0 / n_hosts) ** u)
+    messages = 3 * peers + 3 * rounds
+    # the engine before the exchange was fused: per table a count all-to-all and three all-to-all-v
+    peers_per_table = sum((n_hosts - 1) * (1.0 - (1.0 - 1.0 / n_hosts) ** ut) for ut in tables_unique)
     out = {"N": n_hosts, "remote_fraction": f, "unique_per_host": u, "ids_bytes": ids, "rows_bytes": rows,
-           "grad_bytes": grads, "counts_bytes": counts, "sent_bytes": ids + rows + grads + counts,
-           "ids_per_peer_per_table": u / t / n_hosts, "messages": messages, "collectives": 4 * t + 3,
-           "messages_fused": fused}
+           "grad_bytes": grads, "counts_bytes": counts, "agreement_bytes": agreements,
+           "sent_bytes": ids + rows + grads + counts + agreements,
+           "ids_per_peer": u / n_hosts, "messages": messages, "collectives": 6,
+           "per_table": {"counts_bytes": ID_BYTES * t * (n_hosts - 1),
+                         "sent_bytes": ids + rows + grads + ID_BYTES * t * (n_hosts - 1),
+                         "messages": 3 * peers_per_table + (t + 3) * rounds, "collectives": 4 * t + 3}}
     if remote_measured is not None:
         out["remote_fraction_sampled"] = remote_measured / u
     return out
@@ -211,7 +221,7 @@ def model(args):
             r["break_even_Bps_full_step"] = break_even(r["sent_bytes"], demo_step_s)
             r["break_even_Bps_embedding_only"] = break_even(r["sent_bytes"], emb_s)
             r["latency_floor_ms"] = r["messages"] * args.latency_us / 1e3
-            r["latency_floor_fused_ms"] = r["messages_fused"] * args.latency_us / 1e3
+            r["per_table"]["latency_floor_ms"] = r["per_table"]["messages"] * args.latency_us / 1e3
             r["break_even_Bps_full_step_with_latency"] = with_latency(r, demo_step_s)
             rows.append(r)
         out["workloads"][f"demo_scale_{scale:g}"] = {
@@ -238,7 +248,7 @@ def model(args):
             r["break_even_Bps_this_machine_rate"] = break_even(r["sent_bytes"], compute["this_machine_rate"])
             r["break_even_Bps_100GBps"] = break_even(r["sent_bytes"], compute["100GBps"])
             r["latency_floor_ms"] = r["messages"] * args.latency_us / 1e3
-            r["latency_floor_fused_ms"] = r["messages_fused"] * args.latency_us / 1e3
+            r["per_table"]["latency_floor_ms"] = r["per_table"]["messages"] * args.latency_us / 1e3
             r["break_even_Bps_100GBps_with_latency"] = with_latency(r, compute["100GBps"])
             rows.append(r)
         out["workloads"][f"production_V{v:.0e}"] = {
@@ -253,8 +263,8 @@ def model(args):
                                               for v in (10 ** 5, 10 ** 6, 10 ** 7, 10 ** 8, 10 ** 9)}
     out["assumptions"] = {
         "remote_fraction": "(N-1)/N of each host's unique ids (owner = (row + rotation) % N, hot ids scattered)",
-        "bytes": "ids 8 B, rows and gradient sums dim*4 B; count exchange 8 B per table per peer; the three "
-                 "8-byte error-agreement all-gathers per step ignored",
+        "bytes": "ids 8 B, rows and gradient sums dim*4 B; count exchange 8 B per peer; two 24-byte "
+                 "all-reduces (agreements) of ceil(log2 N) rounds",
         "symmetry": "a host receives as many bytes as it sends (expectation)",
         "demo_full_step_ms": args.demo_step_ms, "embedding_only_ms": measured,
         "effective_rate_this_machine_GBps": rate_measured / 1e9, "server_rate_GBps": args.server_rate / 1e9,
@@ -288,15 +298,17 @@ def print_tables(out):
         be = [k for k in w["rows"][0] if k.startswith("break_even")]
         names = [k.replace("break_even_Bps_", "break-even vs ").replace("_with_latency", " + latency")
                  for k in be]
-        print("| N | remote | ids | rows | grad sums | counts | sent = recv per host | ids/peer/table | messages | "
-              + " | ".join(names) + f" | latency floor ({a['latency_us_per_message']:g} us/msg) | fused: messages, floor | memory/host |")
+        print("| N | remote | ids | rows | grad sums | counts + agreements | sent = recv per host | ids/peer | messages | "
+              + " | ".join(names) + f" | latency floor ({a['latency_us_per_message']:g} us/msg) | "
+              "per table (before): sent, messages, floor | memory/host |")
         print("| ---: " * (12 + len(be)) + "|")
         for r in w["rows"]:
+            p = r["per_table"]
             print(f"| {r['N']} | {r['remote_fraction']:.3f} | {fmt_bytes(r['ids_bytes'])} | {fmt_bytes(r['rows_bytes'])} | "
-                  f"{fmt_bytes(r['grad_bytes'])} | {fmt_bytes(r['counts_bytes'])} | {fmt_bytes(r['sent_bytes'])} | "
-                  f"{r['ids_per_peer_per_table']:,.2f} | {r['messages']:,.0f} | "
+                  f"{fmt_bytes(r['grad_bytes'])} | {fmt_bytes(r['counts_bytes'] + r['agreement_bytes'])} | "
+                  f"{fmt_bytes(r['sent_bytes'])} | {r['ids_per_peer']:,.1f} | {r['messages']:,.0f} | "
                   + " | ".join(fmt_bw(r[k]) for k in be) + f" | {r['latency_floor_ms']:,.2f} ms | "
-                  f"{r['messages_fused']:,.0f}, {r['latency_floor_fused_ms']:,.2f} ms | "
+                  f"{fmt_bytes(p['sent_bytes'])}, {p['messages']:,.0f}, {p['latency_floor_ms']:,.2f} ms | "
                   f"{fmt_bytes(w['memory_per_host_bytes'][r['N']])} |")
         if "unique_per_table_sampled" in w:
             print(f"unique ids per table: expected {w['unique_per_table']:,.0f}, one sampled batch "
