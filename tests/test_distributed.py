@@ -232,6 +232,17 @@ def test_a_stuck_rank_makes_the_others_fail_within_the_timeout_and_end_the_job(t
     assert time.monotonic() - start < 80
 
 
+def test_a_failure_after_the_ranks_agreed_to_go_ahead_makes_the_engine_unusable(tmp_path):
+    proc = mpirun(1, "mpi_failures.py", "mid_step", tmp_path, timeout=180)
+    reports = rank_reports(tmp_path)
+    assert sorted(reports) == [0], proc.stdout + proc.stderr[-2000:]
+    assert reports[0]["first"]["type"] == "MemoryError"
+    then = reports[0]["then"]
+    assert then["type"] == "DistributedError" and then["unchanged"], then
+    assert re.search(r"unusable after an earlier failure: rank 0: lookup failed after the ranks agreed to go "
+                     r"ahead \(MemoryError: cannot allocate the answer\)", then["error"]), then["error"]
+
+
 def test_a_dead_rank_ends_the_job_with_an_error_not_a_hang(tmp_path):
     proc = mpirun(3, "mpi_failures.py", "die", tmp_path, timeout=180)  # raises TimeoutExpired on a hang
     assert proc.returncode != 0

@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import json
 import threading
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -166,7 +167,7 @@ class ShardedEmbedding(TableLookup):
         self._batch_workspaces = [Workspace() for _ in groups]  # a lookup's table batches, kept for its update
         self._constants = _Constants()
         self._lookups = 0
-        self._pending = None  # the last lookup's route while its gradients are not applied
+        self._pending = None  # weak reference to the last lookup's route while its gradients are not applied
 
     def _agreed(self, error, exc, what, **tag):
         """:meth:`Exchanger.agree`, chaining this rank's own exception to the ``DistributedError``."""
@@ -174,6 +175,19 @@ class ShardedEmbedding(TableLookup):
             self._exchange.agree(error, what, **tag)
         except DistributedError as e:
             raise e from exc
+
+    @contextlib.contextmanager
+    def _going_ahead(self, what: str):
+        """The part of a step after the ranks agreed to go ahead: should it fail here (a bug, memory), the
+        others wait in an exchange this rank will not enter, so the engine is unusable from then on."""
+        try:
+            yield
+        except DistributedError:
+            raise
+        except BaseException as e:
+            self._exchange.broken = (f"rank {self.rank}: {what} failed after the ranks agreed to go ahead "
+                                     f"({describe_error(e)}); its peers are left waiting in an exchange")
+            raise
 
     @contextlib.contextmanager
     def _exclusive(self, what: str):
@@ -249,9 +263,10 @@ class ShardedEmbedding(TableLookup):
 
     def _lookup(self, features, weights):
         ex, layout, ws = self._exchange, self._layout, self._workspace
-        if self._pending is not None:
-            self._pending.detach()
-            self._pending = None
+        pending = self._pending() if self._pending is not None else None
+        if pending is not None:
+            pending.detach()
+        self._pending = None
 
         def requests():
             slots, parts = self._prepare(features, weights)
@@ -266,6 +281,17 @@ class ShardedEmbedding(TableLookup):
             raise e from exc
         slots, route, send_ids = result
         route.ids_from = route_ids_from
+        with self._going_ahead("lookup"):
+            acts = self._fetch(route, send_ids)
+        self._lookups = route.seq
+        self._pending = weakref.ref(route)
+        activations = [acts[s.group][s.out_offset:s.out_offset + s.n_rows].reshape(s.shape) for s in slots]
+        ctx = ShardedLookupContext(id(self), [g["tb"] for g in route.groups], slots, route=route)
+        return inputs.unflatten(self._feature_config, activations), ctx
+
+    def _fetch(self, route, send_ids):
+        """Send the requests, answer the peers' and combine the activations from the rows that come back."""
+        ex, layout, ws = self._exchange, self._layout, self._workspace
         recv_ids = ws.array("recv_ids", int(route.ids_from.sum()), np.int64)
         ex.alltoallv(send_ids, route.ids_to, recv_ids, route.ids_from, "lookup (ids)")
         resolve(layout, route, recv_ids, ws)
@@ -286,11 +312,7 @@ class ShardedEmbedding(TableLookup):
             if tb.n_out:
                 gather_combine(rows_u, occurrence, tb.gains, tb.out_ptr, act)
             acts.append(act)
-        self._lookups = route.seq
-        self._pending = route
-        activations = [acts[s.group][s.out_offset:s.out_offset + s.n_rows].reshape(s.shape) for s in slots]
-        ctx = ShardedLookupContext(id(self), [g["tb"] for g in route.groups], slots, route=route)
-        return inputs.unflatten(self._feature_config, activations), ctx
+        return acts
 
     # -- update ------------------------------------------------------------------------------------------
     def apply_gradients(self, gradients, ctx: LookupContext):
@@ -308,40 +330,47 @@ class ShardedEmbedding(TableLookup):
         return [_check_gradient(grad, s, refuse) for grad, s in zip(leaves, ctx.features)]
 
     def _apply(self, gradients, ctx):
-        ex, ws = self._exchange, self._workspace
         checked, error, exc = _attempt(lambda: self._checked_gradients(gradients, ctx))
         seq = ctx.route.seq if error is None else -1
         self._agreed(error, exc, "apply_gradients", tag=seq,
                      tag_text=lambda: f"applies the gradients of this engine's lookup number {seq}")
         route = ctx.route
         step = self.step + 1
-        sums_out = ws.array("grads_out", int(route.floats_from.sum()), np.float32)
-        for k, (group, g) in enumerate(zip(self._groups, route.groups)):
-            tb = g["tb"]
-            d_act = Embedding._gradient_rows(k, group, tb, checked, ctx.features)
-            sums = ws.array(f"sums_{k}", (g["uniq"].shape[0], group.dim), np.float32)
-            if sums.shape[0]:
-                sum_gradients(sums, g["ptr"], g["order"], tb.out_row, tb.gains, d_act)
-            rows_to_flat(sums, self._constants.get(sums.shape[0])[0], g["row_offset"], sums_out)
-        sums_in = ws.array("grads_in", int(route.floats_to.sum()), np.float32)
-        ex.alltoallv(sums_out, route.floats_from, sums_in, route.floats_to, "apply_gradients (gradient sums)")
-        report, wrong_length = self._update_shards(route, sums_in, step)
+        with self._going_ahead("apply_gradients"):
+            report, wrong_length = self._exchange_and_update(route, checked, ctx.features, step)
         self.step = step
         ctx.consumed = True
-        if self._pending is route:
+        if self._pending is not None and self._pending() is route:
             self._pending = None
         for name, rows in report.skipped.items():
             self.skipped_rows[name] = self.skipped_rows.get(name, 0) + sum(len(v) for v in rows.values())
         message = "; ".join(([_WRONG_LENGTH + wrong_length] if wrong_length else []) +
                             ([report.describe()] if report.skipped and self.non_finite == "raise" else [])) or None
         try:
-            ex.agree(message, "the update", outcome="reported rows left unchanged or a failing row function")
+            self._exchange.agree(message, "the update",
+                                 outcome="reported rows left unchanged or a failing row function")
         except DistributedError as e:
             kind = RowFunctionError if _WRONG_LENGTH in str(e) else NonFiniteError
             raise kind(f"{e}. The other rows were updated and step is now {step} on every rank" +
                        ("; non_finite='skip' skips NaN/Inf rows and reports them instead"
                         if kind is NonFiniteError else "")) from None
         return report
+
+    def _exchange_and_update(self, route: Route, checked, features, step):
+        """Sum this rank's gradients per unique id, send the sums to the owners, update this rank's shards."""
+        ws = self._workspace
+        sums_out = ws.array("grads_out", int(route.floats_from.sum()), np.float32)
+        for k, (group, g) in enumerate(zip(self._groups, route.groups)):
+            tb = g["tb"]
+            d_act = Embedding._gradient_rows(k, group, tb, checked, features)
+            sums = ws.array(f"sums_{k}", (g["uniq"].shape[0], group.dim), np.float32)
+            if sums.shape[0]:
+                sum_gradients(sums, g["ptr"], g["order"], tb.out_row, tb.gains, d_act)
+            rows_to_flat(sums, self._constants.get(sums.shape[0])[0], g["row_offset"], sums_out)
+        sums_in = ws.array("grads_in", int(route.floats_to.sum()), np.float32)
+        self._exchange.alltoallv(sums_out, route.floats_from, sums_in, route.floats_to,
+                                 "apply_gradients (gradient sums)")
+        return self._update_shards(route, sums_in, step)
 
     def _update_shards(self, route: Route, sums_in, step):
         """Run each local physical table's fused kernel on the gradient sums this rank received.

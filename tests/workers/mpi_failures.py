@@ -12,6 +12,7 @@ every rank writes what it saw to ``OUT/rank-<k>.json`` (files, not stdout: the r
 ``save_stuck``  rank 1 stalls after writing its shards, before reporting them: no commit.
 ``save_killed`` rank 1 is killed while writing its shards (after a first, good save to CKPT).
 ``resave``      a healthy job restores CKPT, trains a step and saves there.
+``mid_step``    (one rank) a failure after the ranks agreed to go ahead makes the engine unusable.
 """
 
 import json
@@ -234,6 +235,22 @@ def save_killed(rank, ckpt):
     report(rank, second_save="returned")
 
 
+def mid_step(rank):
+    """A failure after the ranks agreed to go ahead (here: memory, in the lookup's row copies) leaves the
+    engine unusable: the peers wait in an exchange this rank will not enter."""
+    from embedcore.distributed import engine as sharded_engine
+    emb = build()
+    step(emb, IDS)
+    real = sharded_engine.rows_to_flat
+
+    def out_of_memory(*args):
+        raise MemoryError("cannot allocate the answer")
+    sharded_engine.rows_to_flat = out_of_memory
+    first = attempt(emb, lambda: emb.lookup({"f": IDS}))
+    sharded_engine.rows_to_flat = real
+    report(rank, first=first, then=attempt(emb, lambda: emb.lookup({"f": IDS})))
+
+
 def resave(rank, ckpt):
     emb = ShardedEmbedding.restore(ckpt)
     report(rank, restored_step=emb.step)
@@ -256,6 +273,8 @@ if __name__ == "__main__":
         save_killed(rank, ckpt)
     elif mode == "resave":
         resave(rank, ckpt)
+    elif mode == "mid_step":
+        mid_step(rank)
     else:
         emb = build()
         step(emb, IDS)  # compiles (times differ between ranks); only then a short timeout
