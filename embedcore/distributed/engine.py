@@ -121,12 +121,11 @@ class ShardedEmbedding(TableLookup):
             tables = self._init_features(feature_config)
             config = encode_engine_config(feature_config, tables, optimizer, seed)
             config["non_finite"] = non_finite
-            return tables, config
+            return tables, config, json.dumps(config, sort_keys=True)
         result, error, exc = _attempt(describe_config)
         self._agreed(error, exc, "building the embedding configuration")
-        tables, self._config = result
-        ex.same_everywhere(json.dumps(self._config, sort_keys=True), "the embedding configuration "
-                           "(feature_config, tables, optimizers, seed, non_finite)")
+        tables, self._config, text = result
+        ex.same_everywhere(text, "the embedding configuration (feature_config, tables, optimizers, seed, non_finite)")
         _, error, exc = _attempt(lambda: self._build(tables, optimizer, seed, non_finite))
         self._agreed(error, exc, "building this rank's shards")
 
