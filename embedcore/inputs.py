@@ -370,8 +370,9 @@ def build_table_batch(parts, workspace=None) -> TableBatch:
         weights = _NO_WEIGHTS if batch.weights is None else np.ascontiguousarray(batch.weights, np.float32)
         positions = _NO_POSITIONS if batch.positions is None else np.ascontiguousarray(batch.positions, np.int64)
         at += fill_occurrences(np.ascontiguousarray(batch.ids, np.int64),
-                               np.ascontiguousarray(batch.row_splits, np.int64), weights, positions, COMBINERS[combiner],
-                               seq_len or 0, row_offset, out_offset, at, rows, gains, out_row, out_ptr)
+                               np.ascontiguousarray(batch.row_splits, np.int64), weights, positions,
+                               COMBINERS[combiner], seq_len or 0, row_offset, out_offset, at, rows, gains, out_row,
+                               out_ptr)
     return TableBatch(rows[:at], gains[:at], out_row[:at], out_ptr, n_out)
 
 

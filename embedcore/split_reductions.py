@@ -198,7 +198,8 @@ class _Analysis:
 
     # -- statements --------------------------------------------------------------------------------------
     def statement(self, stmt, last):
-        if isinstance(stmt, (ast.Pass, ast.Delete)) or (isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant)):
+        docstring = isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant)
+        if isinstance(stmt, (ast.Pass, ast.Delete)) or docstring:
             return
         if isinstance(stmt, ast.Return):
             if not last or stmt.value is None:
