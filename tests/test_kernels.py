@@ -104,3 +104,105 @@ def test_count_non_finite_serial_and_parallel(dtype):
         assert rows._count_non_finite_serial(values) == expected
         assert rows._count_non_finite_parallel(values) == expected
         assert rows.count_non_finite(values) == expected
+
+
+# -- grouped occurrences, weighted sums, prefetch -----------------------------------------------------------
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 2 ** 40), st.sampled_from([0, 1, 5, 300, 70_000]), st.integers(0, 2 ** 32),
+       st.sampled_from([1, 2]))
+def test_group_rows_is_unique_rows_with_the_occurrences_in_grouped_order(n_rows, n, seed, threads):
+    import numba
+    from embedcore.kernels.dedup import group_rows
+    rng = np.random.default_rng(seed)
+    rows = rng.integers(0, min(n_rows, max(1, n // 4 + 1)), n).astype(np.int64) * max(1, n_rows // (n // 4 + 1))
+    rows = np.minimum(rows, n_rows - 1)
+    out_row = rng.integers(0, 2 ** 31 - 1, n)
+    gains = rng.standard_normal(n).astype(np.float32)
+    before = numba.get_num_threads()
+    numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+    try:
+        uniq, ptr, (src_row, src_gain) = group_rows(rows, n_rows, out_row, gains, Workspace())
+    finally:
+        numba.set_num_threads(before)
+    order = np.argsort(rows, kind="stable")
+    expected, counts = np.unique(rows, return_counts=True)
+    np.testing.assert_array_equal(uniq, expected)
+    np.testing.assert_array_equal(np.diff(ptr), counts)
+    np.testing.assert_array_equal(src_row, out_row[order])
+    np.testing.assert_array_equal(src_gain.view(np.uint32), gains[order].view(np.uint32))
+
+
+def _weighted_sum_reference(gains, sources):
+    """rows.weighted_sum's documented order, in float32: groups of four as (t0 + t1) + (t2 + t3), then singles."""
+    acc = np.zeros(sources.shape[1], np.float32)
+    k = 0
+    while k + 3 < len(gains):
+        t = [np.float32(gains[k + i]) * sources[k + i] for i in range(4)]
+        acc = acc + ((t[0] + t[1]) + (t[2] + t[3]))
+        k += 4
+    for i in range(k, len(gains)):
+        acc = acc + np.float32(gains[i]) * sources[i]
+    return acc
+
+
+@pytest.mark.parametrize("per_bag", [0, 1, 3, 4, 9])
+def test_lookup_sums_in_the_documented_order_bit_for_bit(per_bag):
+    from embedcore.kernels.rows import gather_combine
+    rng = np.random.default_rng(per_bag)
+    table = rng.standard_normal((50, 5)).astype(np.float32)
+    lengths = rng.integers(per_bag, per_bag + 3, 7) if per_bag else np.zeros(7, int)
+    out_ptr = np.concatenate(([0], np.cumsum(lengths))).astype(np.int64)
+    rows = rng.integers(0, 50, out_ptr[-1]).astype(np.int64)
+    gains = rng.standard_normal(out_ptr[-1]).astype(np.float32)
+    act = np.full((7, 5), np.nan, np.float32)
+    gather_combine(table, rows, gains, out_ptr, act)
+    for a in range(7):
+        lo, hi = out_ptr[a], out_ptr[a + 1]
+        np.testing.assert_array_equal(act[a], _weighted_sum_reference(gains[lo:hi], table[rows[lo:hi]]))
+
+
+def test_sharded_sums_equal_the_gradient_the_fused_update_applies():
+    """sum_gradients (what a rank sends a row's owner) is bit-identical to the fused kernel's own sum:
+    SGD with learning rate 1 on a zero table writes exactly -gradient."""
+    from embedcore.kernels.dedup import group_rows, unique_rows
+    from embedcore.kernels.rows import sum_gradients
+    from embedcore.kernels.update import fused_update_kernel
+    rng = np.random.default_rng(3)
+    n, n_rows, n_out, dim = 5000, 300, 900, 6
+    rows = rng.integers(0, n_rows, n).astype(np.int64)
+    out_row = np.sort(rng.integers(0, n_out, n)).astype(np.int64)
+    gains = rng.standard_normal(n).astype(np.float32)
+    d_act = rng.standard_normal((n_out, dim)).astype(np.float32)
+    uniq, ptr, order = [a.copy() for a in unique_rows(rows, n_rows, Workspace())]
+    sums = np.empty((uniq.shape[0], dim), np.float32)
+    sum_gradients(sums, ptr, order, out_row, gains, d_act)
+    sgd = ec.CustomOptimizer(lambda gradient, embedding_table, slot_variables, learning_rate, hyperparameters:
+                             embedding_table - learning_rate * gradient, learning_rate=1.0)
+    table = np.zeros((n_rows, dim), np.float32)
+    u2, p2, (src_row, src_gain) = group_rows(rows, n_rows, out_row, gains, Workspace())
+    kernel = fused_update_kernel(sgd.compiled(dim))
+    assert kernel(table, (), u2, p2, src_row, src_gain, d_act, np.float32(1.0), (), np.zeros(u2.shape[0], np.uint8)) == 0
+    np.testing.assert_array_equal(table[uniq], -sums)
+
+
+def test_prefetch_changes_no_value():
+    from numba import njit
+    from embedcore.kernels.prefetch import prefetch_row
+
+    @njit
+    def touch(a, b, idx):
+        total = 0.0
+        for i in range(idx.shape[0]):
+            prefetch_row(a, idx[i])
+            prefetch_row(b, idx[i])
+            total += a[idx[i], 0] + b[idx[i]]
+        return total
+
+    a = np.arange(40, dtype=np.float32).reshape(10, 4)
+    b = np.arange(10, dtype=np.float64)
+    before = (a.copy(), b.copy())
+    idx = np.array([9, 0, 3, 3])
+    assert touch(a, b, idx) == float(a[idx, 0].sum() + b[idx].sum())
+    np.testing.assert_array_equal(a, before[0])
+    np.testing.assert_array_equal(b, before[1])

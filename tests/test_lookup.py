@@ -97,3 +97,32 @@ def test_empty_batch():
     emb.apply_gradients(np.zeros((0, 2), np.float32), ctx)
     np.testing.assert_array_equal(emb.embedding_tables["empty"], before)
     assert emb.step == 1
+
+
+def test_lookups_lease_their_batches_and_give_them_back():
+    """Each lookup's occurrences live in a workspace leased from the table's pool: kept while its context
+    may still be applied (several may be outstanding), returned once applied or dropped, then reused."""
+    import gc
+    table = ec.TableConfig(40, 4, name="leased", combiner="sum", initializer=ec.RandomUniform(-1, 1))
+    emb = ec.Embedding({"f": ec.FeatureConfig(table)}, ec.SGD(0.5))
+    pool = emb._groups[0].batch_pool
+    ids_a, ids_b = np.array([[1, 2], [3, 3]]), np.array([[7, 1], [5, 9]])
+    acts_a, ctx_a = emb({"f": ids_a})
+    acts_b, ctx_b = emb({"f": ids_b})
+    assert pool.idle == 0  # two contexts outstanding, two workspaces leased
+    before = emb.embedding_tables["leased"].copy()
+    emb.apply_gradients({"f": np.ones_like(acts_a["f"])}, ctx_a)
+    assert pool.idle == 1 and ctx_a.table_batches is None
+    with pytest.raises(ec.InputError, match="already applied"):
+        emb.apply_gradients({"f": np.ones_like(acts_a["f"])}, ctx_a)
+    emb.apply_gradients({"f": np.ones_like(acts_b["f"])}, ctx_b)  # b's batch was not overwritten by a's
+    expected = before.copy()
+    for ids in (ids_a, ids_b):
+        np.subtract.at(expected, ids.reshape(-1), 0.5)
+    np.testing.assert_allclose(emb.embedding_tables["leased"], expected, rtol=1e-6)
+    assert pool.idle == 2
+    _, ctx_c = emb({"f": ids_a})  # reuses an idle workspace
+    assert pool.idle == 1
+    del ctx_c
+    gc.collect()
+    assert pool.idle == 2  # a dropped context gives its workspace back
