@@ -262,7 +262,7 @@ class Embedding(TableLookup):
             if tb is None:
                 tb = inputs.build_table_batch([])
             d_act = self._gradient_rows(g, group, tb, checked, ctx.features)
-            uniq, ptr, (src_row, src_gain) = group_rows(tb.rows, group.n_rows, tb.out_row, tb.gains, ws)
+            uniq, ptr, (src_row, src_gain) = group_rows(tb.rows, group.n_rows, tb.packed, ws)
             lr, hyper = values[id(group.optimizer)]
             lazy = group.optimizer.lazy
             status = ws.array("status", (uniq.shape[0] if lazy else group.n_rows,), np.uint8)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .kernels.occurrences import COMBINERS, fill_occurrences, first_non_finite, first_out_of_range
+from .kernels.occurrences import COMBINERS, fill_occurrences, first_non_finite, first_out_of_range, packed_views
 
 __all__ = ["Ragged", "Sparse", "FeatureBatch", "TableBatch", "InputError", "to_feature_batch",
            "build_table_batch", "flatten", "flatten_like", "unflatten"]
@@ -341,10 +341,19 @@ class TableBatch:
     """
 
     rows: np.ndarray      # int64 [N] physical row
-    gains: np.ndarray     # float32 [N]
-    out_row: np.ndarray   # int64 [N] activation row
+    packed: np.ndarray    # int64 [N] activation row << 32 | the gain's float32 bits (kernels/occurrences.py)
     out_ptr: np.ndarray   # int64 [n_out + 1]
     n_out: int
+
+    @property
+    def gains(self) -> np.ndarray:
+        """float32 [N] (a view of ``packed``)."""
+        return packed_views(self.packed)[1]
+
+    @property
+    def out_row(self) -> np.ndarray:
+        """int32 [N] activation row of each occurrence (a view of ``packed``)."""
+        return packed_views(self.packed)[0]
 
 
 def build_table_batch(parts, workspace=None) -> TableBatch:
@@ -361,8 +370,7 @@ def build_table_batch(parts, workspace=None) -> TableBatch:
         n += batch.ids.shape[0]
         n_out = out_offset + batch.batch_size * (seq_len if seq_len else 1)
     rows = _array(workspace, "rows", n, np.int64)
-    gains = _array(workspace, "gains", n, np.float32)
-    out_row = _array(workspace, "out_row", n, np.int64)
+    packed = _array(workspace, "packed", n, np.int64)
     out_ptr = _array(workspace, "out_ptr", n_out + 1, np.int64)
     out_ptr[0] = 0
     at = 0
@@ -371,9 +379,8 @@ def build_table_batch(parts, workspace=None) -> TableBatch:
         positions = _NO_POSITIONS if batch.positions is None else np.ascontiguousarray(batch.positions, np.int64)
         at += fill_occurrences(np.ascontiguousarray(batch.ids, np.int64),
                                np.ascontiguousarray(batch.row_splits, np.int64), weights, positions,
-                               COMBINERS[combiner], seq_len or 0, row_offset, out_offset, at, rows, gains, out_row,
-                               out_ptr)
-    return TableBatch(rows[:at], gains[:at], out_row[:at], out_ptr, n_out)
+                               COMBINERS[combiner], seq_len or 0, row_offset, out_offset, at, rows, packed, out_ptr)
+    return TableBatch(rows[:at], packed[:at], out_ptr, n_out)
 
 
 def _array(workspace, name, shape, dtype):

@@ -114,6 +114,7 @@ def test_count_non_finite_serial_and_parallel(dtype):
 def test_group_rows_is_unique_rows_with_the_occurrences_in_grouped_order(n_rows, n, seed, threads):
     import numba
     from embedcore.kernels.dedup import group_rows
+    from embedcore.kernels.occurrences import pack_occurrences
     rng = np.random.default_rng(seed)
     rows = rng.integers(0, min(n_rows, max(1, n // 4 + 1)), n).astype(np.int64) * max(1, n_rows // (n // 4 + 1))
     rows = np.minimum(rows, n_rows - 1)
@@ -122,7 +123,7 @@ def test_group_rows_is_unique_rows_with_the_occurrences_in_grouped_order(n_rows,
     before = numba.get_num_threads()
     numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
     try:
-        uniq, ptr, (src_row, src_gain) = group_rows(rows, n_rows, out_row, gains, Workspace())
+        uniq, ptr, (src_row, src_gain) = group_rows(rows, n_rows, pack_occurrences(out_row, gains), Workspace())
     finally:
         numba.set_num_threads(before)
     order = np.argsort(rows, kind="stable")
@@ -166,6 +167,7 @@ def test_sharded_sums_equal_the_gradient_the_fused_update_applies():
     """sum_gradients (what a rank sends a row's owner) is bit-identical to the fused kernel's own sum:
     SGD with learning rate 1 on a zero table writes exactly -gradient."""
     from embedcore.kernels.dedup import group_rows, unique_rows
+    from embedcore.kernels.occurrences import pack_occurrences
     from embedcore.kernels.rows import sum_gradients
     from embedcore.kernels.update import fused_update_kernel
     rng = np.random.default_rng(3)
@@ -180,7 +182,7 @@ def test_sharded_sums_equal_the_gradient_the_fused_update_applies():
     sgd = ec.CustomOptimizer(lambda gradient, embedding_table, slot_variables, learning_rate, hyperparameters:
                              embedding_table - learning_rate * gradient, learning_rate=1.0)
     table = np.zeros((n_rows, dim), np.float32)
-    u2, p2, (src_row, src_gain) = group_rows(rows, n_rows, out_row, gains, Workspace())
+    u2, p2, (src_row, src_gain) = group_rows(rows, n_rows, pack_occurrences(out_row, gains), Workspace())
     kernel = fused_update_kernel(sgd.compiled(dim))
     assert kernel(table, (), u2, p2, src_row, src_gain, d_act, np.float32(1.0), (), np.zeros(u2.shape[0], np.uint8)) == 0
     np.testing.assert_array_equal(table[uniq], -sums)

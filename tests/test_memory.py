@@ -88,8 +88,8 @@ def step_bound(shape, groups, batch, threads, n_rows=None):
     Lookup (lookup.py, inputs.py, kernels/occurrences.py):
       per feature, held until lookup returns: row_splits 8 (B_f + 1) (ids are range-checked and weights
       checked in place, by jitted loops);
-      per table: the activations 4 A_g d_g; the table batch (rows 8 M_g, gains 4 M_g, out_row 8 M_g,
-      out_ptr 8 (A_g + 1)) is written into a workspace leased from the table's pool and kept in the context:
+      per table: the activations 4 A_g d_g; the table batch (rows 8 M_g, packed activation rows and gains
+      8 M_g, out_ptr 8 (A_g + 1)) is written into a workspace leased from the table's pool and kept in the context:
       new memory only on the first step (apply_gradients gives the workspace back for the next lookup).
     Apply (engine.py, kernels/):
       held: every table's context and activations (above); gradients are copied into a workspace, never
@@ -99,8 +99,8 @@ def step_bound(shape, groups, batch, threads, n_rows=None):
       T_g (4 d_g + 64). (UpdateReport's status masks are made only when some row was skipped.)
       Non-lazy tables: ``status`` has one byte per table row, not per unique row: U_g is the table's row
       count (``n_rows``), the only term that depends on the vocabulary.
-    First step, workspaces (kernels/dedup.py, engine.py): the packed occurrences, two key and two payload
-      sort buffers and uniq 48 N_g, ptr 8 (N_g + 1), status U_g, and d_act 4 A_g d_g for a table fed by
+    First step, workspaces (kernels/dedup.py, engine.py): two key and two payload sort buffers and uniq
+      40 N_g, ptr 8 (N_g + 1), status U_g, and d_act 4 A_g d_g for a table fed by
       several features (or a non-float32 gradient); in lookup, the pooled table batch (above).
     Plus PYTHON_OBJECTS for the small objects of a step.
     """
@@ -114,7 +114,7 @@ def step_bound(shape, groups, batch, threads, n_rows=None):
         assert n == sum(batch_sizes(f)[1] for f in mine) and a == sum(batch_sizes(f)[2] for f in mine)
         m = sum(batch_sizes(f)[0] for f in mine)
         u = sizes["n_unique"] if group["lazy"] else n_rows
-        table_batch = 20 * max(m, 16) + 8 * max(a + 1, 16) + 4 * NRT_HEADER
+        table_batch = 16 * max(m, 16) + 8 * max(a + 1, 16) + 3 * NRT_HEADER
         acts = 4 * a * d
         lookup_first = max(lookup_first, live + held_first + table_batch + acts)
         lookup_later = max(lookup_later, live + held_later + acts)
@@ -124,7 +124,7 @@ def step_bound(shape, groups, batch, threads, n_rows=None):
         flags = 8 * (max(u, 1) // 256 + 1) + NRT_HEADER
         apply_transient = max(apply_transient, threads * (RADIX_COUNTS + NRT_HEADER) + flags + threads * per_thread)
         copies = len(mine) > 1
-        workspaces += 48 * max(n, 16) + 8 * max(n + 1, 16) + max(u, 16) + (4 * a * d if copies else 0)
+        workspaces += 40 * max(n, 16) + 8 * max(n + 1, 16) + max(u, 16) + (4 * a * d if copies else 0)
     return {"lookup": lookup_later + PYTHON_OBJECTS, "apply": held_later + apply_transient + PYTHON_OBJECTS,
             "lookup_first": lookup_first + PYTHON_OBJECTS,
             "apply_first": held_first + apply_transient + workspaces + PYTHON_OBJECTS}

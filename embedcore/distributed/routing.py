@@ -89,8 +89,7 @@ class Route:
             for key in self._VIEWS:
                 g[key] = g[key].copy()
             tb = g["tb"]
-            g["tb"] = dataclasses.replace(tb, rows=tb.rows.copy(), gains=tb.gains.copy(), out_row=tb.out_row.copy(),
-                                          out_ptr=tb.out_ptr.copy())
+            g["tb"] = dataclasses.replace(tb, rows=tb.rows.copy(), packed=tb.packed.copy(), out_ptr=tb.out_ptr.copy())
         self.own_rows, self.own_offset = self.own_rows.copy(), self.own_offset.copy()
         self.detached = True
 

@@ -6,7 +6,8 @@ in their original order). The sort is stable, so every later sum over a row's oc
 same order on every run and thread count.
 
 :func:`group_rows` also lays out, in that grouped order, what the update needs of each occurrence (its
-activation row and its gain), so that the update reads them sequentially instead of through ``order``.
+activation row and its gain, packed in one word), so that the update reads them sequentially instead of
+through ``order``.
 
 The sort makes one pass per 11-bit digit of the row numbers, skipping digits on which all rows agree. Large
 batches sort in parallel: each thread counts and then scatters its own contiguous part of the input; the
@@ -17,6 +18,8 @@ to the serial sort's).
 import numba
 import numpy as np
 from numba import njit, prange
+
+from .occurrences import packed_views
 
 __all__ = ["unique_rows", "group_rows", "DIGIT_BITS", "PARALLEL_MIN"]
 
@@ -133,18 +136,6 @@ def _group(sorted_keys, uniq, ptr):
     return n_unique
 
 
-@njit(cache=True, parallel=True)
-def _pack(out_row, gain_bits, packed):
-    for i in prange(out_row.shape[0]):
-        packed[i] = (np.int64(out_row[i]) << 32) | np.int64(gain_bits[i])
-
-
-@njit(cache=True)
-def _pack_serial(out_row, gain_bits, packed):
-    for i in range(out_row.shape[0]):
-        packed[i] = (np.int64(out_row[i]) << 32) | np.int64(gain_bits[i])
-
-
 def _sort(rows, n_rows, payload, index_payload, workspace):
     n = rows.shape[0]
     buffers = [workspace.array(name, n, np.int64) for name in ("sort_keys_a", "sort_payload_a", "sort_keys_b",
@@ -167,25 +158,11 @@ def unique_rows(rows: np.ndarray, n_rows: int, workspace):
     return _sort(rows, n_rows, rows, True, workspace)
 
 
-def group_rows(rows: np.ndarray, n_rows: int, out_row: np.ndarray, gains: np.ndarray, workspace):
-    """``(uniq, ptr, src_row, src_gain)``: :func:`unique_rows`, with each occurrence's activation row and
-    gain in grouped order, ``src_row[k] = out_row[order[k]]`` and ``src_gain[k] = gains[order[k]]``.
-
-    ``src_row`` (int32) and ``src_gain`` (float32) are strided views of one array of 64-bit words that the
-    sort carried along (activation row in the high half, the gain's bits in the low half), so no pass
-    gathers them through ``order``. Activation rows must be below 2**31.
-    """
+def group_rows(rows: np.ndarray, n_rows: int, packed: np.ndarray, workspace):
+    """``(uniq, ptr, (src_row, src_gain))``: :func:`unique_rows`, with each occurrence's activation row and
+    gain in grouped order: the sort carries the occurrences' packed words (see
+    :mod:`embedcore.kernels.occurrences`), so no pass gathers them through ``order``; ``src_row`` (int32) and
+    ``src_gain`` (float32) are views of the sorted words."""
     rows = np.ascontiguousarray(rows, np.int64)
-    n = rows.shape[0]
-    packed = workspace.array("packed_occurrences", n, np.int64)
-    gains = np.ascontiguousarray(gains, np.float32)
-    (_pack if n >= PARALLEL_MIN else _pack_serial)(out_row, gains.view(np.uint32), packed)
-    uniq, ptr, sorted_packed = _sort(rows, n_rows, packed, False, workspace)
-    return uniq, ptr, source_views(sorted_packed)
-
-
-def source_views(packed: np.ndarray):
-    """``(src_row, src_gain)``: the int32 high halves and the float32 low halves of 64-bit ``packed`` words."""
-    if np.little_endian:
-        return packed.view(np.int32)[1::2], packed.view(np.float32)[0::2]
-    return packed.view(np.int32)[0::2], packed.view(np.float32)[1::2]
+    uniq, ptr, sorted_packed = _sort(rows, n_rows, np.ascontiguousarray(packed, np.int64), False, workspace)
+    return uniq, ptr, packed_views(sorted_packed)

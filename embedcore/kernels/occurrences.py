@@ -1,21 +1,28 @@
 """Host-side batch kernels: checking a feature's ids and weights, and laying out a table's occurrences.
 
 A physical table's batch is a list of occurrences (see :class:`embedcore.inputs.TableBatch`): occurrence
-``o`` reads physical row ``rows[o]`` with gain ``gains[o]`` into activation row ``out_row[o]``; ``out_ptr``
-(CSR over activation rows) lists the occurrences of each activation row. :func:`fill_occurrences` writes
-one feature's part of those arrays in a single pass over its ids:
+``o`` reads physical row ``rows[o]`` with gain ``g`` into activation row ``a``; ``out_ptr`` (CSR over
+activation rows) lists the occurrences of each activation row. ``a`` and ``g`` travel together as one
+64-bit word, ``packed[o] = a << 32 | bits(g)`` (:func:`packed_views` reads them back without copying), so
+the sort that groups occurrences by row carries them in one payload. :func:`fill_occurrences` writes one
+feature's part of those arrays in a single pass over its ids:
 
 * pooled feature (``seq_len == 0``), sample ``b`` holding ids ``lo..hi``: every id feeds activation row
   ``out_offset + b`` with gain ``w`` (``sum``), ``w / sum(w)`` (``mean``) or ``w / sqrt(sum(w^2))``
   (``sqrtn``), sums in float64 and 0 for a zero sum (``w`` = 1 without weights);
 * sequence feature (``seq_len = L > 0``): the id at position ``p < L`` of sample ``b`` feeds activation row
   ``out_offset + b L + p`` with gain ``w``; ids at positions ``>= L`` are dropped.
+
+Activation rows must be below 2**31 (a batch of two billion activation rows would not fit in memory).
 """
 
 import numpy as np
-from numba import njit
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic
 
-__all__ = ["first_out_of_range", "first_non_finite", "fill_occurrences", "COMBINERS"]
+__all__ = ["first_out_of_range", "first_non_finite", "fill_occurrences", "pack_occurrences", "packed_views",
+           "COMBINERS"]
 
 COMBINERS = {"sum": 0, "mean": 1, "sqrtn": 2}
 
@@ -23,7 +30,17 @@ COMBINERS = {"sum": 0, "mean": 1, "sqrtn": 2}
 @njit(cache=True)
 def first_out_of_range(ids, vocabulary_size):
     """Flat index of the first id outside ``[0, vocabulary_size)``, or -1 (ids of any integer type)."""
-    for i in range(ids.shape[0]):
+    n = ids.shape[0]
+    if n == 0:
+        return -1
+    low = high = ids[0]
+    for i in range(n):  # min and max first: a loop without an early exit vectorises
+        v = ids[i]
+        low = min(low, v)
+        high = max(high, v)
+    if low >= 0 and high < vocabulary_size:
+        return -1
+    for i in range(n):
         v = ids[i]
         if v < 0 or v >= vocabulary_size:
             return i
@@ -33,58 +50,96 @@ def first_out_of_range(ids, vocabulary_size):
 @njit(cache=True)
 def first_non_finite(values):
     """Flat index of the first NaN/Inf, or -1."""
-    for i in range(values.shape[0]):
+    n = values.shape[0]
+    ok = True
+    for i in range(n):
+        ok = ok & np.isfinite(values[i])
+    if ok:
+        return -1
+    for i in range(n):
         if not np.isfinite(values[i]):
             return i
     return -1
 
 
+@intrinsic
+def _float32_bits(typingctx, value):
+    """The bits of a float32 as a uint32 (a reinterpretation, not a conversion)."""
+    if not isinstance(value, types.Float) or value.bitwidth != 32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+    return types.uint32(value), codegen
+
+
+@njit(cache=True, inline="always")
+def _pack(a, gain):
+    return (np.int64(a) << 32) | np.int64(_float32_bits(np.float32(gain)))
+
+
 @njit(cache=True)
 def fill_occurrences(ids, splits, weights, positions, combiner, seq_len, row_offset, out_offset, start, rows,
-                     gains, out_row, out_ptr):
+                     packed, out_ptr):
     """Write one feature's occurrences at ``start`` (and its activation rows' ``out_ptr`` entries); returns
     how many it wrote. ``weights`` and ``positions`` may be empty: weights 1, positions ``i - splits[b]``."""
     n_samples = splits.shape[0] - 1
+    n = ids.shape[0]
     weighted = weights.shape[0] > 0
     explicit_positions = positions.shape[0] > 0
-    at = start
-    for b in range(n_samples):
-        lo, hi = splits[b], splits[b + 1]
-        if seq_len == 0:
-            denominator = 1.0
-            if combiner != 0:
+    if seq_len == 0:  # every id kept, in order: occurrence start + i
+        for i in range(n):
+            rows[start + i] = ids[i] + row_offset
+        for b in range(n_samples):
+            lo, hi = splits[b], splits[b + 1]
+            a = out_offset + b
+            if combiner == 0:
+                if weighted:
+                    for i in range(lo, hi):
+                        packed[start + i] = _pack(a, weights[i])
+                else:
+                    one = _pack(a, 1.0)
+                    for i in range(lo, hi):
+                        packed[start + i] = one
+            else:
                 total = 0.0
                 for i in range(lo, hi):
                     w = np.float64(weights[i]) if weighted else 1.0
                     total += w if combiner == 1 else w * w
                 denominator = total if combiner == 1 else np.sqrt(total)
-            a = out_offset + b
-            for i in range(lo, hi):
-                rows[at] = ids[i] + row_offset
-                if combiner == 0:
-                    gains[at] = weights[i] if weighted else np.float32(1.0)
-                elif denominator == 0.0:
-                    gains[at] = 0.0
-                else:
+                for i in range(lo, hi):
                     w = np.float64(weights[i]) if weighted else 1.0
-                    gains[at] = np.float32(w / denominator)
-                out_row[at] = a
+                    packed[start + i] = _pack(a, 0.0 if denominator == 0.0 else np.float32(w / denominator))
+            out_ptr[a + 1] = start + hi
+        return n
+    at = start
+    for b in range(n_samples):
+        lo, hi = splits[b], splits[b + 1]
+        first = out_offset + b * seq_len
+        for p in range(seq_len):
+            out_ptr[first + p + 1] = 0
+        for i in range(lo, hi):
+            p = positions[i] if explicit_positions else i - lo
+            if p < seq_len:
+                rows[at] = ids[i] + row_offset
+                packed[at] = _pack(first + p, weights[i] if weighted else 1.0)
+                out_ptr[first + p + 1] += 1  # a Sparse batch may repeat a position
                 at += 1
-            out_ptr[a + 1] = at
-        else:
-            first = out_offset + b * seq_len
-            for p in range(seq_len):
-                out_ptr[first + p + 1] = 0
-            for i in range(lo, hi):
-                p = positions[i] if explicit_positions else i - lo
-                if p < seq_len:
-                    rows[at] = ids[i] + row_offset
-                    gains[at] = weights[i] if weighted else np.float32(1.0)
-                    out_row[at] = first + p
-                    out_ptr[first + p + 1] += 1  # a Sparse batch may repeat a position
-                    at += 1
-            count = out_ptr[first]
-            for p in range(seq_len):
-                count += out_ptr[first + p + 1]
-                out_ptr[first + p + 1] = count
+        count = out_ptr[first]
+        for p in range(seq_len):
+            count += out_ptr[first + p + 1]
+            out_ptr[first + p + 1] = count
     return at - start
+
+
+def pack_occurrences(out_row: np.ndarray, gains: np.ndarray) -> np.ndarray:
+    """The packed words of separate activation rows and gains (for callers that have them apart)."""
+    gains = np.ascontiguousarray(gains, np.float32)
+    return (np.asarray(out_row, np.int64) << 32) | gains.view(np.uint32).astype(np.int64)
+
+
+def packed_views(packed: np.ndarray):
+    """``(out_row, gains)``: the int32 high halves and the float32 low halves of the 64-bit ``packed`` words."""
+    if np.little_endian:
+        return packed.view(np.int32)[1::2], packed.view(np.float32)[0::2]
+    return packed.view(np.int32)[0::2], packed.view(np.float32)[1::2]

@@ -1,8 +1,8 @@
 """Counter-based random numbers for table initialisation.
 
 Each value is a pure function of ``(key, row, column)``: a table initialised whole, or row range by row
-range (or every N-th row, ``stride``) on different processes, holds the same numbers. The generator is the SplitMix64 finaliser applied
-to a counter (a stateless hash with good avalanche), giving 53-bit uniforms.
+range (or every N-th row, ``stride``) on different processes, holds the same numbers. The generator is the
+SplitMix64 finaliser applied to a counter (a stateless hash with good avalanche), giving 53-bit uniforms.
 """
 
 import numpy as np

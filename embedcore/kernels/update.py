@@ -39,7 +39,7 @@ from numba import njit, prange, types  # noqa: F401  (prange is used by the gene
 from numba.extending import overload
 
 from ..compile_cache import load_source
-from .dedup import source_views
+from .occurrences import pack_occurrences, packed_views
 from .prefetch import prefetch_row
 from .rows import weighted_sum
 
@@ -257,14 +257,6 @@ def fused_update_kernel(row_function, lazy=True):
     return kernel
 
 
-@njit(cache=True)
-def _pack_ordered(order, out_row, gains, packed):
-    gain_bits = gains.view(np.uint32)
-    for k in range(order.shape[0]):
-        o = order[k]
-        packed[k] = (np.int64(out_row[o]) << 32) | np.int64(gain_bits[o])
-
-
 def update_kernel(row_function, lazy=True):
     """The update as ``kernel(table, slots, uniq, ptr, order, out_row, gains, d_act, learning_rate,
     hyperparameters, status)``, for occurrences grouped by :func:`~embedcore.kernels.dedup.unique_rows`
@@ -273,9 +265,7 @@ def update_kernel(row_function, lazy=True):
     fused = fused_update_kernel(row_function, lazy)
 
     def kernel(table, slots, uniq, ptr, order, out_row, gains, d_act, learning_rate, hyperparameters, status):
-        packed = np.empty(order.shape[0], np.int64)
-        _pack_ordered(np.ascontiguousarray(order, np.int64), np.ascontiguousarray(out_row, np.int64),
-                      np.ascontiguousarray(gains, np.float32), packed)
-        src_row, src_gain = source_views(packed)
+        order = np.ascontiguousarray(order, np.int64)
+        src_row, src_gain = packed_views(pack_occurrences(np.asarray(out_row)[order], np.asarray(gains)[order]))
         return fused(table, slots, uniq, ptr, src_row, src_gain, d_act, learning_rate, hyperparameters, status)
     return kernel
