@@ -17,7 +17,7 @@ from . import inputs
 from .config import FeatureConfig
 from .inputs import InputError
 from .kernels.rows import gather_combine
-from .kernels.workspace import Workspace, WorkspacePool
+from .kernels.workspace import ArrayPool, Workspace, WorkspacePool
 from .optimizers import Optimizer
 
 __all__ = ["TableLookup", "LookupContext"]
@@ -36,6 +36,7 @@ class _PhysicalTable:
     row_function: object = None
     workspace: Workspace = field(default_factory=Workspace)            # apply_gradients' scratch
     batch_pool: WorkspacePool = field(default_factory=WorkspacePool)  # lookups' table batches
+    activation_pool: ArrayPool = field(default_factory=ArrayPool)     # lookups' activations
 
     @property
     def n_rows(self) -> int:
@@ -189,7 +190,7 @@ class TableLookup:
                 workspace = group.batch_pool.acquire()
                 leases.append((group.batch_pool, workspace))
                 tb = inputs.build_table_batch(group_parts, workspace)
-            act = np.empty((tb.n_out if tb else 0, group.dim), np.float32)  # every row is written
+            act = group.activation_pool.empty((tb.n_out if tb else 0, group.dim), np.float32)  # all written
             if tb is not None and tb.n_out:
                 gather_combine(group.weights, tb.rows, tb.gains, tb.out_ptr, act)
             table_batches.append(tb)

@@ -126,3 +126,29 @@ def test_lookups_lease_their_batches_and_give_them_back():
     del ctx_c
     gc.collect()
     assert pool.idle == 2  # a dropped context gives its workspace back
+
+
+def test_activations_held_are_never_reused_and_released_ones_are():
+    """Large activations come from a pool: memory is handed out again only once the caller dropped every
+    array (and view, and torch tensor) of it."""
+    table = ec.TableConfig(1000, 64, name="pooled", combiner="sum", initializer=ec.RandomUniform(-1, 1))
+    emb = ec.Embedding({"f": ec.FeatureConfig(table)}, ec.SGD(0.1))
+    pool = emb._groups[0].activation_pool
+    rng = np.random.default_rng(0)
+    batches = [rng.integers(0, 1000, (8192, 3)) for _ in range(4)]  # 8192 x 64 float32 = 2 MB
+    expected = [emb.embedding_tables["pooled"][b].sum(axis=1) for b in batches]
+    held = []
+    for b, e in zip(batches, expected):
+        acts, _ = emb({"f": b})
+        held.append(acts["f"][::2])  # a view keeps the whole buffer in use
+    for view, e in zip(held, expected):
+        np.testing.assert_allclose(view, e[::2], rtol=1e-6)
+    assert len({id(v.base) for v in held}) == 4
+    del held, acts, view
+    sizes = set()
+    for b, e in zip(batches, expected):
+        acts, _ = emb({"f": b})
+        np.testing.assert_allclose(acts["f"], e, rtol=1e-6)
+        sizes.add(pool.nbytes)
+        del acts
+    assert len(sizes) == 1  # the released buffers were reused, none added

@@ -20,9 +20,13 @@ median over steps; %copy and %gather = that GB/s over the run's copy and gather 
 
 Threads: Numba ``--threads``, torch intra-op ``--threads`` (FBGEMM's CPU kernels use torch's pool), inter-op
 1, OpenBLAS 1 (``embedcore.blas_threads``), TensorFlow intra-op ``--threads``; XLA sizes its pool by the CPU
-count. ``OMP_WAIT_POLICY`` defaults to PASSIVE here (set before torch or Numba load their OpenMP runtimes):
-two OpenMP runtimes (Numba's and torch's) share the cores in this one process, and spinning idle workers
-of one would slow the next contender. The allocator is whatever ``LD_PRELOAD`` says.
+count. OpenMP waiting (set before torch or Numba load their OpenMP runtimes): two runtimes (Numba's and
+torch's) share the cores in this one process. By default idle workers spin ``GOMP_SPINCOUNT=100000`` times
+(about 1 ms) and then sleep: a contender's parallel regions start at once within its step (a region costs
+~2 us to start, against 60-90 us when workers sleep at once under ``OMP_WAIT_POLICY=PASSIVE``, which every
+contender then pays in each region), and its workers stop competing for the cores about 1 ms after its
+last step, before the next contender has done much. ``--omp-wait-policy PASSIVE`` measures the other
+extreme. The allocator is whatever ``LD_PRELOAD`` says.
 """
 
 from __future__ import annotations
@@ -76,9 +80,13 @@ def _parser():
     p.add_argument("--workloads", default="tbe,update,sweep-rows,sweep-ids",
                    help="which of tbe, update, sweep-rows, sweep-ids to run")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--omp-wait-policy", default="PASSIVE", choices=("PASSIVE", "ACTIVE", "unset"),
+    p.add_argument("--omp-wait-policy", default="unset", choices=("PASSIVE", "ACTIVE", "unset"),
                    help="OMP_WAIT_POLICY for Numba's and torch's OpenMP workers (an existing environment "
-                        "value is kept)")
+                        "value is kept); with 'unset', idle workers spin --gomp-spincount times, then sleep")
+    p.add_argument("--gomp-spincount", type=int, default=100_000,
+                   help="GOMP_SPINCOUNT when OMP_WAIT_POLICY is unset (an existing environment value is kept): "
+                        "about 1 ms of spinning here, so parallel regions within a step start at once while a "
+                        "contender's workers stop competing for the cores about 1 ms after its last step")
     g = p.add_argument_group("timing")
     g.add_argument("--rounds", type=int, default=3)
     g.add_argument("--steps", type=int, default=2, help="timed steps per contender per round")
@@ -164,9 +172,12 @@ class Log:
 def _environment(args, log):
     """Thread counts and allocator, set before the heavy imports where that matters; returns the facts."""
     policy_before = os.environ.get("OMP_WAIT_POLICY")
+    spin_before = os.environ.get("GOMP_SPINCOUNT")
     preloaded = [m for m in ("torch", "jax", "tensorflow") if m in sys.modules]
     if args.omp_wait_policy != "unset" and policy_before is None:
         os.environ["OMP_WAIT_POLICY"] = args.omp_wait_policy
+    if args.omp_wait_policy == "unset" and policy_before is None and spin_before is None:
+        os.environ["GOMP_SPINCOUNT"] = str(args.gomp_spincount)
     import numba
     import numpy as np
 
@@ -193,6 +204,9 @@ def _environment(args, log):
         "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "(unset)") +
         (" (from the environment)" if policy_before is not None else
          " (set by the harness)" if args.omp_wait_policy != "unset" else ""),
+        "GOMP_SPINCOUNT": os.environ.get("GOMP_SPINCOUNT", "(unset)") +
+        (" (from the environment)" if spin_before is not None else
+         " (set by the harness)" if "GOMP_SPINCOUNT" in os.environ else ""),
         "mem_available_gb_at_start": mem_available_gb(),
     }
     if preloaded and policy_before is None and args.omp_wait_policy != "unset":

@@ -15,7 +15,7 @@ def header(env):
                  f"inter-op {env.get('torch_interop_threads', '-')} ({env.get('torch_parallel_backend') or '-'}), "
                  f"OpenBLAS {env['openblas_threads']}, XLA: {env.get('xla_threads', '-')}")
     lines.append(f"  allocator: {env['allocator']} (LD_PRELOAD={env['LD_PRELOAD'] or '(empty)'}); OMP_WAIT_POLICY="
-                 f"{env['OMP_WAIT_POLICY']}")
+                 f"{env['OMP_WAIT_POLICY']}; GOMP_SPINCOUNT={env.get('GOMP_SPINCOUNT', '(unset)')}")
     versions = ", ".join(f"{k} {env[k]}" for k in ("torch", "fbgemm_gpu", "jax", "tensorflow") if k in env)
     lines.append(f"  versions: {versions or '-'}; memory available at start "
                  f"{env['mem_available_gb_at_start'] or float('nan'):.1f} GB, tables budget "
