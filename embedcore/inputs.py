@@ -106,20 +106,21 @@ def flatten_like(reference, value, what, path=""):
 
 def unflatten(reference, leaves):
     """Rebuild ``reference``'s structure with ``leaves`` (in ``flatten`` order)."""
-    iterator = iter(leaves)
+    return _build(reference, iter(leaves))
 
-    def build(node):
-        if isinstance(node, dict):
-            built = {key: build(node[key]) for key in sorted(node, key=str)}
-            return {key: built[key] for key in node}  # the caller's key order
-        if isinstance(node, list):
-            return [build(item) for item in node]
-        if isinstance(node, tuple):
-            items = [build(item) for item in node]
-            return type(node)(*items) if hasattr(node, "_fields") else tuple(items)  # namedtuples too
-        return next(iterator)
 
-    return build(reference)
+def _build(node, leaves):
+    # A module-level function, not a closure over itself: a self-referencing closure is a reference cycle
+    # that would keep the leaves (the activations) alive until the garbage collector runs.
+    if isinstance(node, dict):
+        built = {key: _build(node[key], leaves) for key in sorted(node, key=str)}
+        return {key: built[key] for key in node}  # the caller's key order
+    if isinstance(node, list):
+        return [_build(item, leaves) for item in node]
+    if isinstance(node, tuple):
+        items = [_build(item, leaves) for item in node]
+        return type(node)(*items) if hasattr(node, "_fields") else tuple(items)  # namedtuples too
+    return next(leaves)
 
 
 # ----------------------------------------------------------------------------------------------------------
