@@ -43,7 +43,7 @@ from .occurrences import pack_occurrences, packed_views
 from .prefetch import prefetch_row
 from .rows import weighted_sum
 
-__all__ = ["update_kernel", "fused_update_kernel", "all_finite", "CHUNK_ROWS", "ROWS_AHEAD",
+__all__ = ["update_kernel", "fused_update_kernel", "all_finite", "balanced_chunks", "CHUNK_ROWS", "ROWS_AHEAD",
            "OCCURRENCES_AHEAD", "STATUS_GRADIENT", "STATUS_OUTPUT", "STATUS_LENGTH"]
 
 CHUNK_ROWS = 256
@@ -52,6 +52,28 @@ OCCURRENCES_AHEAD = 8   # occurrences whose gradient rows are prefetched ahead o
 PREFETCH_MIN_BYTES = 16 << 20  # the gradients are at least this large (smaller ones stay in the last-level
                                # cache, where the prefetches cost more than they save: TBE shape 3.0 -> 3.8 ms)
 STATUS_GRADIENT, STATUS_OUTPUT, STATUS_LENGTH = 1, 2, 3
+
+
+ROW_COST = 8  # a row's update costs about as much as summing this many occurrences into it
+
+
+@njit(cache=True)
+def balanced_chunks(ptr, chunk_rows):
+    """Bounds ``[b_0 = 0, ..., b_m = U]`` splitting the ``U`` unique rows (occurrences ``ptr``) into ``m``
+    chunks of about equal work, ``m`` = max(16, U / chunk_rows) (at most ``U``)."""
+    n_unique = ptr.shape[0] - 1
+    n_chunks = min(n_unique, max(16, (n_unique + chunk_rows - 1) // chunk_rows))
+    bounds = np.empty(n_chunks + 1, np.int64)
+    bounds[0] = 0
+    total = (ptr[n_unique] - ptr[0]) + ROW_COST * n_unique
+    u = 0
+    for c in range(1, n_chunks):
+        target = total * c // n_chunks
+        while u < n_unique and (ptr[u] - ptr[0]) + ROW_COST * u < target:
+            u += 1
+        bounds[c] = u
+    bounds[n_chunks] = n_unique
+    return bounds
 
 
 def all_finite(value):
@@ -114,13 +136,15 @@ _SCRATCH = '''        g_sum = np.empty((1, dim), np.float32)
         w_new = np.empty(dim, np.float32)
 {slot_scratch}'''
 
-# Lazy: unique rows in chunks.
+# Lazy: unique rows in chunks of equal work (occurrences + ROW_COST per row): hot rows hold thousands of
+# occurrences, and chunks of equal row counts left one thread with most of the work.
 _LAZY_LOOP = '''
-    n_chunks = (n_unique + CHUNK - 1) // CHUNK
+    bounds = balanced_chunks(ptr, CHUNK)
+    n_chunks = bounds.shape[0] - 1
     flags = np.zeros(n_chunks, np.int64)
     for c in prange(n_chunks):
 {scratch}
-        for u in range(c * CHUNK, min(n_unique, (c + 1) * CHUNK)):
+        for u in range(bounds[c], bounds[c + 1]):
             if u + ROWS_AHEAD < n_unique:
 {prefetch}
             r = uniq[u]
@@ -222,6 +246,7 @@ def kernel_namespace(row_function) -> dict:
     """The globals the generated source refers to."""
     return {"np": np, "prange": prange, "fn": row_function.dispatcher, "store_row": store_row,
             "all_finite": all_finite, "weighted_sum": weighted_sum, "prefetch_row": prefetch_row,
+            "balanced_chunks": balanced_chunks,
             "CHUNK": CHUNK_ROWS, "ROWS_AHEAD": ROWS_AHEAD, "OCCURRENCES_AHEAD": OCCURRENCES_AHEAD,
             "PREFETCH_MIN_BYTES": PREFETCH_MIN_BYTES, "STATUS_GRADIENT": STATUS_GRADIENT,
             "STATUS_OUTPUT": STATUS_OUTPUT, "STATUS_LENGTH": STATUS_LENGTH}
