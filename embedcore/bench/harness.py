@@ -77,8 +77,9 @@ def _parser():
     p.add_argument("--contenders", default="default",
                    help="comma list of embedcore, embedcore-custom, embedcore-torch, fbgemm, torch, jax, tensorflow, "
                         "numpy; 'default' = all but embedcore-torch; 'all'")
-    p.add_argument("--workloads", default="tbe,update,sweep-rows,sweep-ids",
-                   help="which of tbe, update, sweep-rows, sweep-ids to run")
+    p.add_argument("--workloads", default="tbe,update,lookup,sweep-rows,sweep-ids",
+                   help="which of tbe, update, lookup, sweep-rows, sweep-ids to run (lookup: the update "
+                        "workload's shape, the pooled lookup alone)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--omp-wait-policy", default="unset", choices=("PASSIVE", "ACTIVE", "unset"),
                    help="OMP_WAIT_POLICY for Numba's and torch's OpenMP workers (an existing environment "
@@ -111,7 +112,8 @@ def _parser():
     g.add_argument("--adagrad-style", default="tf", choices=("tf", "fbgemm"),
                    help="tf: accumulator from 0.1, no eps (embedcore/TF Adagrad); fbgemm: from 0, eps 1e-8 "
                         "(EXACT_ADAGRAD defaults; embedcore runs it as a CustomOptimizer)")
-    g = p.add_argument_group("update workload (BENCHMARKS.md: backward + optimizer only)")
+    g = p.add_argument_group("update workload (BENCHMARKS.md: backward + optimizer only) and lookup workload "
+                             "(the same shape, forward only)")
     g.add_argument("--update-E", type=int, default=2_000_000)
     g.add_argument("--update-D", type=int, default=64)
     g.add_argument("--update-ids", type=int, default=262_144, help="ids per step, one per sample")
@@ -351,7 +353,7 @@ def run_case(w, contenders, probes, args, log, rounds, steps, check_steps, budge
     out_diff = {c.name: 0.0 for c in ready}
     for k in range(check_steps):
         batch = batches[k % len(batches)]
-        if w.kind == "train":
+        if w.kind in ("train", "lookup"):
             try:
                 ref_out = ref.forward(batch)
             except Exception as exc:
@@ -359,7 +361,7 @@ def run_case(w, contenders, probes, args, log, rounds, steps, check_steps, budge
                 log(f"  reference forward failed: {exc}")
         for c in list(ready):
             try:
-                if w.kind == "train" and ref_out is not None:
+                if w.kind in ("train", "lookup") and ref_out is not None:
                     t0 = time.perf_counter()
                     out = c.forward(batch)
                     if k == 0:
@@ -380,11 +382,12 @@ def run_case(w, contenders, probes, args, log, rounds, steps, check_steps, budge
             continue
         ok = max(tables, slots, out_diff[c.name]) <= args.tolerance
         record["contenders"][c.name]["check"] = {
-            "outputs": out_diff[c.name] if w.kind == "train" else None, "tables": tables, "state": slots,
+            "outputs": out_diff[c.name] if w.kind in ("train", "lookup") else None, "tables": tables,
+            "state": slots,
             "steps": check_steps, "ok": ok}
     def describe(c):
         chk = record["contenders"][c.name]["check"]
-        return (f"{c.name} " + (f"out {out_diff[c.name]:.1e} " if w.kind == "train" else "") +
+        return (f"{c.name} " + (f"out {out_diff[c.name]:.1e} " if w.kind in ("train", "lookup") else "") +
                 f"tables {chk['tables']:.1e} state {chk['state']:.1e}" + ("" if chk["ok"] else " FAILED"))
     log(f"   check after {check_steps} step(s) vs {ref.name} (max |diff| / max |ref|): " +
         ", ".join(describe(c) for c in ready))
@@ -466,7 +469,7 @@ def run_case(w, contenders, probes, args, log, rounds, steps, check_steps, budge
 def _cases(args):
     from .workloads import Workload, make_optim, tbe_workload, update_workload
     workloads = _csv(args.workloads)
-    unknown = set(workloads) - {"tbe", "update", "sweep-rows", "sweep-ids"}
+    unknown = set(workloads) - {"tbe", "update", "lookup", "sweep-rows", "sweep-ids"}
     if unknown:
         raise SystemExit(f"unknown workloads {sorted(unknown)}")
     main_cases, sweeps = [], {"sweep-rows": [], "sweep-ids": []}
@@ -476,10 +479,11 @@ def _cases(args):
                 main_cases.append(tbe_workload(args.tbe_T, args.tbe_E, args.tbe_D, args.tbe_B, args.tbe_L,
                                                make_optim(opt, args.adagrad_style), weighted,
                                                args.alpha, args.dist, args.n_batches, args.seed))
-    if "update" in workloads:
-        main_cases.append(update_workload(args.update_E, args.update_D, args.update_ids,
-                                          make_optim(args.update_optimizer, args.adagrad_style), None,
-                                          args.update_unique_target, args.n_batches, args.seed))
+    for kind in ("update", "lookup"):
+        if kind in workloads:
+            main_cases.append(update_workload(args.update_E, args.update_D, args.update_ids,
+                                              make_optim(args.update_optimizer, args.adagrad_style), None,
+                                              args.update_unique_target, args.n_batches, args.seed, kind=kind))
     sweep_opt = make_optim(args.sweep_optimizer, args.adagrad_style)
     L = args.sweep_L
 

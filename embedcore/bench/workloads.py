@@ -9,6 +9,7 @@ Every contender trains its own copy of the same initial tables on the same batch
 (so ``d loss / d output = G``: every contender gets the same upstream gradient without a dense model).
 ``kind="update"``: only the backward + optimizer part is timed; the forward (or lookup) that a contender
 needs to run its backward happens before the clock starts.
+``kind="lookup"``: only the forward (pooled lookup, no gradient bookkeeping) is timed.
 
 Id distributions (ranks ``0, 1, ...`` are spread over the rows by a fixed bijection
 ``row = (a * rank + b_t) mod E``, ``a`` coprime to ``E``, ``b_t`` per table, so hot rows are not adjacent):
@@ -119,7 +120,7 @@ def make_optim(name, adagrad_style="tf", lr=None):
 @dataclass
 class Workload:
     name: str                  # "tbe", "update", "sweep-rows", "sweep-ids"
-    kind: str                  # "train" or "update"
+    kind: str                  # "train", "update" or "lookup"
     T: int
     E: int
     D: int
@@ -165,8 +166,8 @@ def tbe_workload(T=8, E=250_000, D=64, B=2048, L=20, optim=None, weighted=False,
 
 
 def update_workload(E=2_000_000, D=64, ids=262_144, optim=None, alpha=None, unique_target=150_000,
-                    n_batches=4, seed=0):
-    return Workload("update", "update", 1, E, D, ids, 1, optim or make_optim("adagrad"), "bounded", alpha, False,
+                    n_batches=4, seed=0, kind="update"):
+    return Workload(kind, kind, 1, E, D, ids, 1, optim or make_optim("adagrad"), "bounded", alpha, False,
                     n_batches, seed, unique_target=unique_target)
 
 
@@ -295,20 +296,21 @@ def initial_tables(w: Workload):
 def step_bytes(w: Workload, batch: Batch):
     """The bytes a step must move at least (float32), split into random-row and sequential traffic.
 
-    Random rows: forward reads ``n`` rows of ``D`` floats (train only); the update reads and writes each
-    distinct row and its optimizer state: ``n_unique * (2 D 4 + slot bytes)``. Sequential: the pooled output
-    written (train only) and the upstream gradient read, ``B D 4`` each per table. Ids, weights and any
-    workspace are not counted.
+    Random rows: forward reads ``n`` rows of ``D`` floats (train and lookup); the update reads and writes each
+    distinct row and its optimizer state: ``n_unique * (2 D 4 + slot bytes)`` (train and update). Sequential:
+    the pooled output written (train and lookup) and the upstream gradient read (train and update),
+    ``B D 4`` each per table. Ids, weights and any workspace are not counted.
     """
     rows = seq = 0
     per_row = 2 * w.D * 4 + w.optim.slot_bytes_per_row(w.D)
     for t in range(w.T):
         n = int(batch.offsets[t, -1])
-        if w.kind == "train":
+        if w.kind in ("train", "lookup"):
             rows += n * w.D * 4
             seq += w.B * w.D * 4
-        rows += batch.n_unique[t] * per_row
-        seq += w.B * w.D * 4
+        if w.kind in ("train", "update"):
+            rows += batch.n_unique[t] * per_row
+            seq += w.B * w.D * 4
     return {"random_row_bytes": rows, "sequential_bytes": seq, "total_bytes": rows + seq}
 
 

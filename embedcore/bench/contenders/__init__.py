@@ -25,7 +25,7 @@ class Contender:
     label = "?"         # row label in the printed table
     measures = ""       # one line: what exactly one timed step does
     optimizers = ()     # OptimSpec names it supports
-    kinds = ("train", "update")
+    kinds = ("train", "update", "lookup")
     memory_factor = 1.0  # peak memory as a multiple of the workload's table + slot bytes
 
     def __init__(self, threads: int):

@@ -71,6 +71,7 @@ def custom_optimizer(o, steps):
 
 
 class EmbedcoreCustomContender(EmbedcoreContender):
+    kinds = ("train", "update")  # a lookup does not involve the optimizer
     name = "embedcore-custom"
     label = "embedcore CustomOptimizer"
     measures = ("as embedcore, with the optimizer a hand-written CustomOptimizer (TensorFlow's documented "

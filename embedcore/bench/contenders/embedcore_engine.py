@@ -4,7 +4,8 @@ One ``Embedding`` with one pooled feature per table (``combiner="sum"``); the ta
 and ``dim``, so the engine stacks them into one physical array (as FBGEMM's TBE does). Inputs are
 ``embedcore.Ragged(ids, row_splits)`` per feature (weights the same structure), gradients ``[B, D]``
 float32 per feature. Timed: lookup (validation, gather + pooling) + ``apply_gradients`` (validation, dedup,
-fused gradient reduction + optimizer) for ``kind="train"``; ``apply_gradients`` alone for ``"update"``.
+fused gradient reduction + optimizer) for ``kind="train"``; ``apply_gradients`` alone for ``"update"``;
+the lookup alone for ``"lookup"``.
 """
 
 from __future__ import annotations
@@ -96,8 +97,11 @@ class EmbedcoreContender(Contender):
         features, weights, grads, ctx = prepared
         t0 = time.perf_counter()
         if ctx is None:
-            _, ctx = self.emb.lookup(features, weights)
+            acts, ctx = self.emb.lookup(features, weights)
+            del acts
         t1 = time.perf_counter()
+        if self.w.kind == "lookup":
+            return {"lookup": t1 - t0}
         self.emb.apply_gradients(grads, ctx)
         t2 = time.perf_counter()
         if self._first:  # the first step compiles the update kernel (the lookup's kernels load from cache)

@@ -20,6 +20,7 @@ except Exception as exc:  # pragma: no cover - only without torch
 
 class EmbedcoreTorchContender(EmbedcoreContender):
     name = "embedcore-torch"
+    kinds = ("train", "update")
     label = "embedcore (torch EmbeddingModule)"
     measures = ("EmbeddingModule(features) forward (lookup) + torch.autograd.backward(acts, grads), whose "
                 "backward runs apply_gradients (update-only: the backward alone)")

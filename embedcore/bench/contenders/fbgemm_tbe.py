@@ -5,7 +5,7 @@ backward (``EXACT_SGD``, ``EXACT_ADAGRAD``, ``EXACT_ROWWISE_ADAGRAD``).
 Inputs: all tables' ids concatenated (int64) with ``T * B + 1`` offsets (and per-sample weights), as the TBE
 op takes them; the upstream gradient as the op's ``[B, T * D]`` output layout. Timed: ``out = tbe(indices,
 offsets, per_sample_weights)`` + ``out.backward(grad)`` (the backward applies the optimizer to the touched
-rows in place); update-only: ``out.backward(grad)`` alone. Bounds checking is left at FBGEMM's default
+rows in place); update-only: ``out.backward(grad)`` alone; lookup-only: the forward under ``torch.no_grad()``. Bounds checking is left at FBGEMM's default
 (``BoundsCheckMode.WARNING``), as embedcore's id validation is left on.
 
 Adagrad: ``EXACT_ADAGRAD`` computes ``a += g^2; w -= lr g / (sqrt(a) + eps)`` with ``a`` starting at 0; for
@@ -91,6 +91,11 @@ class FbgemmContender(Contender):
 
     def run(self, prepared):
         indices, offsets, psw, grad, out = prepared
+        if self.w.kind == "lookup":
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                self.tbe(indices, offsets, per_sample_weights=psw)
+            return {"forward": time.perf_counter() - t0}
         t0 = time.perf_counter()
         if out is None:
             out = self.tbe(indices, offsets, per_sample_weights=psw)

@@ -64,6 +64,7 @@ def _pool(tables, ids, segs, weights, B):
 
 class JaxContender(Contender):
     name = "jax"
+    kinds = ("train", "update")
     label = "JAX/XLA (jit, donated)"
     measures = ("one jitted step: take + segment_sum pooling, jax.grad (dense [E, D] table gradients), "
                 "optimizer on the whole tables, tables/state donated; + block_until_ready "

@@ -49,6 +49,12 @@ class NumpyContender(Contender):
 
     def run(self, batch):
         w = self.w
+        if w.kind == "lookup":
+            t0 = time.perf_counter()
+            for t in range(w.T):
+                numpy_pool(self.tables[t], batch.ids[t], batch.offsets[t],
+                           None if batch.weights is None else batch.weights[t])
+            return {"forward": time.perf_counter() - t0}
         self.step += 1
         t0 = time.perf_counter()
         if w.kind == "train":
