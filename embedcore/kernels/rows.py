@@ -32,14 +32,33 @@ def _prefetch_sources(src, index, k, n, ahead, count):
 
 @njit(cache=True, inline="always")
 def weighted_sum(dst, d, lo, hi, index, gain, src, ahead):
-    """``dst[d] = sum over k in [lo, hi) of gain[k] * src[index[k]]``: from zero, each group of four
-    occurrences added as ``(t0 + t1) + (t2 + t3)``, the last ``(hi - lo) % 4`` one by one; the source rows
-    of the occurrences ``ahead`` places on are prefetched (``ahead`` 0: none)."""
+    """``dst[d] = sum over k in [lo, hi) of gain[k] * src[index[k]]``: each group of four occurrences added
+    as ``(t0 + t1) + (t2 + t3)``, the last ``(hi - lo) % 4`` one by one, starting from the first group
+    (the same sums as starting from zero, but for the sign of a zero); no occurrence gives zeros. The source
+    rows of the occurrences ``ahead`` places on are prefetched (``ahead`` 0: none)."""
     dim = dst.shape[1]
-    for j in range(dim):
-        dst[d, j] = 0.0
     n = index.shape[0]
     k = lo
+    if hi - lo >= 4:  # the first group or occurrence initialises the row: no separate zeroing pass
+        if ahead:
+            _prefetch_sources(src, index, k, n, ahead, 4)
+        w0, w1, w2, w3 = gain[k], gain[k + 1], gain[k + 2], gain[k + 3]
+        r0, r1, r2, r3 = index[k], index[k + 1], index[k + 2], index[k + 3]
+        for j in range(dim):
+            dst[d, j] = (w0 * src[r0, j] + w1 * src[r1, j]) + (w2 * src[r2, j] + w3 * src[r3, j])
+        k += 4
+    elif hi > lo:
+        if ahead:
+            _prefetch_sources(src, index, k, n, ahead, 1)
+        w = gain[k]
+        r = index[k]
+        for j in range(dim):
+            dst[d, j] = w * src[r, j]
+        k += 1
+    else:
+        for j in range(dim):
+            dst[d, j] = 0.0
+        return
     while k + 3 < hi:
         if ahead:
             _prefetch_sources(src, index, k, n, ahead, 4)
