@@ -1,8 +1,9 @@
 """embedcore with every optimizer written by hand as a ``CustomOptimizer``: the price of programmability.
 
-The same engine and inputs as the ``embedcore`` contender; only the optimizer differs: the per-row
-functions below, written the way a user ports them from TensorFlow's documentation (NumPy expressions on
-rows, no loops), against the built-in optimizers the ``embedcore`` contender uses. Each computes the
+The same engine and inputs as the ``embedcore`` contender; only the optimizer differs: TensorFlow's two
+documented custom computations (SGD and Adagrad, from :mod:`embedcore.quickstart`) and the functions
+below, written the way a user ports them (NumPy expressions on rows, no loops), against the built-in
+optimizers the ``embedcore`` contender uses. Each computes the
 built-in's math, so the two must agree (the harness checks it) and the ratio between them is the cost of a
 user-written function.
 """
@@ -12,22 +13,9 @@ from __future__ import annotations
 import numpy as np
 
 import embedcore as ec
+from embedcore.quickstart import custom_adagrad, custom_sgd  # TensorFlow's two documented examples
 
 from .embedcore_engine import EmbedcoreContender, fbgemm_adagrad_row
-
-
-def custom_sgd(gradient, embedding_table, slot_variables, learning_rate, hyperparameters):
-    del slot_variables, hyperparameters
-    return embedding_table - learning_rate * gradient
-
-
-def custom_adagrad(gradient, embedding_table, slot_variables, learning_rate, hyperparameters):
-    """TensorFlow's documented ``CustomOptimizer`` example, as written there (``np.sqrt`` for ``math_ops``)."""
-    del hyperparameters
-    accumulator = slot_variables[0]
-    new_accumulator = accumulator + gradient * gradient
-    updated_embedding_table = embedding_table - learning_rate * gradient / np.sqrt(new_accumulator)
-    return (updated_embedding_table, new_accumulator)
 
 
 def custom_rowwise_adagrad(gradient, embedding_table, slot_variables, learning_rate, hyperparameters):
