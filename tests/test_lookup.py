@@ -170,3 +170,38 @@ def test_dropped_activations_are_freed_at_once_without_the_garbage_collector():
         emb.apply_gradients({"a": np.ones((2, 4), np.float32), "b": [np.ones((1, 4), np.float32)]}, ctx)
     finally:
         gc.enable()
+
+
+def test_a_context_collected_during_a_lookup_does_not_deadlock_the_pool():
+    """A context kept alive only by a reference cycle gives its workspace back from a finalizer, which can
+    run inside any allocation, the next lookup's included (once a lock held there made that a deadlock:
+    found at a collection threshold of 12-14 on the machine this was written on)."""
+    import gc
+    import threading
+    emb = ec.Embedding({"f": ec.FeatureConfig(ec.TableConfig(100, 4, name="t"))}, ec.SGD(0.1))
+    ids = {"f": np.arange(8)}
+    emb(ids)
+    keep = []
+    old = gc.get_threshold()
+    try:
+        for threshold in range(1, 300):
+            gc.collect()
+            acts, ctx = emb(ids)
+            holder = {"ctx": ctx}
+            holder["self"] = holder  # cyclic: only the collector frees it, from inside some allocation
+            del ctx, acts
+            gc.disable()
+            gc.set_threshold(threshold)
+            del holder
+
+            def lookup():
+                gc.enable()
+                keep.append(emb(ids))
+            worker = threading.Thread(target=lookup, daemon=True)
+            worker.start()
+            worker.join(10)
+            assert not worker.is_alive(), f"lookup deadlocked (gc threshold {threshold})"
+            keep.clear()
+    finally:
+        gc.set_threshold(*old)
+        gc.enable()

@@ -20,6 +20,22 @@ def rowwise_in_place(gradient, embedding_table, slot_variables, learning_rate, h
     return embedding_table, slot_variables[0]
 
 
+def doubled_slot(gradient, embedding_table, slot_variables, learning_rate, hyperparameters):
+    """Element-wise, computing in float64 (the constant 2.0): finite before it is narrowed to float32."""
+    return embedding_table - learning_rate * gradient, slot_variables[0] * 2.0
+
+
+def doubled_rowwise(gradient, embedding_table, slot_variables, learning_rate, hyperparameters):
+    """Per row (a reduction), in float64: the new row is finite in float64, beyond float32 range."""
+    scale = np.mean(gradient * gradient) * 0.0 + 2.0
+    return embedding_table * scale, slot_variables[0]
+
+
+def doubled_scalar_slot(gradient, embedding_table, slot_variables, learning_rate, hyperparameters):
+    """A slot_dims=1 slot doubled in float64."""
+    return embedding_table - learning_rate * gradient, slot_variables[0] * 2.0
+
+
 def engine(optimizer, non_finite="raise", vocab=(20, 30), dim=4, stack=True):
     a = ec.TableConfig(vocab[0], dim, name="a", combiner="sum", initializer=ec.RowId())
     b = ec.TableConfig(vocab[1], dim, name="b", combiner="sum", initializer=ec.RowId(0.5))
@@ -133,3 +149,22 @@ def test_policy_is_validated_and_survives_a_checkpoint(tmp_path):
     acts, ctx = emb({"fa": np.array([1]), "fb": np.array([2])})
     report = emb.apply_gradients({k: np.ones_like(v) for k, v in acts.items()}, ctx)
     assert report.skipped == {} and report.step == 1 and "none" in repr(report)
+
+
+@pytest.mark.parametrize("fn,slot_dims", [(doubled_slot, [2]), (doubled_rowwise, [2]), (doubled_scalar_slot, [1])])
+def test_results_that_overflow_float32_when_stored_are_caught(fn, slot_dims):
+    """A float64 result that is finite but beyond float32 range would become Inf when stored: the row is
+    checked as it will be stored, so it is left unchanged and reported."""
+    opt = ec.CustomOptimizer(fn, 0.1, ["s"], [1.0], slot_dims=slot_dims)
+    emb = engine(opt, non_finite="skip")
+    emb.slot_variables["a"]["s"][3] = 3e38
+    emb.embedding_tables["a"][4] = 3e38
+    before, before_slots = snapshot(emb)
+    acts, ctx = emb({"fa": np.array([3, 4, 5]), "fb": np.array([1])})
+    report = emb.apply_gradients({k: np.ones_like(v) for k, v in acts.items()}, ctx)
+    bad = [3] if fn is not doubled_rowwise else [4]
+    assert report.skipped["a"]["output"].tolist() == bad
+    for r in bad:
+        np.testing.assert_array_equal(emb.embedding_tables["a"][r], before["a"][r])
+        np.testing.assert_array_equal(emb.slot_variables["a"]["s"][r], before_slots["a"]["s"][r])
+    assert_all_finite(emb)

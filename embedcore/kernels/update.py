@@ -29,7 +29,8 @@ returns how many rows it flagged:
 
     STATUS_GRADIENT (1)  the summed gradient holds NaN/Inf; the row, its slots untouched
     STATUS_OUTPUT (2)    f returned NaN/Inf; the row, its slots untouched
-    STATUS_LENGTH (3)    f returned a row of the wrong length (a programming error, reported by the engine)
+    STATUS_LENGTH (3)    f returned a row of the wrong length (a programming error, reported by the engine);
+                         the row, its slots untouched
 """
 
 from __future__ import annotations
@@ -96,26 +97,27 @@ def _all_finite_impl(value):
     return impl_scalar
 
 
-def store_row(dst, r, value):
-    """``dst[r] = value`` (a row, or a scalar broadcast to the row); 0 on a length mismatch, else 1."""
+def into_row(dst, value):
+    """``dst[:] = value`` (a row, or a scalar broadcast to the row), narrowed to ``dst``'s float32; 0 on a
+    length mismatch (nothing written), else 1."""
     raise NotImplementedError("only callable from jitted code")
 
 
-@overload(store_row, inline="always")
-def _store_row_impl(dst, r, value):
+@overload(into_row, inline="always")
+def _into_row_impl(dst, value):
     if isinstance(value, types.Array):
-        def impl(dst, r, value):
-            n = dst.shape[1]
+        def impl(dst, value):
+            n = dst.shape[0]
             if value.shape[0] != n:
                 return 0
             for j in range(n):
-                dst[r, j] = value[j]
+                dst[j] = value[j]
             return 1
         return impl
 
-    def impl_scalar(dst, r, value):
-        for j in range(dst.shape[1]):
-            dst[r, j] = value
+    def impl_scalar(dst, value):
+        for j in range(dst.shape[0]):
+            dst[j] = value
         return 1
     return impl_scalar
 
@@ -178,14 +180,17 @@ def _indent(lines, depth):
     return "\n".join(" " * (4 * depth) + line for line in lines)
 
 
-def _scratch(slot_dims):
-    lines = [f"        n{k} = np.empty(dim, np.float32)" for k, d in enumerate(slot_dims) if d == 2]
+def _scratch(slot_dims, elementwise):
+    rows = [f"n{k}" for k, d in enumerate(slot_dims) if d == 2]
+    if not elementwise:  # the function's results, narrowed to float32, checked before they are stored
+        rows += ["o0"] + [f"o{k + 1}" for k, d in enumerate(slot_dims) if d == 2]
+    lines = [f"        {name} = np.empty(dim, np.float32)" for name in rows]
     return _SCRATCH.format(slot_scratch="\n".join(lines) + ("\n" if lines else ""))
 
 
 def _prefetch(slot_dims):
-    lines = ["ahead = uniq[u + ROWS_AHEAD]", "prefetch_row(table, ahead)"]
-    lines += [f"prefetch_row(s{k}, ahead)" for k in range(len(slot_dims))]
+    lines = ["next_row = uniq[u + ROWS_AHEAD]", "prefetch_row(table, next_row)"]
+    lines += [f"prefetch_row(s{k}, next_row)" for k in range(len(slot_dims))]
     return _indent(lines, 4)
 
 
@@ -194,7 +199,8 @@ def _flag(code):
 
 
 def _body(slot_dims, elementwise):
-    """Compute the new row and slots into scratch, check them, then store them (or record a status)."""
+    """Compute the new row and slots into float32 scratch, check what will be stored (a float64 result that
+    is finite may overflow float32), then store it all (or record a status and store nothing)."""
     n = len(slot_dims)
     lines = ["finite = all_finite(g_row)", "if not finite:"] + _flag("STATUS_GRADIENT")
     if elementwise:
@@ -204,9 +210,9 @@ def _body(slot_dims, elementwise):
         if n == 0:
             lines += [f"    w_new[j] = {call}", "    ok = ok & np.isfinite(w_new[j])"]
         else:
-            lines += [f"    out = {call}", "    w_new[j] = out[0]", "    ok = ok & np.isfinite(out[0])"]
+            lines += [f"    out = {call}", "    w_new[j] = out[0]", "    ok = ok & np.isfinite(w_new[j])"]
             for k in range(n):
-                lines += [f"    n{k}[j] = out[{k + 1}]", f"    ok = ok & np.isfinite(out[{k + 1}])"]
+                lines += [f"    n{k}[j] = out[{k + 1}]", f"    ok = ok & np.isfinite(n{k}[j])"]
         lines += ["if not ok:"] + _flag("STATUS_OUTPUT") + ["for j in range(dim):", "    table[r, j] = w_new[j]"]
         lines += [f"    s{k}[r, j] = n{k}[j]" for k in range(n)]
         return lines
@@ -216,16 +222,19 @@ def _body(slot_dims, elementwise):
     slot_args = "".join(f"n{k}, " if d == 2 else f"s{k}[r], " for k, d in enumerate(slot_dims))
     lines.append(f"out = fn(g_row, w_new, ({slot_args}), learning_rate, hyperparameters)")
     outputs = ["out"] if n == 0 else [f"out[{k}]" for k in range(n + 1)]
-    lines.append(f"ok = all_finite({outputs[0]})")
-    lines += [f"ok = ok & all_finite({o})" for o in outputs[1:]]
-    lines += ["if not ok:"] + _flag("STATUS_OUTPUT")
-    lines.append(f"stored = store_row(table, r, {outputs[0]})")
+    lines.append(f"stored = into_row(o0, {outputs[0]})")
+    lines += [f"stored = stored & into_row(o{k + 1}, out[{k + 1}])" for k, d in enumerate(slot_dims) if d == 2]
+    lines += ["if stored == 0:"] + _flag("STATUS_LENGTH")
+    lines.append("ok = all_finite(o0)")
     for k, d in enumerate(slot_dims):
-        if d == 1:
-            lines.append(f"s{k}[r] = out[{k + 1}]")
+        if d == 2:
+            lines.append(f"ok = ok & all_finite(o{k + 1})")
         else:
-            lines.append(f"stored = stored & store_row(s{k}, r, out[{k + 1}])")
-    lines += ["if stored == 0:", "    status[item] = STATUS_LENGTH", "    flags[c] += 1"]
+            lines += [f"v{k} = np.float32(out[{k + 1}])", f"ok = ok & np.isfinite(v{k})"]
+    lines += ["if not ok:"] + _flag("STATUS_OUTPUT")
+    lines += ["for j in range(dim):", "    table[r, j] = o0[j]"]
+    lines += [f"    s{k}[r, j] = o{k + 1}[j]" for k, d in enumerate(slot_dims) if d == 2]
+    lines += [f"s{k}[r] = v{k}" for k, d in enumerate(slot_dims) if d == 1]
     return lines
 
 
@@ -237,14 +246,14 @@ def kernel_source(row_function, lazy=True) -> str:
     slot_dims = row_function.slot_dims
     unpack = [f"s{k} = slots[{k}]" for k in range(len(slot_dims))] or ["pass"]
     loop = (_LAZY_LOOP if lazy else _DENSE_LOOP).format(
-        scratch=_scratch(slot_dims), prefetch=_prefetch(slot_dims),
+        scratch=_scratch(slot_dims, row_function.elementwise), prefetch=_prefetch(slot_dims),
         body=_indent(_body(slot_dims, row_function.elementwise), 3))
     return _TEMPLATE.format(unpack=_indent(unpack, 1), loop=loop)
 
 
 def kernel_namespace(row_function) -> dict:
     """The globals the generated source refers to."""
-    return {"np": np, "prange": prange, "fn": row_function.dispatcher, "store_row": store_row,
+    return {"np": np, "prange": prange, "fn": row_function.dispatcher, "into_row": into_row,
             "all_finite": all_finite, "weighted_sum": weighted_sum, "prefetch_row": prefetch_row,
             "balanced_chunks": balanced_chunks,
             "CHUNK": CHUNK_ROWS, "ROWS_AHEAD": ROWS_AHEAD, "OCCURRENCES_AHEAD": OCCURRENCES_AHEAD,

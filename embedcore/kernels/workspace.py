@@ -7,6 +7,7 @@ Arrays that must outlive the call that fills them (a lookup's occurrences, kept 
 when its context is used up or dropped.
 """
 
+import collections
 import sys
 import threading
 
@@ -36,19 +37,24 @@ class Workspace:
 
 
 class WorkspacePool:
-    """Workspaces handed out one per holder and returned for reuse; safe to use from several threads."""
+    """Workspaces handed out one per holder and returned for reuse; safe to use from several threads.
+
+    Lock-free (a deque's append and pop are atomic): ``release`` runs from a garbage-collected context's
+    finalizer, which can fire inside any allocation, ``acquire``'s own included, where a lock held by
+    ``acquire`` would deadlock.
+    """
 
     def __init__(self):
-        self._free = []
-        self._lock = threading.Lock()
+        self._free = collections.deque()
 
     def acquire(self) -> Workspace:
-        with self._lock:
-            return self._free.pop() if self._free else Workspace()
+        try:
+            return self._free.pop()
+        except IndexError:
+            return Workspace()
 
     def release(self, workspace: Workspace) -> None:
-        with self._lock:
-            self._free.append(workspace)
+        self._free.append(workspace)
 
     @property
     def idle(self) -> int:
