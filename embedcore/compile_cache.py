@@ -9,7 +9,8 @@ folder, named by a digest of everything the compiled code depends on:
 * the generated source and the Numba and Python versions;
 * the sources of embedcore's compiler, optimizers and kernels (any change to embedcore invalidates);
 * a *fingerprint* of the row function: its bytecode and constants, the values of the closure cells and
-  globals it reads, and, recursively, the same of every Python or jitted function among them.
+  globals it reads (attributes of modules too: ``helpers.scale``, ``cfg.EPS``), and, recursively, the
+  same of every Python or jitted function among them; NumPy, Numba and ``math`` by name and version.
 
 A function whose fingerprint cannot be taken (it reads a global that is neither a number, string, array,
 module nor function, such as an instance of a user class) is compiled in memory each time, as without a
@@ -19,6 +20,7 @@ cache. The folder is ``EMBEDCORE_CACHE_DIR`` if set (``off`` or an empty value d
 
 from __future__ import annotations
 
+import dis
 import hashlib
 import importlib.util
 import json
@@ -91,6 +93,9 @@ def _feed(h, value, seen):
         h.update(repr(sorted((k, repr(v)) for k, v in value.targetoptions.items())).encode())
         value = value.py_func
     if isinstance(value, pytypes.FunctionType):
+        if _from_library(value):
+            h.update(f"library function {value.__module__}.{value.__qualname__} {_library_version(value)}".encode())
+            return
         if id(value) in seen:
             h.update(b"recursion:" + value.__qualname__.encode())
             return
@@ -125,7 +130,25 @@ def _feed(h, value, seen):
     if isinstance(value, (np.ufunc, pytypes.BuiltinFunctionType)):
         h.update(f"builtin {getattr(value, '__module__', '')}.{value.__name__}".encode())
         return
+    if _from_library(value):  # np.float32, np.linalg.norm (a dispatcher object in NumPy 2) and the like
+        name = getattr(value, "__qualname__", None) or getattr(value, "__name__", None) or repr(value)
+        h.update(f"library {value.__module__}.{name} {_library_version(value)}".encode())
+        return
     raise Uncacheable(f"cannot fingerprint {type(value).__name__} {value!r:.80}")
+
+
+# Libraries identified by name and version instead of by their code (which the version pins): everything
+# else a row function reaches (the user's modules and functions) is fingerprinted by its code and values.
+_LIBRARIES = ("numpy", "math", "cmath", "numba", "builtins")
+
+
+def _from_library(value) -> bool:
+    return (getattr(value, "__module__", None) or "").split(".")[0] in _LIBRARIES
+
+
+def _library_version(value) -> str:
+    top = sys.modules.get((getattr(value, "__module__", None) or "").split(".")[0])
+    return str(getattr(top, "__version__", ""))
 
 
 def _feed_code(h, code, fn, seen):
@@ -141,6 +164,32 @@ def _feed_code(h, code, fn, seen):
         if name in fn.__globals__:
             h.update(b"global " + name.encode())
             _feed(h, fn.__globals__[name], seen)
+    for chain, value in _module_attributes(code, fn.__globals__):  # helpers.scale, cfg.EPS: their values too
+        h.update(b"attribute " + ".".join(chain).encode())
+        _feed(h, value, seen)
+
+
+def _module_attributes(code, namespace):
+    """``(names, value)`` for each ``module.attr[.attr...]`` the code reads from a global module, resolved to
+    the first value that is not itself a module (``None`` if an attribute is missing)."""
+    found = []
+    instructions = list(dis.get_instructions(code))
+    for k, ins in enumerate(instructions):
+        if ins.opname != "LOAD_GLOBAL":
+            continue
+        name = ins.argval if isinstance(ins.argval, str) else str(ins.argval)
+        value = namespace.get(name)
+        if not isinstance(value, pytypes.ModuleType):
+            continue
+        chain = [name]
+        for nxt in instructions[k + 1:]:
+            if nxt.opname not in ("LOAD_ATTR", "LOAD_METHOD") or not isinstance(value, pytypes.ModuleType):
+                break
+            chain.append(nxt.argval)
+            value = getattr(value, nxt.argval, None)
+        if len(chain) > 1:
+            found.append((chain, value))
+    return found
 
 
 def _key(*parts) -> str:

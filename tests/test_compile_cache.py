@@ -133,3 +133,28 @@ def test_built_in_optimizers_are_cacheable():
     for opt in (ec.SGD(0.1), ec.Adagrad(0.1, clipvalue=1.0), ec.Adam(0.1, weight_decay_factor=0.1),
                 ec.FTRL(0.1), ec.RowwiseAdagrad(0.1), ec.AdagradMomentum(0.1, momentum=0.9)):
         assert compile_cache.fingerprint(opt.row_function())
+
+
+def test_fingerprints_follow_attributes_of_modules():
+    """``helpers.scale(g)`` and ``cfg.EPS`` reach values through a module: a changed attribute must change
+    the fingerprint (the module's name alone does not)."""
+    import types
+    helpers = types.ModuleType("helpers_for_fingerprints")
+    helpers.scale = lambda x: x * 1.0
+    helpers.EPS = 1e-8
+    namespace = {"helpers": helpers, "np": np}
+    exec("def f(gradient, embedding_table, slot_variables, learning_rate, hyperparameters):\n"
+         "    return embedding_table - learning_rate * helpers.scale(gradient) + helpers.EPS\n", namespace)
+    f = namespace["f"]
+    before = compile_cache.fingerprint(f)
+    helpers.scale = lambda x: x * 100.0
+    after_function = compile_cache.fingerprint(f)
+    helpers.EPS = 1e-6
+    after_constant = compile_cache.fingerprint(f)
+    assert len({before, after_function, after_constant}) == 3
+
+
+def test_library_functions_are_identified_by_name_not_walked():
+    def uses_numpy(gradient, embedding_table, slot_variables, learning_rate, hyperparameters):
+        return embedding_table - learning_rate * gradient / np.linalg.norm(gradient) * np.float32(2)
+    assert compile_cache.fingerprint(uses_numpy) == compile_cache.fingerprint(uses_numpy)
