@@ -171,11 +171,11 @@ class KernelPath:
         self.step += 1
         lr, hyper = self.optimizer.step_values(self.step)
         t0 = time.perf_counter()
-        uniq, ptr, (src_row, src_gain) = group_rows(tb.rows, self.n_rows, tb.packed, self.ws)
+        uniq, ptr, packed = group_rows(tb.rows, self.n_rows, tb.packed, self.ws)
         t1 = time.perf_counter()
         status = np.zeros(uniq.shape[0] if self.lazy else self.table.shape[0], np.uint8)
         kernel = fused_update_kernel(self.row_function, lazy=self.lazy)
-        flagged = kernel(self.table, self.slots, uniq, ptr, src_row, src_gain, d_act, lr, hyper, status)
+        flagged = kernel(self.table, self.slots, uniq, ptr, packed, d_act, lr, hyper, status)
         t2 = time.perf_counter()
         assert not flagged
         return uniq.shape[0], {"dedup": t1 - t0, "reduce+update": t2 - t1}

@@ -15,6 +15,7 @@ Three steps, each explained where it happens:
 from __future__ import annotations
 
 import ast
+import hashlib
 import inspect
 import operator
 import textwrap
@@ -126,6 +127,10 @@ def _check_outputs(fn, return_type, slot_dims):
         outputs = [return_type]
     for k, (ty, dim) in enumerate(zip(outputs, (2,) + tuple(slot_dims))):
         what = "the new row" if k == 0 else f"slot {k - 1}"
+        element = ty.dtype if isinstance(ty, types.Array) else ty
+        if isinstance(element, types.Complex) or not isinstance(element, (types.Number, types.Boolean)):
+            raise RowFunctionError(
+                f"custom computation {name}: {what} must hold real numbers (stored as float32), got {ty}")
         if dim == 1 and not isinstance(ty, types.Number):
             raise RowFunctionError(
                 f"custom computation {name}: {what} has slot_dims 1 (one value per row) and must be returned "
@@ -147,13 +152,17 @@ def compile_row_function(fn, slot_dims, n_hyperparameters, dim) -> CompiledRowFu
         digest = compile_cache.fingerprint(fn)
     except compile_cache.Uncacheable:
         digest = None
-    verdict_key = ("row function", digest, slot_dims, n_hyperparameters, dim)
+    verdict_key = ("row function", digest, _source_digest(fn), slot_dims, n_hyperparameters, dim)
     verdict = compile_cache.read_verdict(verdict_key) if digest is not None else None
     if verdict is not None:  # this function compiled, passed the checks and was judged before
-        if verdict.get("split"):
-            dispatcher = _split_dispatcher(fn, slot_dims)
-        return CompiledRowFunction(fn, dispatcher, slot_dims, n_hyperparameters, verdict["elementwise"],
-                                   verdict["reason"], digest, bool(verdict.get("split")))
+        split = bool(verdict.get("split"))
+        try:
+            chosen = _split_dispatcher(fn, slot_dims) if split else dispatcher
+        except NotSplittable:  # its source is gone (only bytecode shipped): judge it again
+            verdict = None
+        if verdict is not None:
+            return CompiledRowFunction(fn, chosen, slot_dims, n_hyperparameters, verdict["elementwise"],
+                                       verdict["reason"], digest, split)
     signature = row_signature(slot_dims, n_hyperparameters)
     try:
         dispatcher.compile(signature)
@@ -181,6 +190,15 @@ def compile_row_function(fn, slot_dims, n_hyperparameters, dim) -> CompiledRowFu
     if digest is not None:
         compile_cache.write_verdict(verdict_key, {"elementwise": elementwise, "reason": reason, "split": split})
     return CompiledRowFunction(fn, dispatcher, slot_dims, n_hyperparameters, elementwise, reason, digest, split)
+
+
+def _source_digest(fn) -> str:
+    """A digest of ``fn``'s source text: the split rewrite is made from the text, the fingerprint from the
+    bytecode, and a verdict must not outlive an edit of either."""
+    try:
+        return hashlib.sha256(inspect.getsource(fn).encode()).hexdigest()[:16]
+    except (OSError, TypeError):
+        return "no source"
 
 
 def _split_dispatcher(fn, slot_dims):

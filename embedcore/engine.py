@@ -19,7 +19,7 @@ from .initializers import TruncatedNormal, fill_rows
 from .inputs import InputError
 from .kernels.dedup import group_rows
 from .kernels.rows import count_non_finite
-from .kernels.update import STATUS_GRADIENT, STATUS_LENGTH, STATUS_OUTPUT, fused_update_kernel
+from .kernels.update import STATUS_GRADIENT, STATUS_LENGTH, STATUS_OUTPUT, compile_for, fused_update_kernel
 from .lookup import LookupContext, TableLookup, _FeatureSlot, _PhysicalTable
 from .optimizers import Optimizer
 
@@ -142,6 +142,13 @@ class Embedding(TableLookup):
         group.weights = np.empty((group.n_rows, group.dim), np.float32)
         group.slots = tuple(np.empty((group.n_rows, group.dim) if d == 2 else (group.n_rows,), np.float32)
                             for d in opt.slot_dims)
+        try:
+            compile_for(group.row_function, opt.lazy, group.weights, group.slots, opt.n_hyperparameters)
+        except Exception as exc:  # numba raises many error types; each becomes one clear message
+            cause = "\n".join(str(exc).strip().splitlines()[:12])
+            raise RowFunctionError(f"the update kernel of {describe(group.row_function.python_function)} for "
+                                   f"table(s) {[t.name for t in group.tables]} could not be compiled:\n"
+                                   f"{cause}") from None
         if fill:
             for table in group.tables:
                 self._fill_table(table, 0, 1, table.vocabulary_size)
@@ -262,13 +269,13 @@ class Embedding(TableLookup):
             if tb is None:
                 tb = inputs.build_table_batch([])
             d_act = self._gradient_rows(g, group, tb, checked, ctx.features)
-            uniq, ptr, (src_row, src_gain) = group_rows(tb.rows, group.n_rows, tb.packed, ws)
+            uniq, ptr, packed = group_rows(tb.rows, group.n_rows, tb.packed, ws)
             lr, hyper = values[id(group.optimizer)]
             lazy = group.optimizer.lazy
             status = ws.array("status", (uniq.shape[0] if lazy else group.n_rows,), np.uint8)
             status[:] = 0
             kernel = fused_update_kernel(group.row_function, lazy=lazy)
-            if kernel(group.weights, group.slots, uniq, ptr, src_row, src_gain, d_act, lr, hyper, status):
+            if kernel(group.weights, group.slots, uniq, ptr, packed, d_act, lr, hyper, status):
                 report._record(group, uniq, status, lazy)
                 if np.any(status[np.flatnonzero(status)] == STATUS_LENGTH):
                     wrong_length.append(group)

@@ -114,7 +114,7 @@ def test_count_non_finite_serial_and_parallel(dtype):
 def test_group_rows_is_unique_rows_with_the_occurrences_in_grouped_order(n_rows, n, seed, threads):
     import numba
     from embedcore.kernels.dedup import group_rows
-    from embedcore.kernels.occurrences import pack_occurrences
+    from embedcore.kernels.occurrences import pack_occurrences, packed_views
     rng = np.random.default_rng(seed)
     rows = rng.integers(0, min(n_rows, max(1, n // 4 + 1)), n).astype(np.int64) * max(1, n_rows // (n // 4 + 1))
     rows = np.minimum(rows, n_rows - 1)
@@ -123,7 +123,8 @@ def test_group_rows_is_unique_rows_with_the_occurrences_in_grouped_order(n_rows,
     before = numba.get_num_threads()
     numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
     try:
-        uniq, ptr, (src_row, src_gain) = group_rows(rows, n_rows, pack_occurrences(out_row, gains), Workspace())
+        uniq, ptr, packed = group_rows(rows, n_rows, pack_occurrences(out_row, gains), Workspace())
+        src_row, src_gain = packed_views(packed)
     finally:
         numba.set_num_threads(before)
     order = np.argsort(rows, kind="stable")
@@ -182,9 +183,9 @@ def test_sharded_sums_equal_the_gradient_the_fused_update_applies():
     sgd = ec.CustomOptimizer(lambda gradient, embedding_table, slot_variables, learning_rate, hyperparameters:
                              embedding_table - learning_rate * gradient, learning_rate=1.0)
     table = np.zeros((n_rows, dim), np.float32)
-    u2, p2, (src_row, src_gain) = group_rows(rows, n_rows, pack_occurrences(out_row, gains), Workspace())
+    u2, p2, packed = group_rows(rows, n_rows, pack_occurrences(out_row, gains), Workspace())
     kernel = fused_update_kernel(sgd.compiled(dim))
-    assert kernel(table, (), u2, p2, src_row, src_gain, d_act, np.float32(1.0), (), np.zeros(u2.shape[0], np.uint8)) == 0
+    assert kernel(table, (), u2, p2, packed, d_act, np.float32(1.0), (), np.zeros(u2.shape[0], np.uint8)) == 0
     np.testing.assert_array_equal(table[uniq], -sums)
 
 
@@ -208,3 +209,32 @@ def test_prefetch_changes_no_value():
     assert touch(a, b, idx) == float(a[idx, 0].sum() + b[idx].sum())
     np.testing.assert_array_equal(a, before[0])
     np.testing.assert_array_equal(b, before[1])
+
+
+def test_update_kernels_compile_when_the_engine_is_built():
+    """The kernel is compiled for the engine's argument types at construction: apply_gradients never
+    compiles (and never fails to compile after updating some tables), whatever the batch size."""
+    from embedcore.kernels.update import fused_update_kernel
+
+    def scaled(gradient, embedding_table, slot_variables, learning_rate, hyperparameters):
+        return embedding_table - 0.5 * learning_rate * gradient
+
+    a = ec.TableConfig(10, 4, name="a", optimizer=ec.Adam(0.1, lazy_adam=False))
+    b = ec.TableConfig(10, 4, name="b", optimizer=ec.CustomOptimizer(scaled, 0.1))
+    emb = ec.Embedding({"fa": ec.FeatureConfig(a), "fb": ec.FeatureConfig(b)})
+    kernels = [fused_update_kernel(g.row_function, g.optimizer.lazy) for g in emb._groups]
+    compiled = [len(k.signatures) for k in kernels]
+    assert all(n >= 1 for n in compiled)
+    for ids in (np.array([], np.int64), np.array([3]), np.array([1, 2, 2, 9])):  # 0, 1 and more occurrences
+        acts, ctx = emb({"fa": ids, "fb": ids})
+        emb.apply_gradients({k: np.ones_like(v) for k, v in acts.items()}, ctx)
+    assert [len(k.signatures) for k in kernels] == compiled
+
+
+def test_a_function_returning_complex_numbers_is_refused_at_construction():
+    def complex_step(gradient, embedding_table, slot_variables, learning_rate, hyperparameters):
+        return embedding_table - learning_rate * gradient * 1j
+
+    table = ec.TableConfig(4, 2, name="c", optimizer=ec.CustomOptimizer(complex_step, 1.0))
+    with pytest.raises(ec.RowFunctionError, match="complex_step: the new row must hold real numbers"):
+        ec.Embedding({"f": ec.FeatureConfig(table)})

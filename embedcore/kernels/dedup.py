@@ -19,7 +19,6 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-from .occurrences import packed_views
 
 __all__ = ["unique_rows", "group_rows", "DIGIT_BITS", "PARALLEL_MIN"]
 
@@ -159,10 +158,8 @@ def unique_rows(rows: np.ndarray, n_rows: int, workspace):
 
 
 def group_rows(rows: np.ndarray, n_rows: int, packed: np.ndarray, workspace):
-    """``(uniq, ptr, (src_row, src_gain))``: :func:`unique_rows`, with each occurrence's activation row and
-    gain in grouped order: the sort carries the occurrences' packed words (see
-    :mod:`embedcore.kernels.occurrences`), so no pass gathers them through ``order``; ``src_row`` (int32) and
-    ``src_gain`` (float32) are views of the sorted words."""
+    """``(uniq, ptr, sorted_packed)``: :func:`unique_rows`, with each occurrence's packed word (activation
+    row and gain, see :mod:`embedcore.kernels.occurrences`) in grouped order: the sort carries the words, so
+    no pass gathers them through ``order`` (``packed_views(sorted_packed)`` reads them)."""
     rows = np.ascontiguousarray(rows, np.int64)
-    uniq, ptr, sorted_packed = _sort(rows, n_rows, np.ascontiguousarray(packed, np.int64), False, workspace)
-    return uniq, ptr, packed_views(sorted_packed)
+    return _sort(rows, n_rows, np.ascontiguousarray(packed, np.int64), False, workspace)

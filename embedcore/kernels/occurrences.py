@@ -22,7 +22,7 @@ from numba import njit, types
 from numba.extending import intrinsic
 
 __all__ = ["first_out_of_range", "first_non_finite", "fill_occurrences", "pack_occurrences", "packed_views",
-           "COMBINERS"]
+           "COMBINERS", "ROW_HALF", "GAIN_HALF"]
 
 COMBINERS = {"sum": 0, "mean": 1, "sqrtn": 2}
 
@@ -138,8 +138,9 @@ def pack_occurrences(out_row: np.ndarray, gains: np.ndarray) -> np.ndarray:
     return (np.asarray(out_row, np.int64) << 32) | gains.view(np.uint32).astype(np.int64)
 
 
+ROW_HALF, GAIN_HALF = (1, 0) if np.little_endian else (0, 1)  # 32-bit halves of a word, in memory order
+
+
 def packed_views(packed: np.ndarray):
     """``(out_row, gains)``: the int32 high halves and the float32 low halves of the 64-bit ``packed`` words."""
-    if np.little_endian:
-        return packed.view(np.int32)[1::2], packed.view(np.float32)[0::2]
-    return packed.view(np.int32)[0::2], packed.view(np.float32)[1::2]
+    return packed.view(np.int32)[ROW_HALF::2], packed.view(np.float32)[GAIN_HALF::2]

@@ -35,16 +35,17 @@ returns how many rows it flagged:
 
 from __future__ import annotations
 
+import numba
 import numpy as np
 from numba import njit, prange, types  # noqa: F401  (prange is used by the generated source)
 from numba.extending import overload
 
 from ..compile_cache import load_source
-from .occurrences import pack_occurrences, packed_views
+from .occurrences import GAIN_HALF, ROW_HALF, pack_occurrences
 from .prefetch import prefetch_row
 from .rows import weighted_sum
 
-__all__ = ["update_kernel", "fused_update_kernel", "all_finite", "balanced_chunks", "CHUNK_ROWS", "ROWS_AHEAD",
+__all__ = ["update_kernel", "fused_update_kernel", "compile_for", "all_finite", "balanced_chunks", "CHUNK_ROWS", "ROWS_AHEAD",
            "OCCURRENCES_AHEAD", "STATUS_GRADIENT", "STATUS_OUTPUT", "STATUS_LENGTH"]
 
 CHUNK_ROWS = 256
@@ -123,8 +124,11 @@ def _into_row_impl(dst, value):
 
 
 _TEMPLATE = '''
-def kernel(table, slots, uniq, ptr, src_row, src_gain, d_act, learning_rate, hyperparameters, status):
+def kernel(table, slots, uniq, ptr, packed, d_act, learning_rate, hyperparameters, status):
 {unpack}
+    n_occurrences = packed.shape[0]  # each a 64-bit word: activation row and gain (kernels/occurrences.py)
+    src_row = packed.view(np.int32).reshape((n_occurrences, 2))[:, ROW_HALF]
+    src_gain = packed.view(np.float32).reshape((n_occurrences, 2))[:, GAIN_HALF]
     n_unique = uniq.shape[0]
     dim = table.shape[1]
     ahead = OCCURRENCES_AHEAD if d_act.size * 4 >= PREFETCH_MIN_BYTES else 0
@@ -257,18 +261,20 @@ def kernel_namespace(row_function) -> dict:
             "all_finite": all_finite, "weighted_sum": weighted_sum, "prefetch_row": prefetch_row,
             "balanced_chunks": balanced_chunks,
             "CHUNK": CHUNK_ROWS, "ROWS_AHEAD": ROWS_AHEAD, "OCCURRENCES_AHEAD": OCCURRENCES_AHEAD,
-            "PREFETCH_MIN_BYTES": PREFETCH_MIN_BYTES, "STATUS_GRADIENT": STATUS_GRADIENT,
+            "PREFETCH_MIN_BYTES": PREFETCH_MIN_BYTES, "ROW_HALF": ROW_HALF, "GAIN_HALF": GAIN_HALF,
+            "STATUS_GRADIENT": STATUS_GRADIENT,
             "STATUS_OUTPUT": STATUS_OUTPUT, "STATUS_LENGTH": STATUS_LENGTH}
 
 
 def fused_update_kernel(row_function, lazy=True):
     """The jitted update kernel for a :class:`~embedcore.compiler.CompiledRowFunction`.
 
-    ``kernel(table, slots, uniq, ptr, src_row, src_gain, d_act, learning_rate, hyperparameters, status)``
-    updates ``table`` rows ``uniq`` (sorted, unique) and returns the number of rows it flagged in ``status``
-    (uint8, zeroed, one entry per unique row when lazy, per table row when not; see the module docstring).
-    ``src_row``/``src_gain`` are the occurrences in grouped order, as :func:`~embedcore.kernels.dedup.group_rows`
-    returns them; the gradient of ``uniq[u]`` is summed from them on the fly and never written to memory.
+    ``kernel(table, slots, uniq, ptr, packed, d_act, learning_rate, hyperparameters, status)`` updates
+    ``table`` rows ``uniq`` (sorted, unique) and returns the number of rows it flagged in ``status`` (uint8,
+    zeroed, one entry per unique row when lazy, per table row when not; see the module docstring).
+    ``packed`` holds the occurrences' activation rows and gains in grouped order, as
+    :func:`~embedcore.kernels.dedup.group_rows` returns them; the gradient of ``uniq[u]`` is summed from them
+    on the fly and never written to memory.
     """
     key = (row_function.dispatcher, row_function.slot_dims, row_function.elementwise, row_function.split, lazy)
     kernel = _KERNELS.get(key)
@@ -291,6 +297,20 @@ def fused_update_kernel(row_function, lazy=True):
     return kernel
 
 
+def compile_for(row_function, lazy, table, slots, n_hyperparameters):
+    """The kernel of :func:`fused_update_kernel`, compiled now for the argument types an engine passes
+    (so a function whose kernel cannot compile is refused when the engine is built, not halfway through
+    an update)."""
+    kernel = fused_update_kernel(row_function, lazy)
+    index = numba.typeof(np.empty(0, np.int64))
+    signature = (numba.typeof(table), numba.typeof(tuple(slots)), index, index, index,
+                 numba.typeof(np.empty((0, table.shape[1]), np.float32)), numba.float32,
+                 numba.typeof(tuple(np.float32(0) for _ in range(n_hyperparameters))),
+                 numba.typeof(np.empty(0, np.uint8)))
+    kernel.compile(signature)
+    return kernel
+
+
 def update_kernel(row_function, lazy=True):
     """The update as ``kernel(table, slots, uniq, ptr, order, out_row, gains, d_act, learning_rate,
     hyperparameters, status)``, for occurrences grouped by :func:`~embedcore.kernels.dedup.unique_rows`
@@ -300,6 +320,6 @@ def update_kernel(row_function, lazy=True):
 
     def kernel(table, slots, uniq, ptr, order, out_row, gains, d_act, learning_rate, hyperparameters, status):
         order = np.ascontiguousarray(order, np.int64)
-        src_row, src_gain = packed_views(pack_occurrences(np.asarray(out_row)[order], np.asarray(gains)[order]))
-        return fused(table, slots, uniq, ptr, src_row, src_gain, d_act, learning_rate, hyperparameters, status)
+        packed = pack_occurrences(np.asarray(out_row)[order], np.asarray(gains)[order])
+        return fused(table, slots, uniq, ptr, packed, d_act, learning_rate, hyperparameters, status)
     return kernel
