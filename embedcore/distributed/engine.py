@@ -47,7 +47,7 @@ from ..kernels.update import STATUS_LENGTH, update_kernel
 from ..kernels.workspace import Workspace
 from ..lookup import LookupContext, TableLookup, _PhysicalTable
 from . import checkpoint as _checkpoint
-from .exchange import DistributedError, Exchanger, describe_error
+from .exchange import DistributedError, Exchanger, Refused, describe_error
 from .kernels import flat_to_rows, occurrence_unique, rows_to_flat
 from .routing import Layout, Route, resolve, route_requests
 from .sharding import rotation, shard_of
@@ -320,23 +320,32 @@ class ShardedEmbedding(TableLookup):
             return self._apply(gradients, ctx)
 
     def _checked_gradients(self, gradients, ctx):
+        """The checked gradients and every local optimizer's learning rate and hyperparameters for the next
+        step: all evaluated before the ranks agree (callables once per step on every rank, whether or not
+        this rank owns rows of the batch, and a failing one refused everywhere with nothing changed)."""
         if not isinstance(ctx, ShardedLookupContext) or ctx.engine_id != id(self):
             raise InputError("ctx must be the context returned by this engine's lookup")
         if ctx.consumed:
             raise InputError("these activations' gradients were already applied; look up again")
         leaves = inputs.flatten_like(self._feature_config, gradients, "gradients")
         refuse = self.non_finite == "raise"
-        return [_check_gradient(grad, s, refuse) for grad, s in zip(leaves, ctx.features)]
+        checked = [_check_gradient(grad, s, refuse) for grad, s in zip(leaves, ctx.features)]
+        values = {}
+        for group in self.local._groups:
+            if id(group.optimizer) not in values:
+                values[id(group.optimizer)] = group.optimizer.step_values(self.step + 1)
+        return checked, values
 
     def _apply(self, gradients, ctx):
-        checked, error, exc = _attempt(lambda: self._checked_gradients(gradients, ctx))
+        result, error, exc = _attempt(lambda: self._checked_gradients(gradients, ctx))
+        checked, values = result if result is not None else (None, None)
         seq = ctx.route.seq if error is None else -1
         self._agreed(error, exc, "apply_gradients", tag=seq,
                      tag_text=lambda: f"applies the gradients of this engine's lookup number {seq}")
         route = ctx.route
         step = self.step + 1
         with self._going_ahead("apply_gradients"):
-            report, wrong_length = self._exchange_and_update(route, checked, ctx.features, step)
+            report, wrong_length = self._exchange_and_update(route, checked, ctx.features, step, values)
         self.step = step
         ctx.consumed = True
         if self._pending is not None and self._pending() is route:
@@ -348,14 +357,14 @@ class ShardedEmbedding(TableLookup):
         try:
             self._exchange.agree(message, "the update",
                                  outcome="reported rows left unchanged or a failing row function")
-        except DistributedError as e:
+        except Refused as e:  # a timeout or a failed exchange stays a DistributedError
             kind = RowFunctionError if _WRONG_LENGTH in str(e) else NonFiniteError
             raise kind(f"{e}. The other rows were updated and step is now {step} on every rank" +
                        ("; non_finite='skip' skips NaN/Inf rows and reports them instead"
                         if kind is NonFiniteError else "")) from None
         return report
 
-    def _exchange_and_update(self, route: Route, checked, features, step):
+    def _exchange_and_update(self, route: Route, checked, features, step, values):
         """Sum this rank's gradients per unique id, send the sums to the owners, update this rank's shards."""
         ws = self._workspace
         sums_out = ws.array("grads_out", int(route.floats_from.sum()), np.float32)
@@ -369,22 +378,20 @@ class ShardedEmbedding(TableLookup):
         sums_in = ws.array("grads_in", int(route.floats_to.sum()), np.float32)
         self._exchange.alltoallv(sums_out, route.floats_from, sums_in, route.floats_to,
                                  "apply_gradients (gradient sums)")
-        return self._update_shards(route, sums_in, step)
+        return self._update_shards(route, sums_in, step, values)
 
-    def _update_shards(self, route: Route, sums_in, step):
+    def _update_shards(self, route: Route, sums_in, step, values):
         """Run each local physical table's fused kernel on the gradient sums this rank received.
 
         Returns the report (global row ids) and a description of a row function's wrong-length result, if any.
         """
         report = UpdateReport(step)
-        values, wrong_length = {}, None
+        wrong_length = None
         for lg, group in enumerate(self.local._groups):
             lo, hi = int(route.group_ptr[lg]), int(route.group_ptr[lg + 1])
             lazy = group.optimizer.lazy
             if hi == lo and lazy:
                 continue
-            if id(group.optimizer) not in values:
-                values[id(group.optimizer)] = group.optimizer.step_values(step)
             lr, hyper = values[id(group.optimizer)]
             d_act = self._workspace.array(f"owner_sums_{lg}", (hi - lo, group.dim), np.float32)
             flat_to_rows(sums_in, route.own_offset[lo:hi], d_act)

@@ -20,11 +20,15 @@ import time
 
 import numpy as np
 
-__all__ = ["DistributedError", "Exchanger", "describe_error"]
+__all__ = ["DistributedError", "Refused", "Exchanger", "describe_error"]
 
 
 class DistributedError(RuntimeError):
     """A collective step failed on some rank, or a peer did not answer in time."""
+
+
+class Refused(DistributedError):
+    """Some rank reported an error in an agreement (every rank raises this, naming the ranks and errors)."""
 
 
 def describe_error(e: BaseException) -> str:
@@ -118,7 +122,7 @@ class Exchanger:
         """Every rank calls this once it knows some rank failed: raises, naming each failing rank."""
         texts = self.allgather_bytes(b"" if error is None else b"\x01" + error.encode("utf-8"), what)
         messages = [f"rank {k}: " + t[1:].decode("utf-8") for k, t in enumerate(texts) if t]
-        raise DistributedError(f"{what} {outcome or 'was refused'} on {len(messages)} of {self.world} ranks" +
+        raise Refused(f"{what} {outcome or 'was refused'} on {len(messages)} of {self.world} ranks" +
                                ("" if outcome else " (nothing changed on any rank)") + ": " + "; ".join(messages))
 
     def counts(self, send_counts: np.ndarray | None, error: str | None, what: str) -> np.ndarray:

@@ -62,7 +62,7 @@ def attempt(emb, fn):
         fn()
         outcome = {"error": None}
     except Exception as e:  # noqa: BLE001  (the test checks which)
-        outcome = {"error": str(e), "type": type(e).__name__}
+        outcome = {"error": str(e), "type": type(e).__name__, "types": [c.__name__ for c in type(e).__mro__]}
     return dict(outcome, unchanged=same(before, state(emb)), step=emb.step)
 
 
@@ -144,6 +144,17 @@ def refusals(rank, world, ckpt):
         grads = np.full_like(acts["f"], 3e38 if rank < 2 else 1.0)
         emb.apply_gradients({"f": grads}, ctx)
     out["overflow"] = attempt(emb, overflow)
+
+    calls = []
+
+    def counted_lr():
+        calls.append(1)
+        return 0.1
+    scheduled = build(optimizer=ec.SGD(counted_lr))
+    step(scheduled, np.array([[1, 2]]))  # two ids: some rank owns neither, and still calls the schedule
+    out["learning_rate_calls"] = len(calls)
+    bad = build(optimizer=ec.SGD(lambda: float("nan") if rank == 1 else 0.1))
+    out["nan_learning_rate"] = attempt(bad, lambda: step(bad, IDS))
 
     wrong = build(optimizer=ec.CustomOptimizer(short_when_large, 0.1))
     out["wrong_length"] = attempt(wrong, lambda: step(wrong, IDS, mine(None, np.full((2, 4), 100.0, np.float32))))
