@@ -15,14 +15,14 @@ folder, named by a digest of everything the compiled code depends on:
 A function whose fingerprint cannot be taken (it reads a global that is neither a number, string, array,
 module nor function, such as an instance of a user class) is compiled in memory each time, as without a
 cache. The folder is ``EMBEDCORE_CACHE_DIR`` if set (``off`` or an empty value disables caching), else
-``$XDG_CACHE_HOME/embedcore`` or ``~/.cache/embedcore``; a folder that cannot be written disables it too.
+``$XDG_CACHE_HOME/embedcore`` or ``~/.cache/embedcore``; a folder that cannot be written, or that another
+user owns or may write to, disables it too (its files are executed and unpickled).
 """
 
 from __future__ import annotations
 
 import dis
 import hashlib
-import importlib.util
 import json
 import os
 import sys
@@ -51,8 +51,13 @@ def cache_dir() -> str | None:
                                       "embedcore")
     folder = os.path.join(base, f"py{sys.version_info[0]}{sys.version_info[1]}-numba{numba.__version__}")
     try:
-        os.makedirs(folder, exist_ok=True)
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+        info = os.stat(folder)
     except OSError:
+        return None
+    # Its files are executed (generated sources) and unpickled (Numba's cache): only a folder that nobody
+    # else can write to is used.
+    if (hasattr(os, "getuid") and info.st_uid != os.getuid()) or info.st_mode & 0o022:
         return None
     return folder if os.access(folder, os.W_OK) else None
 
@@ -224,21 +229,31 @@ def load_source(source: str, namespace: dict, function: str, key_parts) -> pytyp
     key = _key(source, *key_parts)
     path = os.path.join(folder, f"kernel_{key}.py")
     try:
-        if not os.path.exists(path):
+        if _read(path) != source:  # absent, or not what this process generated: (re)write it
             _write_atomically(path, source)
         name = f"embedcore_generated_{key}"
         module = sys.modules.get(name)
         if module is None:
-            spec = importlib.util.spec_from_file_location(name, path)
-            module = importlib.util.module_from_spec(spec)
+            module = pytypes.ModuleType(name)
+            module.__file__ = path
             module.__dict__.update(namespace)
-            spec.loader.exec_module(module)
+            # The text this process generated is executed, not the file's (which only gives Numba's cache
+            # its location and time stamp).
+            exec(compile(source, path, "exec"), module.__dict__)
             # Registered, so that Numba finds the module of the function again when it loads the compiled
             # code from its cache (in this process or the next one, which also comes through here first).
             sys.modules[name] = module
     except OSError:
         return None
     return getattr(module, function)
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read()
+    except FileNotFoundError:
+        return None
 
 
 def _verdict_path(key_parts) -> str | None:

@@ -330,6 +330,8 @@ def _check_gradient(grad, s: _FeatureSlot, refuse_non_finite: bool = True) -> np
     if native.dtype.itemsize > 4 and native.size:
         with np.errstate(invalid="ignore"):
             too_big = np.abs(native) > _FLOAT32_MAX
+            if not refuse_non_finite:  # Inf is let through to be skipped, as a float32 Inf would be
+                too_big &= np.isfinite(native)
         if too_big.any():
             bad = np.unravel_index(int(np.flatnonzero(too_big)[0]), grad.shape)
             raise InputError(f"gradient of feature '{name}' holds {grad[bad]} at index "

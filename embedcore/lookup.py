@@ -22,6 +22,8 @@ from .optimizers import Optimizer
 
 __all__ = ["TableLookup", "LookupContext"]
 
+_MAX_ACTIVATION_ROWS = 2 ** 31  # an occurrence carries its activation row in 32 bits (kernels/occurrences.py)
+
 
 @dataclass
 class _PhysicalTable:
@@ -179,6 +181,9 @@ class TableLookup:
             parts[g].append((batch, feature.table.combiner, seq_len, row_offset, out_rows[g]))
             slots.append(_FeatureSlot(path, feature, g, out_rows[g], n, shape))
             out_rows[g] += n
+            if out_rows[g] >= _MAX_ACTIVATION_ROWS:
+                raise InputError(f"feature '{name}': the batch gives {out_rows[g]:,} activation rows for one "
+                                 f"physical table, more than {_MAX_ACTIVATION_ROWS - 1:,}")
         return slots, parts
 
     def lookup(self, features, weights=None):

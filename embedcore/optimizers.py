@@ -72,17 +72,18 @@ class Optimizer:
         raise NotImplementedError
 
     def hyperparameter_values(self, step: int, learning_rate: np.float32) -> tuple:
-        """This step's hyperparameters as float32 values; ``step`` counts applied updates from 1."""
+        """This step's hyperparameters as float32 values; ``step`` counts applied updates from 1 and
+        ``learning_rate`` is this step's configured learning rate (already evaluated)."""
         raise NotImplementedError
 
-    def learning_rate_value(self, step: int) -> np.float32:
-        """This step's learning rate as seen by the row function."""
-        return _evaluate(self.learning_rate, "learning_rate", self)
+    def learning_rate_value(self, step: int, configured: np.float32) -> np.float32:
+        """This step's learning rate as seen by the row function, from the ``configured`` one."""
+        return configured
 
     def step_values(self, step: int):
         """``(learning_rate, hyperparameters)`` for ``step``, each callable called exactly once."""
-        lr = self.learning_rate_value(step)
-        return lr, self.hyperparameter_values(step, lr)
+        configured = _evaluate(self.learning_rate, "learning_rate", self)
+        return self.learning_rate_value(step, configured), self.hyperparameter_values(step, configured)
 
     def compiled(self, dim: int) -> compiler.CompiledRowFunction:
         """The compiled row function for rows of ``dim`` values (cached per process)."""
@@ -341,7 +342,7 @@ class _BuiltinOptimizer(Optimizer):
     def hyperparameter_values(self, step, learning_rate):
         decay = self.weight_decay_factor or 0.0
         if self.multiply_weight_decay_factor_by_learning_rate:
-            decay *= float(_evaluate(self.learning_rate, "learning_rate", self))
+            decay *= float(learning_rate)
         inf = float("inf")
         common = (-inf if self.clip_gradient_min is None else self.clip_gradient_min,
                   inf if self.clip_gradient_max is None else self.clip_gradient_max,
@@ -457,8 +458,8 @@ class Adam(_BuiltinOptimizer):
         self.lazy_adam, self.sum_inside_sqrt = bool(lazy_adam), bool(sum_inside_sqrt)
         self.lazy = self.lazy_adam
 
-    def learning_rate_value(self, step):
-        lr = float(super().learning_rate_value(step))
+    def learning_rate_value(self, step, configured):
+        lr = float(configured)
         return np.float32(lr * math.sqrt(1.0 - self.beta_2 ** step) / (1.0 - self.beta_1 ** step))
 
     def _specific(self, step):

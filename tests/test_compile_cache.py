@@ -158,3 +158,25 @@ def test_library_functions_are_identified_by_name_not_walked():
     def uses_numpy(gradient, embedding_table, slot_variables, learning_rate, hyperparameters):
         return embedding_table - learning_rate * gradient / np.linalg.norm(gradient) * np.float32(2)
     assert compile_cache.fingerprint(uses_numpy) == compile_cache.fingerprint(uses_numpy)
+
+
+def test_a_cache_folder_others_may_write_to_is_not_used(tmp_path, monkeypatch):
+    shared = tmp_path / "shared"
+    monkeypatch.setenv("EMBEDCORE_CACHE_DIR", str(shared))
+    folder = compile_cache.cache_dir()
+    assert folder is not None and (os.stat(folder).st_mode & 0o777) == 0o700
+    os.chmod(folder, 0o777)
+    assert compile_cache.cache_dir() is None
+
+
+def test_a_tampered_kernel_file_is_rewritten_before_use(tmp_path, monkeypatch):
+    monkeypatch.setenv("EMBEDCORE_CACHE_DIR", str(tmp_path / "cache"))
+    source = "def kernel():\n    return 1\n"
+    assert compile_cache.load_source(source, {}, "kernel", ("test", 1))() == 1
+    path = next(p for p in (tmp_path / "cache").rglob("kernel_*.py"))
+    path.write_text("def kernel():\n    return 666\n")
+    import sys
+    for name in [n for n, m in sys.modules.items() if getattr(m, "__file__", None) == str(path)]:
+        del sys.modules[name]  # as in a new process
+    assert compile_cache.load_source(source, {}, "kernel", ("test", 1))() == 1
+    assert path.read_text() == source

@@ -146,12 +146,15 @@ def test_activations_held_are_never_reused_and_released_ones_are():
     assert len({id(v.base) for v in held}) == 4
     del held, acts, view
     sizes = set()
+    pooled = {id(buffer) for buffer in pool._buffers}
+    assert len(pooled) == 4
     for b, e in zip(batches, expected):
         acts, _ = emb({"f": b})
         np.testing.assert_allclose(acts["f"], e, rtol=1e-6)
+        assert id(acts["f"].base) in pooled  # a released buffer, not a new one
         sizes.add(pool.nbytes)
         del acts
-    assert len(sizes) == 1  # the released buffers were reused, none added
+    assert len(sizes) == 1
 
 
 def test_dropped_activations_are_freed_at_once_without_the_garbage_collector():

@@ -259,3 +259,16 @@ def test_every_combiner_through_a_training_step(combiner, weighted):
                     np.random.default_rng(7))
     run.step(weighted=weighted)
     run.step(weighted=weighted, form="sparse")
+
+
+def test_a_learning_rate_callable_is_called_once_even_when_weight_decay_uses_it():
+    calls = []
+
+    def lr():
+        calls.append(1)
+        return 0.1
+    opt = ec.Adam(lr, weight_decay_factor=0.5, multiply_weight_decay_factor_by_learning_rate=True)
+    lr_value, hyper = opt.step_values(1)
+    assert len(calls) == 1
+    assert hyper[2] == np.float32(0.5 * 0.1)  # the decay, scaled by the configured learning rate
+    assert np.isclose(lr_value, 0.1 * np.sqrt(1 - 0.999) / (1 - 0.9))  # Adam's bias correction on top

@@ -382,3 +382,13 @@ def test_bad_outputs_refused_at_construction(fn, slots, dims, pattern):
     opt = ec.CustomOptimizer(fn, 0.1, slot_names=slots, slot_initializers=[0.1] * len(slots), slot_dims=dims)
     with pytest.raises(ec.RowFunctionError, match=pattern):
         _build(opt)
+
+
+def test_float64_inf_gradients_are_skipped_not_refused_in_skip_mode():
+    emb = ec.Embedding({"f": ec.FeatureConfig(ec.TableConfig(10, 2, name="t", combiner="sum"))}, ec.SGD(0.1),
+                       non_finite="skip")
+    acts, ctx = emb({"f": np.array([1, 2])})
+    grads = np.array([[np.inf, 0.0], [1.0, 1.0]], np.float64)
+    report = emb.apply_gradients({"f": grads}, ctx)
+    assert report.skipped["t"]["gradient"].tolist() == [1]
+    assert np.isfinite(emb.embedding_tables["t"]).all()
