@@ -125,9 +125,13 @@ def test_group_rows_is_unique_rows_with_the_occurrences_in_grouped_order(n_rows,
     try:
         uniq, ptr, packed = group_rows(rows, n_rows, pack_occurrences(out_row, gains), Workspace())
         src_row, src_gain = packed_views(packed)
+        u2, p2, order2 = unique_rows(rows, n_rows, Workspace())
     finally:
         numba.set_num_threads(before)
     order = np.argsort(rows, kind="stable")
+    np.testing.assert_array_equal(order2, order)
+    np.testing.assert_array_equal(u2, uniq)
+    np.testing.assert_array_equal(p2, ptr)
     expected, counts = np.unique(rows, return_counts=True)
     np.testing.assert_array_equal(uniq, expected)
     np.testing.assert_array_equal(np.diff(ptr), counts)
