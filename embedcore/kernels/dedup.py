@@ -90,38 +90,6 @@ def _sort_serial(keys, payload, index_payload, n_bits, keys_a, payload_a, keys_b
     return src_k, src_p
 
 
-@njit(cache=True, parallel=True)
-def _sort_parallel(keys, payload, index_payload, n_bits, keys_a, payload_a, keys_b, payload_b, n_parts):
-    """:func:`_sort_serial`, each pass counting and scattering ``n_parts`` contiguous parts in parallel."""
-    n = keys.shape[0]
-    size = (n + n_parts - 1) // n_parts
-    counts = np.empty((n_parts, _RADIX), np.int64)
-    src_k, src_p, dst_k, dst_p = keys, payload, keys_a, payload_a
-    first = True
-    for shift in range(0, n_bits, DIGIT_BITS):
-        if _digit_is_constant(src_k, shift):
-            continue
-        for p in prange(n_parts):
-            _count(src_k, p * size, min(n, (p + 1) * size), shift, counts[p])
-        at = 0
-        for d in range(_RADIX):  # digit-major, part-minor: part p's keys of a digit follow part p - 1's
-            for p in range(n_parts):
-                c = counts[p, d]
-                counts[p, d] = at
-                at += c
-        by_index = index_payload and first
-        for p in prange(n_parts):
-            _scatter(src_k, src_p, by_index, p * size, min(n, (p + 1) * size), shift, counts[p], dst_k, dst_p)
-        first = False
-        src_k, src_p = dst_k, dst_p
-        dst_k, dst_p = (keys_b, payload_b) if dst_k is keys_a else (keys_a, payload_a)
-    if first and index_payload:
-        for i in prange(n):
-            payload_a[i] = i
-        return keys, payload_a
-    return src_k, src_p
-
-
 @njit(cache=True)
 def _group(sorted_keys, uniq, ptr):
     """Unique keys and CSR offsets of their runs in ``sorted_keys``; returns the number of unique keys."""
@@ -167,18 +135,6 @@ def _word_scatter(rows, words, first, lo, hi, shift, offsets, out):
             offsets[d] += 1
 
 
-@njit(cache=True)
-def _digit_is_constant_rows(rows, shift):
-    n = rows.shape[0]
-    if n == 0:
-        return True
-    first = (rows[0] >> shift) & (_RADIX - 1)
-    for i in range(1, n):
-        if ((rows[i] >> shift) & (_RADIX - 1)) != first:
-            return False
-    return True
-
-
 @njit(cache=True, parallel=True)
 def _sort_words(rows, n_bits, words_a, words_b, n_parts):
     """Stable sort of the words ``row << 32 | i`` (occurrence ``i``) by row: 8 bytes move per element and
@@ -190,7 +146,7 @@ def _sort_words(rows, n_bits, words_a, words_b, n_parts):
     src, dst = words_b, words_a
     first = True
     for shift in range(0, n_bits, DIGIT_BITS):
-        if _digit_is_constant_rows(rows, shift):  # the rows decide, whatever their order so far
+        if _digit_is_constant(rows, shift):  # the rows decide, whatever their order so far
             continue
         for p in prange(n_parts):
             _word_count(rows, src, first, p * size, min(n, (p + 1) * size), shift, counts[p])
@@ -254,12 +210,10 @@ def _sort(rows, n_rows, payload, index_payload, workspace):
         sorted_payload = workspace.array("sorted_payload", n, np.int64)
         _gather_by_words(words, _NO_PAYLOAD if index_payload else payload, sorted_payload)
         return uniq[:n_unique], ptr[:n_unique + 1], sorted_payload
+    # Small batches (and tables of more than 2**31 rows): a serial sort carrying a key and a payload.
     buffers = [workspace.array(name, n, np.int64) for name in ("sort_keys_a", "sort_payload_a", "sort_keys_b",
                                                                "sort_payload_b")]
-    if n >= PARALLEL_MIN and threads > 1:
-        sorted_keys, sorted_payload = _sort_parallel(rows, payload, index_payload, n_bits, *buffers, threads)
-    else:
-        sorted_keys, sorted_payload = _sort_serial(rows, payload, index_payload, n_bits, *buffers)
+    sorted_keys, sorted_payload = _sort_serial(rows, payload, index_payload, n_bits, *buffers)
     n_unique = _group(sorted_keys, uniq, ptr)
     return uniq[:n_unique], ptr[:n_unique + 1], sorted_payload
 
