@@ -208,3 +208,50 @@ def test_a_context_collected_during_a_lookup_does_not_deadlock_the_pool():
     finally:
         gc.set_threshold(*old)
         gc.enable()
+
+
+@pytest.mark.parametrize("combiner,weighted", [("sum", False), ("sum", True), ("mean", True), ("sqrtn", False)])
+def test_large_pooled_features_are_laid_out_in_parallel_exactly_as_serially(combiner, weighted):
+    """Features of at least PARALLEL_MIN ids are laid out by all threads; the occurrences (rows, packed
+    activation rows and gains, out_ptr) are bit-identical to the serial layout's, and lookups match the
+    oracle."""
+    import numba
+    from embedcore.kernels import occurrences as occ
+    rng = np.random.default_rng(7)
+    lengths = rng.integers(0, 16, 6_000)
+    lengths[:50] = 0  # empty samples, among them the first
+    splits = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    ids = rng.integers(0, 1_000, splits[-1]).astype(np.int64)
+    assert ids.shape[0] >= occ.PARALLEL_MIN
+    weights = rng.random(ids.shape[0]).astype(np.float32) if weighted else np.zeros(0, np.float32)
+    if weighted:
+        weights[:7] = 0.0  # a zero-weight head: mean and sqrtn divide by the sample's sum
+    code = occ.COMBINERS[combiner]
+    n, n_out = ids.shape[0], splits.shape[0] - 1
+    outputs = []
+    for parallel in (False, True):
+        rows, packed = np.full(n + 5, -1, np.int64), np.full(n + 5, -1, np.int64)
+        out_ptr = np.full(n_out + 3 + 1, -1, np.int64)
+        out_ptr[3] = 5
+        if parallel:
+            occ._fill_pooled_parallel(ids, splits, weights, code, 100, 3, 5, rows, packed, out_ptr, 7)
+        else:
+            occ._fill_serial(ids, splits, weights, np.zeros(0, np.int64), code, 0, 100, 3, 5, rows, packed,
+                             out_ptr)
+        outputs.append((rows, packed, out_ptr))
+    for serial, parallel in zip(*outputs):
+        np.testing.assert_array_equal(parallel, serial)
+    assert (outputs[1][0][5:] == ids + 100).all() and (outputs[1][2][4:] == splits[1:] + 5).all()
+
+    table = ec.TableConfig(1_000, 4, combiner=combiner, name="t", initializer=ec.RandomUniform(-1, 1))
+    emb = ec.Embedding({"f": ec.FeatureConfig(table)}, ec.SGD(0.1))
+    before = numba.get_num_threads()
+    numba.set_num_threads(min(2, numba.config.NUMBA_NUM_THREADS))
+    try:
+        acts, _ = emb({"f": ec.Ragged(ids, splits)}, {"f": ec.Ragged(weights, splits)} if weighted else None)
+    finally:
+        numba.set_num_threads(before)
+    samples = [ids[splits[b]:splits[b + 1]].tolist() for b in range(n_out)]
+    w = [(weights if weighted else np.ones(n))[splits[b]:splits[b + 1]].tolist() for b in range(n_out)]
+    expected = ref.lookup(emb.embedding_tables["t"].astype(np.float64), samples, w, combiner, 0)
+    np.testing.assert_allclose(acts["f"], expected, rtol=1e-5, atol=1e-5)

@@ -16,9 +16,10 @@ feature's part of those arrays in a single pass over its ids:
 Activation rows must be below 2**31 (a batch of two billion activation rows would not fit in memory).
 """
 
+import numba
 import numpy as np
 from llvmlite import ir
-from numba import njit, types
+from numba import njit, prange, types
 from numba.extending import intrinsic
 
 __all__ = ["first_out_of_range", "first_non_finite", "fill_occurrences", "pack_occurrences", "packed_views",
@@ -78,40 +79,73 @@ def _pack(a, gain):
     return (np.int64(a) << 32) | np.int64(_float32_bits(np.float32(gain)))
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
+def _fill_pooled(ids, splits, weights, combiner, row_offset, out_offset, start, rows, packed, out_ptr, b_lo, b_hi):
+    """The occurrences of samples ``b_lo..b_hi`` of a pooled feature (every id kept: occurrence
+    ``start + i`` for id ``i``)."""
+    weighted = weights.shape[0] > 0
+    for i in range(splits[b_lo], splits[b_hi]):
+        rows[start + i] = ids[i] + row_offset
+    for b in range(b_lo, b_hi):
+        lo, hi = splits[b], splits[b + 1]
+        a = out_offset + b
+        if combiner == 0:
+            if weighted:
+                for i in range(lo, hi):
+                    packed[start + i] = _pack(a, weights[i])
+            else:
+                one = _pack(a, 1.0)
+                for i in range(lo, hi):
+                    packed[start + i] = one
+        else:
+            total = 0.0
+            for i in range(lo, hi):
+                w = np.float64(weights[i]) if weighted else 1.0
+                total += w if combiner == 1 else w * w
+            denominator = total if combiner == 1 else np.sqrt(total)
+            for i in range(lo, hi):
+                w = np.float64(weights[i]) if weighted else 1.0
+                packed[start + i] = _pack(a, 0.0 if denominator == 0.0 else np.float32(w / denominator))
+        out_ptr[a + 1] = start + hi
+
+
+PARALLEL_MIN = 1 << 15  # ids of a pooled feature from which it is laid out in parallel
+
+
+@njit(cache=True, parallel=True)
+def _fill_pooled_parallel(ids, splits, weights, combiner, row_offset, out_offset, start, rows, packed, out_ptr,
+                          n_parts):
+    n_samples = splits.shape[0] - 1
+    size = (n_samples + n_parts - 1) // n_parts
+    for p in prange(n_parts):
+        _fill_pooled(ids, splits, weights, combiner, row_offset, out_offset, start, rows, packed, out_ptr,
+                     min(n_samples, p * size), min(n_samples, (p + 1) * size))
+
+
 def fill_occurrences(ids, splits, weights, positions, combiner, seq_len, row_offset, out_offset, start, rows,
                      packed, out_ptr):
     """Write one feature's occurrences at ``start`` (and its activation rows' ``out_ptr`` entries); returns
-    how many it wrote. ``weights`` and ``positions`` may be empty: weights 1, positions ``i - splits[b]``."""
+    how many it wrote. ``weights`` and ``positions`` may be empty: weights 1, positions ``i - splits[b]``.
+    Pooled features of at least ``PARALLEL_MIN`` ids are laid out by all threads, each a range of samples."""
+    threads = numba.get_num_threads()
+    if seq_len == 0 and ids.shape[0] >= PARALLEL_MIN and threads > 1:
+        _fill_pooled_parallel(ids, splits, weights, combiner, row_offset, out_offset, start, rows, packed, out_ptr,
+                              4 * threads)
+        return ids.shape[0]
+    return _fill_serial(ids, splits, weights, positions, combiner, seq_len, row_offset, out_offset, start, rows,
+                        packed, out_ptr)
+
+
+@njit(cache=True)
+def _fill_serial(ids, splits, weights, positions, combiner, seq_len, row_offset, out_offset, start, rows,
+                 packed, out_ptr):
     n_samples = splits.shape[0] - 1
-    n = ids.shape[0]
     weighted = weights.shape[0] > 0
     explicit_positions = positions.shape[0] > 0
-    if seq_len == 0:  # every id kept, in order: occurrence start + i
-        for i in range(n):
-            rows[start + i] = ids[i] + row_offset
-        for b in range(n_samples):
-            lo, hi = splits[b], splits[b + 1]
-            a = out_offset + b
-            if combiner == 0:
-                if weighted:
-                    for i in range(lo, hi):
-                        packed[start + i] = _pack(a, weights[i])
-                else:
-                    one = _pack(a, 1.0)
-                    for i in range(lo, hi):
-                        packed[start + i] = one
-            else:
-                total = 0.0
-                for i in range(lo, hi):
-                    w = np.float64(weights[i]) if weighted else 1.0
-                    total += w if combiner == 1 else w * w
-                denominator = total if combiner == 1 else np.sqrt(total)
-                for i in range(lo, hi):
-                    w = np.float64(weights[i]) if weighted else 1.0
-                    packed[start + i] = _pack(a, 0.0 if denominator == 0.0 else np.float32(w / denominator))
-            out_ptr[a + 1] = start + hi
-        return n
+    if seq_len == 0:
+        _fill_pooled(ids, splits, weights, combiner, row_offset, out_offset, start, rows, packed, out_ptr,
+                     0, n_samples)
+        return ids.shape[0]
     at = start
     for b in range(n_samples):
         lo, hi = splits[b], splits[b + 1]
