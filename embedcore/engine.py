@@ -269,7 +269,7 @@ class Embedding(TableLookup):
             if tb is None:
                 tb = inputs.build_table_batch([])
             d_act = self._gradient_rows(g, group, tb, checked, ctx.features)
-            uniq, ptr, packed = group_rows(tb.rows, group.n_rows, tb.packed, ws)
+            uniq, ptr, packed = group_rows(tb.rows, group.n_rows, tb.packed, ws, tb.blocks)
             lr, hyper = values[id(group.optimizer)]
             lazy = group.optimizer.lazy
             status = ws.array("status", (uniq.shape[0] if lazy else group.n_rows,), np.uint8)

@@ -345,6 +345,8 @@ class TableBatch:
     packed: np.ndarray    # int64 [N] activation row << 32 | the gain's float32 bits (kernels/occurrences.py)
     out_ptr: np.ndarray   # int64 [n_out + 1]
     n_out: int
+    blocks: np.ndarray = None  # int64 occurrence offsets [0, ..., N] of blocks whose row ranges are disjoint and
+                               # increasing (kernels/dedup.py groups them one by one); None when they are not
 
     @property
     def gains(self) -> np.ndarray:
@@ -360,14 +362,16 @@ class TableBatch:
 def build_table_batch(parts, workspace=None) -> TableBatch:
     """Concatenate features of one physical table (into ``workspace``'s arrays when given, else new ones).
 
-    ``parts``: ``(FeatureBatch, combiner, max_sequence_length, row_offset, out_offset)`` per feature, in
-    increasing ``out_offset``; a feature with ``max_sequence_length = L > 0`` feeds activation row
-    ``out_offset + b * L + position`` (positions >= L dropped) with gain = weight, others feed
-    ``out_offset + b`` with the combiner's gain (see :mod:`embedcore.kernels.occurrences`).
+    ``parts``: ``(FeatureBatch, combiner, max_sequence_length, row_offset, out_offset, vocabulary_size)``
+    per feature, in increasing ``out_offset``; a feature with ``max_sequence_length = L > 0`` feeds
+    activation row ``out_offset + b * L + position`` (positions >= L dropped) with gain = weight, others feed
+    ``out_offset + b`` with the combiner's gain (see :mod:`embedcore.kernels.occurrences`). Each feature's
+    occurrences form a block of rows ``[row_offset, row_offset + vocabulary_size)``; consecutive features of
+    one table share a block.
     """
     n_out = 0
     n = 0
-    for batch, combiner, seq_len, row_offset, out_offset in parts:
+    for batch, combiner, seq_len, row_offset, out_offset, _ in parts:
         n += batch.ids.shape[0]
         n_out = out_offset + batch.batch_size * (seq_len if seq_len else 1)
     rows = _array(workspace, "rows", n, np.int64)
@@ -375,13 +379,19 @@ def build_table_batch(parts, workspace=None) -> TableBatch:
     out_ptr = _array(workspace, "out_ptr", n_out + 1, np.int64)
     out_ptr[0] = 0
     at = 0
-    for batch, combiner, seq_len, row_offset, out_offset in parts:
+    starts, ranges = [], []
+    for batch, combiner, seq_len, row_offset, out_offset, vocabulary_size in parts:
+        if not ranges or ranges[-1] != (row_offset, vocabulary_size):
+            starts.append(at)
+            ranges.append((row_offset, vocabulary_size))
         weights = _NO_WEIGHTS if batch.weights is None else np.ascontiguousarray(batch.weights, np.float32)
         positions = _NO_POSITIONS if batch.positions is None else np.ascontiguousarray(batch.positions, np.int64)
         at += fill_occurrences(np.ascontiguousarray(batch.ids, np.int64),
                                np.ascontiguousarray(batch.row_splits, np.int64), weights, positions,
                                COMBINERS[combiner], seq_len or 0, row_offset, out_offset, at, rows, packed, out_ptr)
-    return TableBatch(rows[:at], packed[:at], out_ptr, n_out)
+    increasing = all(lo + size <= next_lo for (lo, size), (next_lo, _) in zip(ranges, ranges[1:]))
+    blocks = np.array(starts + [at], np.int64) if increasing and ranges else None
+    return TableBatch(rows[:at], packed[:at], out_ptr, n_out, blocks)
 
 
 def _array(workspace, name, shape, dtype):

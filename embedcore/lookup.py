@@ -178,7 +178,8 @@ class TableLookup:
                     raise InputError(f"feature '{name}': output_shape {feature.output_shape} holds "
                                      f"{int(np.prod(feature.output_shape))} activation rows, the batch gives {n}")
                 shape = feature.output_shape + (feature.table.dim,)
-            parts[g].append((batch, feature.table.combiner, seq_len, row_offset, out_rows[g]))
+            parts[g].append((batch, feature.table.combiner, seq_len, row_offset, out_rows[g],
+                             feature.table.vocabulary_size))
             slots.append(_FeatureSlot(path, feature, g, out_rows[g], n, shape))
             out_rows[g] += n
             if out_rows[g] >= _MAX_ACTIVATION_ROWS:

@@ -242,3 +242,124 @@ def test_a_function_returning_complex_numbers_is_refused_at_construction():
     table = ec.TableConfig(4, 2, name="c", optimizer=ec.CustomOptimizer(complex_step, 1.0))
     with pytest.raises(ec.RowFunctionError, match="complex_step: the new row must hold real numbers"):
         ec.Embedding({"f": ec.FeatureConfig(table)})
+
+
+@pytest.mark.parametrize("n_rows, spread", [(1, 1), (5_000_000, 1), (2_000, 2_000), (3_000_000, 3_000_000),
+                                            (2 ** 31, 2 ** 31)])
+def test_parallel_sort_with_no_one_or_several_passes(n_rows, spread):
+    """The parallel word sort when every digit is constant (no pass), one digit varies, or several do."""
+    import numba
+    from embedcore.kernels.dedup import PARALLEL_MIN, group_rows
+    rng = np.random.default_rng(n_rows)
+    n = PARALLEL_MIN + 17
+    rows = np.minimum(n_rows - 1, rng.integers(0, spread, n) + (n_rows - spread))
+    packed = rng.integers(-2 ** 62, 2 ** 62, n)
+    before = numba.get_num_threads()
+    numba.set_num_threads(min(2, numba.config.NUMBA_NUM_THREADS))
+    try:
+        uniq, ptr, sorted_packed = group_rows(rows, n_rows, packed, Workspace())
+        u2, p2, order = unique_rows(rows, n_rows, Workspace())
+    finally:
+        numba.set_num_threads(before)
+    expected_order = np.argsort(rows, kind="stable")
+    np.testing.assert_array_equal(uniq, np.unique(rows))
+    np.testing.assert_array_equal(u2, uniq)
+    np.testing.assert_array_equal(p2, ptr)
+    np.testing.assert_array_equal(order, expected_order)
+    np.testing.assert_array_equal(sorted_packed, packed[expected_order])
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3_000), st.integers(1, 5_000), st.sampled_from([1, 3, 40, 10 ** 6])),
+                min_size=1, max_size=9), st.integers(0, 2 ** 32))
+def test_grouping_block_by_block_equals_the_global_sort(spec, seed):
+    """Blocks of disjoint, increasing row ranges grouped one by one (hashed, or sorted once a block holds
+    too many distinct rows, or empty) give exactly the global sort's unique rows, offsets and payloads."""
+    from embedcore.kernels import dedup
+    rng = np.random.default_rng(seed)
+    parts, starts, base = [], [0], 0
+    for size, vocabulary, distinct in spec:
+        ids = rng.integers(0, min(vocabulary, distinct), size) * max(1, vocabulary // distinct) % vocabulary
+        parts.append(base + ids)
+        starts.append(starts[-1] + size)
+        base += vocabulary
+    rows = np.concatenate(parts).astype(np.int64)
+    blocks = np.array(starts, np.int64)
+    packed = rng.integers(-2 ** 62, 2 ** 62, rows.shape[0])
+    expected = dedup._sort(rows, base, packed, False, Workspace())
+    workspace = Workspace()
+    for _ in range(2):  # a second call reuses the workspace's tables
+        got = dedup._group_by_blocks(rows, base, packed, blocks, workspace)
+        for e, g in zip(expected, got):
+            np.testing.assert_array_equal(g, e)
+    order = np.argsort(rows, kind="stable")
+    np.testing.assert_array_equal(got[2], packed[order])
+
+
+def test_group_rows_takes_the_block_path_only_where_it_pays():
+    from embedcore.kernels import dedup
+    n = dedup.PARALLEL_MIN
+    assert dedup._blocks_worth_it(np.arange(9, dtype=np.int64) * (n // 8), n, 2)
+    assert not dedup._blocks_worth_it(np.arange(9, dtype=np.int64) * (n // 8), n, 1)  # one thread
+    assert not dedup._blocks_worth_it(np.array([0, n], np.int64), n, 2)  # one block: nothing in parallel
+    assert not dedup._blocks_worth_it(np.array([0, 10, n], np.int64), n, 2)  # one block holds nearly all
+    assert not dedup._blocks_worth_it(np.array([0, 10, 20], np.int64), 20, 2)  # too small to be parallel
+    assert not dedup._blocks_worth_it(None, n, 2)
+
+
+def test_table_batches_mark_blocks_of_disjoint_row_ranges():
+    from embedcore import inputs
+    def part(ids, row_offset, vocabulary, out_offset):
+        batch = inputs.to_feature_batch(np.array(ids, np.int64), None, "f", vocabulary)
+        return batch, "sum", 0, row_offset, out_offset, vocabulary
+    tb = inputs.build_table_batch([part([1, 2], 0, 10, 0), part([3], 0, 10, 2), part([4, 5, 6], 10, 7, 3)])
+    np.testing.assert_array_equal(tb.blocks, [0, 3, 6])  # two features of one table share a block
+    tb = inputs.build_table_batch([part([1], 10, 7, 0), part([3], 0, 10, 1)])
+    assert tb.blocks is None  # row ranges decreasing: the global sort
+    tb = inputs.build_table_batch([part([1], 0, 10, 0), part([3], 10, 7, 1), part([2], 0, 10, 2)])
+    assert tb.blocks is None  # a table's features apart
+
+
+def test_stacked_tables_train_the_same_whichever_way_occurrences_are_grouped(monkeypatch):
+    """An engine step over stacked tables large enough for the block path equals, bit for bit, the same
+    step grouped by the global sort (and both match the dense oracle)."""
+    import numba
+    from embedcore.kernels import dedup
+    from . import reference as ref
+    rng = np.random.default_rng(11)
+    vocabularies = [5_000, 300, 20_000, 7]
+    features = {f"f{t}": ec.FeatureConfig(ec.TableConfig(v, 8, combiner="sum", name=f"t{t}",
+                                                        initializer=ec.RandomUniform(-1, 1, seed=t)))
+                for t, v in enumerate(vocabularies)}
+    batch = {f"f{t}": ec.Ragged(rng.integers(0, v, 20_000) if t != 2 else rng.zipf(1.3, 20_000) % v,
+                                np.arange(0, 20_001, 10)) for t, v in enumerate(vocabularies)}
+    grads = {f"f{t}": rng.standard_normal((2_000, 8)).astype(np.float32) for t in range(4)}
+    results, calls = [], []
+    before = numba.get_num_threads()
+    numba.set_num_threads(min(2, numba.config.NUMBA_NUM_THREADS))
+    try:
+        original = dedup._blocks_worth_it
+        for blocks in (True, False):
+            monkeypatch.setattr(dedup, "_blocks_worth_it",
+                                lambda *a, blocks=blocks: calls.append(original(*a)) or (blocks and calls[-1]))
+            emb = ec.Embedding(features, ec.Adagrad(0.1))
+            assert emb.num_physical_tables == 1
+            start = {k: v.copy() for k, v in emb.embedding_tables.items()}
+            _, ctx = emb.lookup(batch)
+            emb.apply_gradients(grads, ctx)
+            results.append(({k: v.copy() for k, v in emb.embedding_tables.items()},
+                            {k: s["accumulators"].copy() for k, s in emb.slot_variables.items()}))
+    finally:
+        numba.set_num_threads(before)
+    assert calls == [True, True]  # the first engine took the block path, the second could have
+    for name in results[0][0]:
+        np.testing.assert_array_equal(results[0][0][name], results[1][0][name])
+    for name in results[0][1]:
+        np.testing.assert_array_equal(results[0][1][name], results[1][1][name])
+    for t, v in enumerate(vocabularies):  # the dense oracle: Adagrad on the summed gradient of every row
+        ids = batch[f"f{t}"].values
+        grad = np.zeros((v, 8))
+        np.add.at(grad, ids, np.repeat(grads[f"f{t}"].astype(np.float64), 10, axis=0))
+        acc = 0.1 + grad ** 2
+        expected = start[f"t{t}"] - 0.1 * grad / np.sqrt(acc)
+        np.testing.assert_allclose(results[0][0][f"t{t}"], expected, rtol=1e-4, atol=1e-5)
