@@ -298,16 +298,41 @@ class Embedding(TableLookup):
     def _gradient_rows(g, group, tb, gradients, features):
         """The activation gradients of physical table ``g`` as one ``[n_out, dim]`` float32 array.
 
-        A table fed by one feature whose gradient is already float32 and contiguous is used as it is;
-        otherwise the features' gradients are copied into a reused workspace.
+        Used in place, without a copy: a table fed by one feature whose gradient is float32 and contiguous,
+        and features whose float32 contiguous gradients lie one after the other in memory, in the order of
+        their activation rows (views of one ``[features, batch, dim]`` array, as FBGEMM takes one gradient
+        for all its tables). Otherwise the features' gradients are copied into a reused workspace.
         """
         mine = [(grad, s) for grad, s in zip(gradients, features) if s.group == g]
-        if len(mine) == 1 and mine[0][0].dtype == np.float32 and mine[0][0].flags.c_contiguous:
-            return mine[0][0].reshape(tb.n_out, group.dim)
+        if all(grad.dtype == np.float32 and grad.flags.c_contiguous for grad, _ in mine):
+            if len(mine) == 1:
+                return mine[0][0].reshape(tb.n_out, group.dim)
+            consecutive = _consecutive(mine, tb.n_out, group.dim)
+            if consecutive is not None:
+                return consecutive
         d_act = group.workspace.array("d_act", (tb.n_out, group.dim), np.float32)
         for grad, s in mine:
             d_act[s.out_offset:s.out_offset + s.n_rows] = grad.reshape(s.n_rows, group.dim)
         return d_act
+
+
+def _consecutive(gradients, n_rows, dim):
+    """One ``[n_rows, dim]`` view over float32 C-contiguous gradients ``(array, slot)`` whose data follow
+    each other in memory in the slots' ``out_offset`` order, or None. The view spans exactly their data, so
+    it reads only memory those arrays own (the caller keeps them alive); the update never writes it."""
+    row_bytes = dim * 4
+    first = start = None
+    for grad, s in gradients:
+        if grad.size == 0:  # no activation rows, no memory
+            continue
+        address = grad.__array_interface__["data"][0]
+        if first is None:
+            first, start = grad, address - s.out_offset * row_bytes
+        if address != start + s.out_offset * row_bytes:
+            return None
+    if first is None or start != first.__array_interface__["data"][0]:
+        return None
+    return np.lib.stride_tricks.as_strided(first, shape=(n_rows, dim), strides=(row_bytes, 4))
 
 
 def _check_gradient(grad, s: _FeatureSlot, refuse_non_finite: bool = True) -> np.ndarray:

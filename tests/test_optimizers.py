@@ -272,3 +272,41 @@ def test_a_learning_rate_callable_is_called_once_even_when_weight_decay_uses_it(
     assert len(calls) == 1
     assert hyper[2] == np.float32(0.5 * 0.1)  # the decay, scaled by the configured learning rate
     assert np.isclose(lr_value, 0.1 * np.sqrt(1 - 0.999) / (1 - 0.9))  # Adam's bias correction on top
+
+
+@pytest.mark.parametrize("layout", ["one array", "swapped", "gap", "strided", "float64"])
+def test_gradients_consecutive_in_memory_are_used_in_place_and_others_copied(layout):
+    """Stacked features whose float32 gradients are consecutive views of one array are read in place;
+    any other arrangement is copied; every arrangement gives the same tables, bit for bit."""
+    rng = np.random.default_rng(3)
+    features = {f"f{t}": ec.FeatureConfig(ec.TableConfig(50, 4, name=f"t{t}", initializer=ec.RandomUniform(-1, 1,
+                                                                                                       seed=t)))
+                for t in range(3)}
+    batch = {f"f{t}": rng.integers(0, 50, (6, 2)) for t in range(3)}
+    big = rng.standard_normal((3, 7, 4)).astype(np.float32)
+    separate = {f"f{t}": big[t, :6].copy() for t in range(3)}
+    if layout == "one array":
+        whole = big[:, :6].copy()
+        grads = {f"f{t}": whole[t] for t in range(3)}
+    elif layout == "swapped":
+        whole = np.stack([separate["f1"], separate["f0"], separate["f2"]])
+        grads = {"f0": whole[1], "f1": whole[0], "f2": whole[2]}
+    elif layout == "gap":  # rows 0..5 of each of 7: one row between them
+        grads = {f"f{t}": big[t, :6] for t in range(3)}
+    elif layout == "strided":
+        wide = np.zeros((3, 6, 8), np.float32)
+        wide[:, :, ::2] = np.stack([separate[f"f{t}"] for t in range(3)])
+        grads = {f"f{t}": wide[t, :, ::2] for t in range(3)}
+    else:
+        grads = {k: v.astype(np.float64) for k, v in separate.items()}
+    results = []
+    for g in (separate, grads):
+        emb = ec.Embedding(features, ec.Adagrad(0.1))
+        assert emb.num_physical_tables == 1
+        _, ctx = emb.lookup(batch)
+        emb.apply_gradients(g, ctx)
+        results.append({k: v.copy() for k, v in emb.embedding_tables.items()})
+        copied = "d_act" in emb._groups[0].workspace._buffers
+    assert copied == (layout != "one array")
+    for name in results[0]:
+        np.testing.assert_array_equal(results[1][name], results[0][name])
