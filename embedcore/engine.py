@@ -252,7 +252,20 @@ class Embedding(TableLookup):
             raise InputError("these activations' gradients were already applied; look up again")
         leaves = inputs.flatten_like(self._feature_config, gradients, "gradients")
         refuse = self.non_finite == "raise"
-        checked = [_check_gradient(grad, s, refuse) for grad, s in zip(leaves, ctx.features)]
+        # NaN/Inf are looked for once per physical table, in the gradient rows its update reads (the
+        # features' gradients in place or copied), not feature by feature before that.
+        checked = [_check_gradient(grad, s, refuse, values_checked_later=True) for grad, s in zip(leaves, ctx.features)]
+        work = []
+        for g, group in enumerate(self._groups):
+            tb = ctx.table_batches[g]
+            if tb is None and group.optimizer.lazy:
+                continue
+            if tb is None:
+                tb = inputs.build_table_batch([])
+            d_act = self._gradient_rows(g, group, tb, checked, ctx.features)
+            if refuse:
+                _refuse_non_finite(d_act, g, checked, ctx.features)
+            work.append((group, tb, d_act))
         step = self.step + 1
         values = {}
         for group in self._groups:
@@ -261,14 +274,8 @@ class Embedding(TableLookup):
         # Validation is over; from here on the tables change.
         report = UpdateReport(step)
         wrong_length = []
-        for g, group in enumerate(self._groups):
-            tb = ctx.table_batches[g]
-            if tb is None and group.optimizer.lazy:
-                continue
+        for group, tb, d_act in work:
             ws = group.workspace
-            if tb is None:
-                tb = inputs.build_table_batch([])
-            d_act = self._gradient_rows(g, group, tb, checked, ctx.features)
             uniq, ptr, packed = group_rows(tb.rows, group.n_rows, tb.packed, ws, tb.blocks)
             lr, hyper = values[id(group.optimizer)]
             lazy = group.optimizer.lazy
@@ -335,7 +342,29 @@ def _consecutive(gradients, n_rows, dim):
     return np.lib.stride_tricks.as_strided(first, shape=(n_rows, dim), strides=(row_bytes, 4))
 
 
-def _check_gradient(grad, s: _FeatureSlot, refuse_non_finite: bool = True) -> np.ndarray:
+def _refuse_non_finite(d_act, g, gradients, features):
+    """Raise :class:`InputError` naming the feature, and the index in its gradient, of the first NaN/Inf
+    in physical table ``g``'s gradient rows ``d_act``."""
+    flat = d_act.reshape(-1)
+    if not count_non_finite(flat):
+        return
+    at = int(np.flatnonzero(~np.isfinite(flat))[0])
+    dim = d_act.shape[1]
+    row = at // dim
+    for grad, s in zip(gradients, features):
+        if s.group == g and s.out_offset <= row < s.out_offset + s.n_rows:
+            bad = np.unravel_index(at - s.out_offset * dim, grad.shape)
+            raise InputError(f"gradient of feature '{s.config.name or s.path}' holds {grad[bad]} at index "
+                             f"{tuple(int(i) for i in bad)}; NaN/Inf gradients are refused (nothing was updated)")
+    raise AssertionError("a non-finite gradient row outside every feature")
+
+
+def _check_gradient(grad, s: _FeatureSlot, refuse_non_finite: bool = True,
+                    values_checked_later: bool = False) -> np.ndarray:
+    """``grad`` as an array of the feature's activation shape, refused (:class:`InputError`) for a wrong
+    type, dtype or shape, a NaN/Inf when ``refuse_non_finite`` (unless ``values_checked_later``: the
+    caller looks for them in the rows it reads, with :func:`_refuse_non_finite`), or a finite value beyond
+    float32 range."""
     name = s.config.name or s.path
     if not isinstance(grad, np.ndarray):
         if hasattr(grad, "__array__"):
@@ -348,14 +377,14 @@ def _check_gradient(grad, s: _FeatureSlot, refuse_non_finite: bool = True) -> np
         raise InputError(f"gradient of feature '{name}' has shape {grad.shape}, its activations have {s.shape}")
     flat = grad.reshape(-1)
     native = flat if flat.dtype in (np.float32, np.float64) else flat.astype(np.float64)
-    if refuse_non_finite and count_non_finite(native):
+    if refuse_non_finite and not values_checked_later and count_non_finite(native):
         bad = np.unravel_index(int(np.flatnonzero(~np.isfinite(native))[0]), grad.shape)
         raise InputError(f"gradient of feature '{name}' holds {grad[bad]} at index {tuple(int(i) for i in bad)}; "
                          f"NaN/Inf gradients are refused (nothing was updated)")
     if native.dtype.itemsize > 4 and native.size:
         with np.errstate(invalid="ignore"):
             too_big = np.abs(native) > _FLOAT32_MAX
-            if not refuse_non_finite:  # Inf is let through to be skipped, as a float32 Inf would be
+            if not refuse_non_finite or values_checked_later:  # Inf: skipped or refused as a float32 Inf
                 too_big &= np.isfinite(native)
         if too_big.any():
             bad = np.unravel_index(int(np.flatnonzero(too_big)[0]), grad.shape)

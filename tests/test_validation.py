@@ -392,3 +392,38 @@ def test_float64_inf_gradients_are_skipped_not_refused_in_skip_mode():
     report = emb.apply_gradients({"f": grads}, ctx)
     assert report.skipped["t"]["gradient"].tolist() == [1]
     assert np.isfinite(emb.embedding_tables["t"]).all()
+
+
+@pytest.mark.parametrize("layout", ["views of one array", "separate", "float64"])
+@pytest.mark.parametrize("value", [np.nan, np.inf])
+def test_non_finite_gradient_of_a_stacked_feature_is_named_whichever_way_gradients_are_read(layout, value):
+    """Stacked features' gradients are checked for NaN/Inf as the update reads them (in place when they
+    follow each other in memory, else copied): the refusal names the feature and its index, changes
+    nothing and calls no schedule."""
+    calls = []
+    def lr():
+        calls.append(1)
+        return 0.1
+    features = {f"f{t}": ec.FeatureConfig(ec.TableConfig(30, 4, name=f"t{t}", initializer=ec.RowId()))
+                for t in range(3)}
+    emb = ec.Embedding(features, ec.Adagrad(lr))
+    assert emb.num_physical_tables == 1
+    _, ctx = emb({f"f{t}": np.arange(5) + t for t in range(3)})
+    whole = np.ones((3, 5, 4), np.float32)
+    grads = {f"f{t}": whole[t] for t in range(3)}
+    if layout == "separate":
+        grads = {k: v.copy() for k, v in grads.items()}
+    elif layout == "float64":
+        grads = {k: v.astype(np.float64) for k, v in grads.items()}
+    grads["f1"][3, 2] = value
+    tables = {k: v.copy() for k, v in emb.embedding_tables.items()}
+    shown = "nan" if np.isnan(value) else "inf"
+    with pytest.raises(ec.InputError, match=rf"feature 'f1' holds {shown} at index \(3, 2\); NaN/Inf gradients are "
+                                            r"refused \(nothing was updated\)"):
+        emb.apply_gradients(grads, ctx)
+    assert calls == [] and emb.step == 0
+    for name, table in emb.embedding_tables.items():
+        np.testing.assert_array_equal(table, tables[name])
+    grads["f1"][3, 2] = 1.0
+    emb.apply_gradients(grads, ctx)  # the refused call consumed nothing
+    assert emb.step == 1 and calls == [1]
