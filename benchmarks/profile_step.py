@@ -52,7 +52,8 @@ def instrument():
     lookup.TableLookup._prepare = _timed("lookup: validate inputs", lookup.TableLookup._prepare)
     lookup.inputs.build_table_batch = _timed("lookup: lay out occurrences", lookup.inputs.build_table_batch)
     lookup.gather_combine = _timed("lookup: gather + combine kernel", lookup.gather_combine)
-    engine._check_gradient = _timed("apply: check gradients", engine._check_gradient)
+    engine._check_gradient = _timed("apply: check gradients (type, shape)", engine._check_gradient)
+    engine._refuse_non_finite = _timed("apply: look for NaN/Inf in gradient rows", engine._refuse_non_finite)
     engine.Embedding._gradient_rows = staticmethod(_timed("apply: gather gradients into one array",
                                                           engine.Embedding._gradient_rows))
     engine.group_rows = _timed("apply: group occurrences by row (sort)", engine.group_rows)

@@ -253,7 +253,8 @@ class Embedding(TableLookup):
         leaves = inputs.flatten_like(self._feature_config, gradients, "gradients")
         refuse = self.non_finite == "raise"
         # NaN/Inf are looked for once per physical table, in the gradient rows its update reads (the
-        # features' gradients in place or copied), not feature by feature before that.
+        # features' gradients in place or copied), after every feature's type and shape are checked: a bad
+        # shape anywhere is reported before a NaN, and NaNs table by table.
         checked = [_check_gradient(grad, s, refuse, values_checked_later=True) for grad, s in zip(leaves, ctx.features)]
         work = []
         for g, group in enumerate(self._groups):

@@ -289,7 +289,7 @@ def test_grouping_block_by_block_equals_the_global_sort(spec, seed):
     expected = dedup._sort(rows, base, packed, False, Workspace())
     workspace = Workspace()
     for _ in range(2):  # a second call reuses the workspace's tables
-        got = dedup._group_by_blocks(rows, base, packed, blocks, workspace)
+        got = dedup._group_by_blocks(rows, base, packed, blocks, workspace)[:3]
         for e, g in zip(expected, got):
             np.testing.assert_array_equal(g, e)
     order = np.argsort(rows, kind="stable")
@@ -363,3 +363,55 @@ def test_stacked_tables_train_the_same_whichever_way_occurrences_are_grouped(mon
         acc = 0.1 + grad ** 2
         expected = start[f"t{t}"] - 0.1 * grad / np.sqrt(acc)
         np.testing.assert_allclose(results[0][0][f"t{t}"], expected, rtol=1e-4, atol=1e-5)
+
+
+def test_clustered_hashes_and_many_distinct_rows_fall_back_to_sorting_and_later_calls_sort():
+    """Rows whose hashes share a few slots exhaust a block's probing budget and the block is sorted
+    instead (same result); after a call that had to sort a block, the next RETRY_AFTER calls sort."""
+    from embedcore.kernels import dedup
+    m = 1 << 14
+    bits = dedup._table_bits(m)
+    candidates = np.arange(1 << 22, dtype=np.uint64)
+    slots = (candidates * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(64 - bits)
+    clustered = candidates[slots < 4].astype(np.int64)[:dedup._distinct_limit(m)]
+    rng = np.random.default_rng(5)
+    rows = np.concatenate([rng.permutation(np.resize(clustered, m)), (1 << 22) + rng.integers(0, 30, m)])
+    blocks = np.array([0, m, 2 * m], np.int64)
+    packed = rng.integers(-2 ** 62, 2 ** 62, rows.shape[0])
+    expected = dedup._sort(rows, 1 << 23, packed, False, Workspace())
+    workspace = Workspace()
+    *got, n_sorted = dedup._group_by_blocks(rows, 1 << 23, packed, blocks, workspace)
+    assert n_sorted == 1  # the clustered block; the other hashed
+    for e, g in zip(expected, got):
+        np.testing.assert_array_equal(g, e)
+    assert dedup._blocks_worth_it(np.array([0, 40_000, 80_000]), 80_000, 2)
+    import numba
+    before = numba.get_num_threads()
+    numba.set_num_threads(min(2, numba.config.NUMBA_NUM_THREADS))
+    try:
+        if numba.get_num_threads() < 2:
+            pytest.skip("needs two Numba threads")
+        wide = np.concatenate([rng.integers(0, 40_000, 40_000), 40_000 + rng.integers(0, 40_000, 40_000)])
+        calls = []
+        original = dedup._group_by_blocks
+        dedup._group_by_blocks = lambda *a: calls.append(1) or original(*a)
+        try:
+            for _ in range(dedup.RETRY_AFTER + 2):
+                dedup.group_rows(wide, 80_000, wide, workspace, np.array([0, 40_000, 80_000], np.int64))
+        finally:
+            dedup._group_by_blocks = original
+        assert len(calls) == 2  # tried, sorted blocks; RETRY_AFTER calls sorted; tried again
+    finally:
+        numba.set_num_threads(before)
+
+
+def test_blocks_are_shared_out_largest_first_and_checked():
+    from embedcore.kernels import dedup
+    schedule, ptr = dedup._schedule(np.array([40, 40, 10, 10]), 2)
+    loads = [sum([40, 40, 10, 10][b] for b in schedule[ptr[p]:ptr[p + 1]]) for p in range(2)]
+    assert loads == [50, 50] and sorted(schedule.tolist()) == [0, 1, 2, 3]
+    rows = np.zeros(10, np.int64)
+    for bad in (np.array([0, 5]), np.array([1, 10]), np.array([0, 7, 5, 10]), np.array([0, 10], np.int32),
+                np.array([0])):
+        with pytest.raises(ValueError, match="blocks must be int64 offsets"):
+            dedup.group_rows(rows, 1, rows, Workspace(), bad)

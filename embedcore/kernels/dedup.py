@@ -214,9 +214,13 @@ def _group_words(words, uniq, ptr):
 # (two passes over the occurrences and a sort of the distinct rows alone: TBE shape, 327,680 occurrences of
 # 7,093 rows in 8 blocks, 0.90-0.97 ms against 1.04-1.22 ms for the parallel word sort, and 1.44 against
 # 1.81 ms inside a training step); a block with more distinct rows than HASH_DISTINCT_MAX of its
-# occurrences is sorted instead (serially, in parallel with the other blocks).
+# occurrences, or whose rows' hashes cluster, is sorted instead (serially, in parallel with the other
+# blocks), and then the next RETRY_AFTER calls use the global sort (their batches are likely alike).
+# Blocks are shared out among the threads largest first.
 
-HASH_DISTINCT_MAX = 1 / 16
+HASH_DISTINCT_MAX = 1 / 32
+PROBE_BUDGET = 4      # extra probing steps per occurrence before a block is sorted instead
+RETRY_AFTER = 32      # calls that use the global sort after a block had to be sorted, before blocks again
 _MULTIPLIER = np.uint64(0x9E3779B97F4A7C15)  # Fibonacci hashing: the top bits of row * 2**64 / phi
 _EMPTY = -1
 
@@ -241,10 +245,12 @@ def _hash_block(rows, payload, lo, hi, limit, bits, t, keys, ids, sid, first, co
                 sort_b, perm_b, uniq, ptr, out):
     """Group occurrences ``lo:hi`` by hashing: distinct rows to ``uniq[lo:]`` (ascending), their first
     occurrence's position to ``ptr[lo:]``, payloads grouped to ``out[lo:hi]``; returns the number of
-    distinct rows, or -1 when there are more than ``limit``."""
+    distinct rows, or -1 when there are more than ``limit`` or probing took more than ``PROBE_BUDGET`` extra
+    steps per occurrence."""
     mask = (1 << bits) - 1
     keys[t:t + mask + 1] = _EMPTY  # a fresh table, which also brings it into the cache (a kept one came cold)
     n_unique = 0
+    probes_left = PROBE_BUDGET * (hi - lo)  # rows whose hashes cluster would make probing quadratic
     abort = False
     for o in range(lo, hi):
         r = rows[o]
@@ -253,6 +259,10 @@ def _hash_block(rows, payload, lo, hi, limit, bits, t, keys, ids, sid, first, co
         while k != r and k != _EMPTY:  # linear probing
             h = t + ((h - t + 1) & mask)
             k = keys[h]
+            probes_left -= 1
+        if probes_left < 0:
+            abort = True
+            break
         if k == _EMPTY:
             if n_unique == limit:
                 abort = True
@@ -301,21 +311,26 @@ def _sort_block(rows, payload, lo, hi, n_bits, keys_a, payload_a, keys_b, payloa
 
 
 @njit(cache=True, parallel=True)
-def _group_blocks(rows, payload, blocks, limits, table_lo, table_bits, n_bits, keys, ids, sid, first, counts,
-                  sort_a, perm_a, sort_b, perm_b, out, uniq, ptr):
+def _group_blocks(rows, payload, blocks, schedule, schedule_ptr, limits, table_lo, table_bits, n_bits, keys, ids,
+                  sid, first, counts, sort_a, perm_a, sort_b, perm_b, out, uniq, ptr):
     """Every block grouped on its own, in parallel, its distinct rows and offsets written to ``uniq`` and
     ``ptr`` at its first occurrence's position, then moved down to follow the previous blocks' (a block
     holds no more distinct rows than occurrences, so nothing is overwritten before it is moved). Returns
-    the number of distinct rows."""
+    the number of distinct rows and the number of blocks that had to be sorted. Thread ``p`` groups the
+    blocks ``schedule[schedule_ptr[p]:schedule_ptr[p + 1]]``."""
     n_blocks = blocks.shape[0] - 1
     n_unique = np.empty(n_blocks, np.int64)
-    for b in prange(n_blocks):
-        lo, hi = blocks[b], blocks[b + 1]
-        got = _hash_block(rows, payload, lo, hi, limits[b], table_bits[b], table_lo[b], keys, ids, sid, first,
-                          counts, n_bits, sort_a, perm_a, sort_b, perm_b, uniq, ptr, out)
-        if got < 0:
-            got = _sort_block(rows, payload, lo, hi, n_bits, sort_a, perm_a, sort_b, perm_b, uniq, ptr, out)
-        n_unique[b] = got
+    sorted_blocks = np.zeros(n_blocks, np.int64)
+    for p in prange(schedule_ptr.shape[0] - 1):
+        for i in range(schedule_ptr[p], schedule_ptr[p + 1]):
+            b = schedule[i]
+            lo, hi = blocks[b], blocks[b + 1]
+            got = _hash_block(rows, payload, lo, hi, limits[b], table_bits[b], table_lo[b], keys, ids, sid, first,
+                              counts, n_bits, sort_a, perm_a, sort_b, perm_b, uniq, ptr, out)
+            if got < 0:
+                got = _sort_block(rows, payload, lo, hi, n_bits, sort_a, perm_a, sort_b, perm_b, uniq, ptr, out)
+                sorted_blocks[b] = 1
+            n_unique[b] = got
     total = 0
     for b in range(n_blocks):
         lo = blocks[b]
@@ -324,7 +339,7 @@ def _group_blocks(rows, payload, blocks, limits, table_lo, table_bits, n_bits, k
             ptr[total] = ptr[lo + k]
             total += 1
     ptr[total] = blocks[n_blocks]
-    return total
+    return total, sorted_blocks.sum()
 
 
 def _blocks_worth_it(blocks, n, threads):
@@ -334,7 +349,23 @@ def _blocks_worth_it(blocks, n, threads):
     return int(np.diff(blocks).max()) * threads <= 1.25 * n
 
 
+def _schedule(sizes, threads):
+    """Blocks shared out among threads, largest first to the least loaded (a parallel loop over blocks hands
+    each thread a contiguous run of them: sizes .4, .4, .1, .1 left one thread 80% of the work)."""
+    loads = [0] * threads
+    assigned = [[] for _ in range(threads)]
+    for b in sorted(range(len(sizes)), key=lambda b: -int(sizes[b])):
+        p = loads.index(min(loads))
+        assigned[p].append(b)
+        loads[p] += int(sizes[b])
+    schedule = np.array([b for part in assigned for b in part], np.int64)
+    schedule_ptr = np.zeros(threads + 1, np.int64)
+    np.cumsum([len(part) for part in assigned], out=schedule_ptr[1:])
+    return schedule, schedule_ptr
+
+
 def _group_by_blocks(rows, n_rows, payload, blocks, workspace):
+    """:func:`group_rows` block by block (``_group_blocks``); also returns how many blocks were sorted."""
     n = rows.shape[0]
     sizes = np.diff(blocks)
     limits = np.array([_distinct_limit(int(m)) for m in sizes], np.int64)
@@ -348,10 +379,11 @@ def _group_by_blocks(rows, n_rows, payload, blocks, workspace):
         "sorted_payload", "uniq")]
     ptr = workspace.array("ptr", n + 1, np.int64)
     n_bits = max(1, int(n_rows - 1).bit_length())
-    n_unique = _group_blocks(rows, payload, blocks, limits, table_lo, table_bits, n_bits, keys,
-                             workspace.array("hash_ids", n_slots, np.int32), workspace.array("hash_sid", n, np.int32),
-                             *arrays, ptr)
-    return arrays[-1][:n_unique], ptr[:n_unique + 1], arrays[-2]
+    schedule, schedule_ptr = _schedule(sizes, numba.get_num_threads())
+    n_unique, n_sorted = _group_blocks(rows, payload, blocks, schedule, schedule_ptr, limits, table_lo, table_bits,
+                                       n_bits, keys, workspace.array("hash_ids", n_slots, np.int32),
+                                       workspace.array("hash_sid", n, np.int32), *arrays, ptr)
+    return arrays[-1][:n_unique], ptr[:n_unique + 1], arrays[-2], int(n_sorted)
 
 
 def _sort(rows, n_rows, payload, index_payload, workspace):
@@ -392,6 +424,17 @@ def group_rows(rows: np.ndarray, n_rows: int, packed: np.ndarray, workspace, blo
     block's, so the blocks can be grouped independently (see ``_group_blocks``); the result is the same."""
     rows = np.ascontiguousarray(rows, np.int64)
     packed = np.ascontiguousarray(packed, np.int64)
-    if _blocks_worth_it(blocks, rows.shape[0], numba.get_num_threads()):
-        return _group_by_blocks(rows, n_rows, packed, blocks, workspace)
+    if blocks is not None:
+        blocks = np.asarray(blocks)
+        if blocks.dtype != np.int64 or blocks.ndim != 1 or blocks.shape[0] < 2 or blocks[0] != 0 or \
+                blocks[-1] != rows.shape[0] or np.any(blocks[1:] < blocks[:-1]):
+            raise ValueError(f"blocks must be int64 offsets from 0 to {rows.shape[0]}, never decreasing")
+    # After a call in which a block held too many distinct rows to hash, the next RETRY_AFTER calls sort.
+    wait = workspace.state.get("blocks_wait", 0)
+    if blocks is not None and wait > 0:
+        workspace.state["blocks_wait"] = wait - 1
+    elif _blocks_worth_it(blocks, rows.shape[0], numba.get_num_threads()):
+        uniq, ptr, sorted_packed, n_sorted = _group_by_blocks(rows, n_rows, packed, blocks, workspace)
+        workspace.state["blocks_wait"] = RETRY_AFTER if n_sorted else 0
+        return uniq, ptr, sorted_packed
     return _sort(rows, n_rows, packed, False, workspace)

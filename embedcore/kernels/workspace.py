@@ -21,6 +21,7 @@ class Workspace:
 
     def __init__(self):
         self._buffers = {}
+        self.state = {}  # small values kept from one call to the next (what a heuristic learned)
 
     def array(self, name: str, shape, dtype) -> np.ndarray:
         shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
