@@ -427,3 +427,52 @@ def test_non_finite_gradient_of_a_stacked_feature_is_named_whichever_way_gradien
     grads["f1"][3, 2] = 1.0
     emb.apply_gradients(grads, ctx)  # the refused call consumed nothing
     assert emb.step == 1 and calls == [1]
+
+
+_SPLITS_DTYPES = [np.int64, np.int32, np.int8, np.uint64, np.dtype(">i8")]
+
+
+def _splits_ok(splits, n_values):
+    """The definition: starts at 0, never decreases, ends at the number of values (exact integers)."""
+    values = [int(v) for v in splits]
+    return bool(values) and values[0] == 0 and values[-1] == n_values and \
+        all(b >= a for a, b in zip(values, values[1:]))
+
+
+def test_row_splits_accepted_exactly_when_they_start_at_zero_never_decrease_and_end_at_the_values():
+    """Ragged row_splits take a one-pass jitted check for int64/int32 and NumPy's for other dtypes; both
+    accept exactly the splits of the definition, on random and edge-case splits of every dtype."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from embedcore.inputs import InputError, _check_splits
+
+    @settings(max_examples=300, deadline=None)
+    @given(st.lists(st.integers(-3, 9), min_size=1, max_size=12), st.integers(0, 9),
+           st.sampled_from(_SPLITS_DTYPES), st.booleans())
+    def check(entries, n_values, dtype, strided):
+        dtype = np.dtype(dtype)
+        if dtype.kind == "u":
+            entries = [e % 10 for e in entries]
+        splits = np.array(entries, dtype=dtype)
+        if strided:  # a non-contiguous view of the same entries
+            splits = np.repeat(splits, 2)[::2]
+        ok = _splits_ok(splits, n_values)
+        try:
+            out = _check_splits(splits, n_values, "f", "ids")
+        except InputError as e:
+            assert not ok, f"{splits!r} with {n_values} values refused: {e}"
+            assert "'f'" in str(e)
+        else:
+            assert ok, f"{splits!r} with {n_values} values accepted"
+            assert out.dtype == np.int64 and out.tolist() == [int(v) for v in splits]
+
+    check()
+    for splits, n in (([0], 0), ([0, 0, 0], 0), ([0, 2**40], 2**40), ([0, 5, 3, 5], 5), ([1, 5], 5), ([0, 4], 5),
+                      ([0, -1, 5], 5), ([0, 2**63 - 1], 5)):
+        ok = _splits_ok(splits, n)
+        try:
+            _check_splits(np.array(splits, np.int64), n, "f", "ids")
+            assert ok
+        except InputError:
+            assert not ok

@@ -22,7 +22,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-__all__ = ["first_out_of_range", "first_non_finite", "fill_occurrences", "pack_occurrences", "packed_views",
+__all__ = ["first_out_of_range", "first_non_finite", "splits_are_valid", "fill_occurrences", "pack_occurrences", "packed_views",
            "COMBINERS", "ROW_HALF", "GAIN_HALF"]
 
 COMBINERS = {"sum": 0, "mean": 1, "sqrtn": 2}
@@ -61,6 +61,18 @@ def first_non_finite(values):
         if not np.isfinite(values[i]):
             return i
     return -1
+
+
+@njit(cache=True)
+def splits_are_valid(splits, n_values):
+    """Whether ``splits`` starts at 0, never decreases and ends at ``n_values`` (signed integers)."""
+    n = splits.shape[0]
+    if n == 0 or splits[0] != 0 or splits[n - 1] != n_values:
+        return False
+    ok = True
+    for i in range(1, n):  # no early exit, so the loop vectorises
+        ok = ok & (splits[i] >= splits[i - 1])
+    return ok
 
 
 @intrinsic
