@@ -14,9 +14,9 @@ For each unique row ``r`` (in parallel), its gradient ``g`` is summed into a scr
 The gradient of unique row ``u`` is ``sum over k in ptr[u]:ptr[u + 1] of src_gain[k] * d_act[src_row[k]]``
 (the occurrences in grouped order, see :func:`embedcore.kernels.dedup.group_rows`), summed by
 :func:`embedcore.kernels.rows.weighted_sum` in a fixed order, so results do not depend on the thread count.
-The rows are read at random, so the loop prefetches the table and slot rows of the unique row
-:func:`rows_ahead` places on (about ``LINES_AHEAD`` cache lines in flight) and, when the gradients outgrow
-the caches, the gradient rows ``OCCURRENCES_AHEAD`` occurrences ahead (:mod:`embedcore.kernels.prefetch`).
+The rows are read at random, so the loop prefetches the table and slot rows ``ROWS_AHEAD`` unique rows
+ahead and, when the gradients outgrow the caches, the gradient rows ``OCCURRENCES_AHEAD`` occurrences ahead
+(:mod:`embedcore.kernels.prefetch`).
 
 ``lazy=False`` visits every row of the table, with a zero gradient for rows the batch did not touch
 (non-lazy Adam). A kernel is generated per (function, slot layout, mode) and kept for the process.
@@ -45,11 +45,11 @@ from .occurrences import GAIN_HALF, ROW_HALF, pack_occurrences
 from .prefetch import prefetch_row
 from .rows import weighted_sum
 
-__all__ = ["update_kernel", "fused_update_kernel", "compile_for", "all_finite", "balanced_chunks", "rows_ahead", "CHUNK_ROWS",
+__all__ = ["update_kernel", "fused_update_kernel", "compile_for", "all_finite", "balanced_chunks", "CHUNK_ROWS", "ROWS_AHEAD",
            "OCCURRENCES_AHEAD", "STATUS_GRADIENT", "STATUS_OUTPUT", "STATUS_LENGTH"]
 
 CHUNK_ROWS = 256
-LINES_AHEAD = 64        # cache lines of table and slot rows in flight ahead of the current unique row
+ROWS_AHEAD = 4          # unique rows whose table and slot rows are prefetched ahead of the current one
 OCCURRENCES_AHEAD = 8   # occurrences whose gradient rows are prefetched ahead of the current one, when
 PREFETCH_MIN_BYTES = 16 << 20  # the gradients are at least this large (smaller ones stay in the last-level
                                # cache, where the prefetches cost more than they save: TBE shape 3.0 -> 3.8 ms)
@@ -57,19 +57,6 @@ STATUS_GRADIENT, STATUS_OUTPUT, STATUS_LENGTH = 1, 2, 3
 
 
 ROW_COST = 8  # a row's update costs about as much as summing this many occurrences into it
-
-
-@njit(cache=True)
-def rows_ahead(dim, row_slots, scalar_slots):
-    """How many unique rows ahead the update prefetches: ``LINES_AHEAD`` cache lines' worth of a row's table
-    and slot rows (``row_slots`` full-row slots, ``scalar_slots`` one-value slots), between 4 and 16 rows.
-
-    A fixed distance of 4 rows left small rows' misses exposed (2 threads, 26 stacked tables of 1.6M values,
-    26,000 distinct rows: Adagrad dim 8 0.97 ms, 4 rows ahead, against 0.52 ms, 16 ahead; dim 16 1.38 against
-    0.81; dim 32 1.76 against 1.24), while 16 rows of dim 64 and more put too many lines in flight (update
-    shape, 2M x 64 Adagrad: 14.2 ms at 4 and 8 rows, 14.4-15.0 ms at 16)."""
-    lines = ((dim * 4 + 63) // 64) * (1 + row_slots) + scalar_slots
-    return min(16, max(4, LINES_AHEAD // max(lines, 1)))
 
 
 @njit(cache=True)
@@ -145,7 +132,6 @@ def kernel(table, slots, uniq, ptr, packed, d_act, learning_rate, hyperparameter
     n_unique = uniq.shape[0]
     dim = table.shape[1]
     ahead = OCCURRENCES_AHEAD if d_act.size * 4 >= PREFETCH_MIN_BYTES else 0
-    ahead_rows = rows_ahead(dim, {row_slots}, {scalar_slots})
 {loop}
     return flags.sum()
 '''
@@ -165,7 +151,7 @@ _LAZY_LOOP = '''
     for c in prange(n_chunks):
 {scratch}
         for u in range(bounds[c], bounds[c + 1]):
-            if u + ahead_rows < n_unique:
+            if u + ROWS_AHEAD < n_unique:
 {prefetch}
             r = uniq[u]
             item = u
@@ -207,7 +193,7 @@ def _scratch(slot_dims, elementwise):
 
 
 def _prefetch(slot_dims):
-    lines = ["next_row = uniq[u + ahead_rows]", "prefetch_row(table, next_row)"]
+    lines = ["next_row = uniq[u + ROWS_AHEAD]", "prefetch_row(table, next_row)"]
     lines += [f"prefetch_row(s{k}, next_row)" for k in range(len(slot_dims))]
     return _indent(lines, 4)
 
@@ -266,16 +252,15 @@ def kernel_source(row_function, lazy=True) -> str:
     loop = (_LAZY_LOOP if lazy else _DENSE_LOOP).format(
         scratch=_scratch(slot_dims, row_function.elementwise), prefetch=_prefetch(slot_dims),
         body=_indent(_body(slot_dims, row_function.elementwise), 3))
-    return _TEMPLATE.format(unpack=_indent(unpack, 1), loop=loop, row_slots=sum(d == 2 for d in slot_dims),
-                            scalar_slots=sum(d == 1 for d in slot_dims))
+    return _TEMPLATE.format(unpack=_indent(unpack, 1), loop=loop)
 
 
 def kernel_namespace(row_function) -> dict:
     """The globals the generated source refers to."""
     return {"np": np, "prange": prange, "fn": row_function.dispatcher, "into_row": into_row,
             "all_finite": all_finite, "weighted_sum": weighted_sum, "prefetch_row": prefetch_row,
-            "balanced_chunks": balanced_chunks, "rows_ahead": rows_ahead,
-            "CHUNK": CHUNK_ROWS, "OCCURRENCES_AHEAD": OCCURRENCES_AHEAD,
+            "balanced_chunks": balanced_chunks,
+            "CHUNK": CHUNK_ROWS, "ROWS_AHEAD": ROWS_AHEAD, "OCCURRENCES_AHEAD": OCCURRENCES_AHEAD,
             "PREFETCH_MIN_BYTES": PREFETCH_MIN_BYTES, "ROW_HALF": ROW_HALF, "GAIN_HALF": GAIN_HALF,
             "STATUS_GRADIENT": STATUS_GRADIENT,
             "STATUS_OUTPUT": STATUS_OUTPUT, "STATUS_LENGTH": STATUS_LENGTH}
