@@ -215,6 +215,35 @@ def test_prefetch_changes_no_value():
     np.testing.assert_array_equal(b, before[1])
 
 
+@pytest.mark.parametrize("dim", [1, 8, 16, 64, 128])
+@pytest.mark.parametrize("n_distinct", [1, 3, 4, 5, 300])
+def test_update_matches_numpy_around_the_prefetch_distance(dim, n_distinct):
+    """The update reads the rows ROWS_AHEAD (4) unique rows ahead of the current one: batches with fewer,
+    exactly as many and more distinct rows than that, of narrow and wide rows, update exactly the rows the
+    NumPy reference does (Adagrad: a full-row slot; row-wise Adagrad: a one-value slot)."""
+    from . import reference as ref
+
+    rng = np.random.default_rng(dim * 1000 + n_distinct)
+    vocab = 2 * n_distinct + 3
+    rows = np.sort(rng.choice(vocab, n_distinct, replace=False))
+    samples = [[int(r)] for r in rng.permutation(np.concatenate([rows, rng.choice(rows, n_distinct)]))]
+    d_act = rng.standard_normal((len(samples), dim)).astype(np.float32)
+    for optimizer, update, slot in ((ec.Adagrad(0.3), ref.adagrad, "accumulators"),
+                                    (ec.RowwiseAdagrad(0.3), ref.rowwise_adagrad, "accumulators")):
+        table = ec.TableConfig(vocab, dim, name="t", initializer=ec.RandomUniform(-1, 1, seed=dim))
+        emb = ec.Embedding({"f": ec.FeatureConfig(table)}, optimizer)
+        before = emb.embedding_tables["t"].copy()
+        slots_before = emb.slot_variables["t"][slot].copy()
+        acts, ctx = emb({"f": ec.Ragged.from_lists(samples)})
+        emb.apply_gradients({"f": d_act}, ctx)
+        gradient = ref.dense_gradient(vocab, dim, samples, [[1.0]] * len(samples), "sum", 0, d_act.astype(np.float64))
+        touched = ref.touched_rows(vocab, samples, 0)
+        want, want_slots = ref.apply(update, gradient, before, [slots_before], touched, 0.3, {}, 1)
+        np.testing.assert_allclose(emb.embedding_tables["t"], want, rtol=2e-5, atol=1e-6)
+        np.testing.assert_allclose(emb.slot_variables["t"][slot], want_slots[0], rtol=2e-5, atol=1e-6)
+        np.testing.assert_array_equal(emb.embedding_tables["t"][~touched], before[~touched])
+
+
 def test_update_kernels_compile_when_the_engine_is_built():
     """The kernel is compiled for the engine's argument types at construction: apply_gradients never
     compiles (and never fails to compile after updating some tables), whatever the batch size."""
