@@ -526,7 +526,7 @@ def main(argv=None) -> int:
     loaded, skipped = _load_contenders(needed, args.threads, log)
     for c in loaded.values():
         for key in ("torch_threads", "torch_interop_threads", "torch_parallel_backend", "torch", "jax",
-                    "xla_threads", "fbgemm_gpu", "tensorflow"):
+                    "xla_threads", "fbgemm_gpu", "tensorflow", "tensorflow_threads"):
             if key in c.info:
                 env[key] = c.info[key]
     gc.collect()

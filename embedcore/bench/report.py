@@ -13,7 +13,8 @@ def header(env):
                  f"{env['numpy']}, numba {env['numba']} (threading layer {env.get('numba_threading_layer')})")
     lines.append(f"  threads: numba {env['numba_threads']}, torch intra-op {env.get('torch_threads', '-')} / "
                  f"inter-op {env.get('torch_interop_threads', '-')} ({env.get('torch_parallel_backend') or '-'}), "
-                 f"OpenBLAS {env['openblas_threads']}, XLA: {env.get('xla_threads', '-')}")
+                 f"OpenBLAS {env['openblas_threads']}, TensorFlow {env.get('tensorflow_threads', '-')}, "
+                 f"XLA: {env.get('xla_threads', '-')}")
     lines.append(f"  allocator: {env['allocator']} (LD_PRELOAD={env['LD_PRELOAD'] or '(empty)'}); OMP_WAIT_POLICY="
                  f"{env['OMP_WAIT_POLICY']}; GOMP_SPINCOUNT={env.get('GOMP_SPINCOUNT', '(unset)')}")
     versions = ", ".join(f"{k} {env[k]}" for k in ("torch", "fbgemm_gpu", "jax", "tensorflow") if k in env)

@@ -5,8 +5,9 @@ sparse optimizer kernels: ``tf.compat.v1.train.GradientDescentOptimizer`` (``Res
 ``AdagradOptimizer`` (``ResourceSparseApplyAdagrad``: ``a += g^2; w -= lr g / sqrt(a)``, TensorFlow-style
 Adagrad only). Intra-op threads are set to the benchmark's thread count, inter-op to 1.
 
-Not exercised where this benchmark was written (TensorFlow absent); the agreement check vets it like
-every contender before its timings are reported.
+Measured with tensorflow-cpu 2.21.0 (``pip install 'embedcore[peers]'``) beside torch 2.13.0, FBGEMM 1.8.0
+and JAX 0.10.2 in one process; it agreed with the NumPy reference to 1e-5 (BENCHMARKS.md). The agreement
+check vets it like every contender before its timings are reported.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ class TensorflowContender(Contender):
         except RuntimeError as exc:  # already initialized
             self.info["threads_note"] = str(exc)
         self.info["tensorflow"] = tf.__version__
+        self.info["tensorflow_threads"] = (f"intra-op {tf.config.threading.get_intra_op_parallelism_threads()} / "
+                                           f"inter-op {tf.config.threading.get_inter_op_parallelism_threads()}")
 
     def unsupported(self, w):
         why = super().unsupported(w)
