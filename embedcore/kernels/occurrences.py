@@ -22,8 +22,8 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-__all__ = ["first_out_of_range", "first_non_finite", "splits_are_valid", "fill_occurrences", "pack_occurrences", "packed_views",
-           "COMBINERS", "ROW_HALF", "GAIN_HALF"]
+__all__ = ["first_out_of_range", "first_non_finite", "splits_are_valid", "fill_occurrences", "pack_occurrences",
+           "packed_views", "COMBINERS", "ROW_HALF", "GAIN_HALF"]
 
 COMBINERS = {"sum": 0, "mean": 1, "sqrtn": 2}
 
