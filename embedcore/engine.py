@@ -17,6 +17,7 @@ from . import inputs
 from .compiler import RowFunctionError, describe
 from .initializers import TruncatedNormal, fill_rows
 from .inputs import InputError
+from .kernels.aligned import aligned_empty
 from .kernels.dedup import group_rows
 from .kernels.rows import count_non_finite
 from .kernels.update import STATUS_GRADIENT, STATUS_LENGTH, STATUS_OUTPUT, compile_for, fused_update_kernel
@@ -139,8 +140,8 @@ class Embedding(TableLookup):
     def _build(self, group: _PhysicalTable, fill: bool):
         opt = group.optimizer
         group.row_function = opt.compiled(group.dim)
-        group.weights = np.empty((group.n_rows, group.dim), np.float32)
-        group.slots = tuple(np.empty((group.n_rows, group.dim) if d == 2 else (group.n_rows,), np.float32)
+        group.weights = aligned_empty((group.n_rows, group.dim), np.float32)
+        group.slots = tuple(aligned_empty((group.n_rows, group.dim) if d == 2 else (group.n_rows,), np.float32)
                             for d in opt.slot_dims)
         try:
             compile_for(group.row_function, opt.lazy, group.weights, group.slots, opt.n_hyperparameters)

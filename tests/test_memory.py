@@ -22,6 +22,8 @@ import sys
 
 import pytest
 
+from embedcore.kernels.aligned import CACHE_LINE, HUGE_MIN, HUGE_PAGE
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "workers", "memory.py")
 MB = 2 ** 20
@@ -31,6 +33,11 @@ MB = 2 ** 20
 PYTHON_OBJECTS = 32 * 1024
 NRT_HEADER = 64    # a Numba array allocated in jitted code: its MemInfo and allocator header
 RADIX_COUNTS = 8 * 2 ** 11  # kernels/dedup.py: counts of one 11-bit digit per sorting thread, int64
+
+
+def aligned(nbytes):
+    """What an array of ``nbytes`` from ``kernels/aligned.py`` allocates: one alignment more."""
+    return nbytes + (HUGE_PAGE if nbytes >= HUGE_MIN else CACHE_LINE)
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +109,8 @@ def step_bound(shape, groups, batch, threads, n_rows=None):
     First step, workspaces (kernels/dedup.py, engine.py): two key and two payload sort buffers and uniq
       40 N_g, ptr 8 (N_g + 1), status U_g, and d_act 4 A_g d_g for a table fed by
       several features (or a non-float32 gradient); in lookup, the pooled table batch (above).
-    Plus PYTHON_OBJECTS for the small objects of a step.
+    Every array above but the transient ones starts on a cache line (kernels/aligned.py), which costs each
+    one alignment's worth more (``aligned``). Plus PYTHON_OBJECTS for the small objects of a step.
     """
     features = shape["features"]
     live = sum(8 * (f["batch"] + 1) for f in features)
@@ -114,8 +122,8 @@ def step_bound(shape, groups, batch, threads, n_rows=None):
         assert n == sum(batch_sizes(f)[1] for f in mine) and a == sum(batch_sizes(f)[2] for f in mine)
         m = sum(batch_sizes(f)[0] for f in mine)
         u = sizes["n_unique"] if group["lazy"] else n_rows
-        table_batch = 16 * max(m, 16) + 8 * max(a + 1, 16) + 3 * NRT_HEADER
-        acts = 4 * a * d
+        table_batch = 2 * aligned(8 * max(m, 16)) + aligned(8 * max(a + 1, 16)) + 3 * NRT_HEADER
+        acts = aligned(4 * a * d)
         lookup_first = max(lookup_first, live + held_first + table_batch + acts)
         lookup_later = max(lookup_later, live + held_later + acts)
         held_first += table_batch + acts
@@ -124,7 +132,8 @@ def step_bound(shape, groups, batch, threads, n_rows=None):
         flags = 8 * (max(u, 1) // 256 + 1) + NRT_HEADER
         apply_transient = max(apply_transient, threads * (RADIX_COUNTS + NRT_HEADER) + flags + threads * per_thread)
         copies = len(mine) > 1
-        workspaces += 40 * max(n, 16) + 8 * max(n + 1, 16) + max(u, 16) + (4 * a * d if copies else 0)
+        workspaces += 5 * aligned(8 * max(n, 16)) + aligned(8 * max(n + 1, 16)) + aligned(max(u, 16)) + \
+            (aligned(4 * a * d) if copies else 0)
     return {"lookup": lookup_later + PYTHON_OBJECTS, "apply": held_later + apply_transient + PYTHON_OBJECTS,
             "lookup_first": lookup_first + PYTHON_OBJECTS,
             "apply_first": held_first + apply_transient + workspaces + PYTHON_OBJECTS}

@@ -41,6 +41,7 @@ from ..compiler import RowFunctionError, describe
 from ..config import FeatureConfig, TableConfig
 from ..engine import Embedding, NonFiniteError, UpdateReport, _check_gradient
 from ..inputs import InputError
+from ..kernels.aligned import aligned_zeros
 from ..kernels.dedup import unique_rows
 from ..kernels.rows import gather_combine, sum_gradients
 from ..kernels.update import STATUS_LENGTH, update_kernel
@@ -307,7 +308,7 @@ class ShardedEmbedding(TableLookup):
             flat_to_rows(received, g["row_offset"], rows_u)
             occurrence = ws.array(f"occurrence_{k}", tb.rows.shape[0], np.int64)
             occurrence_unique(g["ptr"], g["order"], occurrence)
-            act = np.zeros((tb.n_out, group.dim), np.float32)
+            act = aligned_zeros((tb.n_out, group.dim), np.float32)
             if tb.n_out:
                 gather_combine(rows_u, occurrence, tb.gains, tb.out_ptr, act)
             acts.append(act)

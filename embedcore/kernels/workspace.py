@@ -13,6 +13,8 @@ import threading
 
 import numpy as np
 
+from .aligned import CACHE_LINE, aligned_empty
+
 __all__ = ["Workspace", "WorkspacePool", "ArrayPool"]
 
 
@@ -28,7 +30,7 @@ class Workspace:
         buf = self._buffers.get(name)
         if buf is None or buf.shape[0] < shape[0] or buf.shape[1:] != shape[1:] or buf.dtype != dtype:
             grown = max(shape[0], 16, 2 * buf.shape[0] if buf is not None and buf.shape[1:] == shape[1:] else 0)
-            buf = np.empty((grown,) + shape[1:], dtype)
+            buf = aligned_empty((grown,) + shape[1:], dtype)
             self._buffers[name] = buf
         return buf[:shape[0]]
 
@@ -71,7 +73,8 @@ class ArrayPool:
     and not others, as glibc's malloc hands memory back to the system. ``empty`` returns a view of a pooled
     buffer that nothing else refers to any more (its reference count says so: every NumPy view, and every
     consumer of the buffer protocol, such as ``torch.from_numpy``, holds a reference to it), else a new
-    buffer. So a caller sees exactly what a new array would give it. Small arrays come from ``np.empty``.
+    buffer. So a caller sees exactly what a new array would give it, but for starting on a cache line
+    (:mod:`embedcore.kernels.aligned`). Small arrays come from ``aligned_empty``.
     """
 
     MIN_BYTES = 1 << 20
@@ -87,14 +90,14 @@ class ArrayPool:
         dtype = np.dtype(dtype)
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         if nbytes < self.MIN_BYTES:
-            return np.empty(shape, dtype)
+            return aligned_empty(shape, dtype)
         with self._lock:  # the view is made before another thread can see the buffer as free
             free = [k for k in range(len(self._buffers)) if sys.getrefcount(self._buffers[k]) == self._FREE]
-            fits = [k for k in free if self._buffers[k].nbytes >= nbytes]
+            fits = [k for k in free if self._buffers[k].nbytes >= nbytes + CACHE_LINE]
             if fits:
                 k = min(fits, key=lambda k: self._buffers[k].nbytes)
             elif free or len(self._buffers) < self.capacity:
-                buffer = np.empty(nbytes, np.uint8)
+                buffer = np.empty(nbytes + CACHE_LINE, np.uint8)  # views start at its first line
                 if free:  # replace the largest unused buffer that is too small
                     k = max(free, key=lambda k: self._buffers[k].nbytes)
                     self._buffers[k] = buffer
@@ -102,8 +105,10 @@ class ArrayPool:
                     k = len(self._buffers)
                     self._buffers.append(buffer)
             else:
-                return np.empty(shape, dtype)
-            return self._buffers[k][:nbytes].view(dtype).reshape(shape)
+                return aligned_empty(shape, dtype)
+            buffer = self._buffers[k]  # views of the buffer itself (not of a slice), so its count sees them
+            start = -buffer.ctypes.data % CACHE_LINE
+            return buffer[start:start + nbytes].view(dtype).reshape(shape)
 
     @property
     def nbytes(self) -> int:
