@@ -28,6 +28,8 @@ __all__ = ["unique_rows", "group_rows", "DIGIT_BITS", "PARALLEL_MIN"]
 
 DIGIT_BITS = 11
 _RADIX = 1 << DIGIT_BITS
+_U = np.uint64  # subscripts in hot loops: Numba wraps a negative signed subscript around, an unsigned one
+                # it does not (that code cost the hash grouping 30%, the word sort 11%)
 PARALLEL_MIN = 1 << 16  # below this many occurrences the serial sort is faster than waking threads
 
 
@@ -48,7 +50,7 @@ def _digit_is_constant(keys, shift):
 def _count(keys, lo, hi, shift, counts):
     counts[:] = 0
     for i in range(lo, hi):
-        counts[(keys[i] >> shift) & (_RADIX - 1)] += 1
+        counts[(keys[_U(i)] >> shift) & (_RADIX - 1)] += 1
 
 
 @njit(cache=True, inline="always")
@@ -56,12 +58,12 @@ def _scatter(keys, payload, index_payload, lo, hi, shift, offsets, out_keys, out
     """Move ``keys[lo:hi]`` and their payloads (or their indices, when ``index_payload``) to their digit's
     next free slot; ``offsets`` holds each digit's next slot and is advanced."""
     for i in range(lo, hi):
-        key = keys[i]
+        key = keys[_U(i)]
         d = (key >> shift) & (_RADIX - 1)
-        at = offsets[d]
+        at = _U(offsets[d])
         out_keys[at] = key
-        out_payload[at] = i if index_payload else payload[i]
-        offsets[d] = at + 1
+        out_payload[at] = i if index_payload else payload[_U(i)]
+        offsets[d] = at + _U(1)
 
 
 @njit(cache=True)
@@ -115,40 +117,41 @@ def _word_count(rows, words, first, lo, hi, shift, counts):
     counts[:] = 0
     if first:
         for i in range(lo, hi):
-            counts[(rows[i] >> shift) & (_RADIX - 1)] += 1
+            counts[(rows[_U(i)] >> shift) & (_RADIX - 1)] += 1
     else:
         for i in range(lo, hi):
-            counts[(words[i] >> (32 + shift)) & (_RADIX - 1)] += 1
+            counts[(words[_U(i)] >> (32 + shift)) & (_RADIX - 1)] += 1
 
 
 @njit(cache=True, inline="always")
 def _word_scatter(rows, words, first, last, payload, index_payload, lo, hi, shift, offsets, out, out_payload):
     """Move part ``lo:hi`` to its digits' next free slots; the last pass also writes each element's
-    payload (``payload[i]``, or ``i`` itself when ``index_payload``) beside it, in sorted order."""
+    payload (``payload[i]``, or ``i`` itself when ``index_payload``) beside it, in sorted order. (Unsigned
+    subscripts, as in ``_hash_block``.)"""
     if first:
         for i in range(lo, hi):
-            key = rows[i]
+            key = rows[_U(i)]
             d = (key >> shift) & (_RADIX - 1)
-            at = offsets[d]
+            at = _U(offsets[d])
             out[at] = (key << 32) | i
             if last:
                 if index_payload:
                     out_payload[at] = i
                 else:
-                    out_payload[at] = payload[i]
-            offsets[d] = at + 1
+                    out_payload[at] = payload[_U(i)]
+            offsets[d] = at + _U(1)
     else:
         for i in range(lo, hi):
-            word = words[i]
+            word = words[_U(i)]
             d = (word >> (32 + shift)) & (_RADIX - 1)
-            at = offsets[d]
+            at = _U(offsets[d])
             out[at] = word
             if last:
                 if index_payload:
                     out_payload[at] = word & _LOW
                 else:
-                    out_payload[at] = payload[word & _LOW]
-            offsets[d] = at + 1
+                    out_payload[at] = payload[_U(word & _LOW)]
+            offsets[d] = at + _U(1)
 
 
 @njit(cache=True, parallel=True)
@@ -253,28 +256,30 @@ def _hash_block(rows, payload, lo, hi, limit, bits, t, keys, ids, sid, first, co
     probes_left = PROBE_BUDGET * (hi - lo)  # rows whose hashes cluster would make probing quadratic
     abort = False
     for o in range(lo, hi):
-        r = rows[o]
+        ou = _U(o)  # unsigned subscripts: no negative-index wraparound code (see kernels/rows.py)
+        r = rows[ou]
         h = t + _slot(r, bits)
-        k = keys[h]
+        k = keys[_U(h)]
         while k != r and k != _EMPTY:  # linear probing
             h = t + ((h - t + 1) & mask)
-            k = keys[h]
+            k = keys[_U(h)]
             probes_left -= 1
         if probes_left < 0:
             abort = True
             break
+        hu = _U(h)
         if k == _EMPTY:
             if n_unique == limit:
                 abort = True
                 break
-            keys[h] = r
-            ids[h] = n_unique
-            first[lo + n_unique] = r
-            counts[lo + n_unique] = 0
+            keys[hu] = r
+            ids[hu] = n_unique
+            first[_U(lo + n_unique)] = r
+            counts[_U(lo + n_unique)] = 0
             n_unique += 1
-        u = ids[h]
-        sid[o] = u
-        counts[lo + u] += 1
+        u = ids[hu]
+        sid[ou] = u
+        counts[_U(lo + u)] += 1
     if abort:
         return -1
     sorted_rows, perm = _sort_serial(first[lo:lo + n_unique], first[lo:lo + n_unique], True, n_bits,
@@ -289,9 +294,11 @@ def _hash_block(rows, payload, lo, hi, limit, bits, t, keys, ids, sid, first, co
         counts[lo + u] = at
         at += c
     for o in range(lo, hi):
-        u = sid[o]
-        out[counts[lo + u]] = payload[o]
-        counts[lo + u] += 1
+        ou = _U(o)
+        cu = _U(lo + sid[ou])
+        at = counts[cu]
+        out[_U(at)] = payload[ou]
+        counts[cu] = at + 1
     return n_unique
 
 

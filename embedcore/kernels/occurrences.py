@@ -26,6 +26,7 @@ __all__ = ["first_out_of_range", "first_non_finite", "splits_are_valid", "fill_o
            "packed_views", "COMBINERS", "ROW_HALF", "GAIN_HALF"]
 
 COMBINERS = {"sum": 0, "mean": 1, "sqrtn": 2}
+_U = np.uint64
 
 
 @njit(cache=True)
@@ -94,31 +95,32 @@ def _pack(a, gain):
 @njit(cache=True, inline="always")
 def _fill_pooled(ids, splits, weights, combiner, row_offset, out_offset, start, rows, packed, out_ptr, b_lo, b_hi):
     """The occurrences of samples ``b_lo..b_hi`` of a pooled feature (every id kept: occurrence
-    ``start + i`` for id ``i``)."""
+    ``start + i`` for id ``i``). Subscripts are unsigned (``_U``): Numba adds negative-index wraparound
+    code to signed ones (laying out the TBE shape 0.65 -> 0.21 ms)."""
     weighted = weights.shape[0] > 0
     for i in range(splits[b_lo], splits[b_hi]):
-        rows[start + i] = ids[i] + row_offset
+        rows[_U(start + i)] = ids[_U(i)] + row_offset
     for b in range(b_lo, b_hi):
-        lo, hi = splits[b], splits[b + 1]
+        lo, hi = splits[_U(b)], splits[_U(b + 1)]
         a = out_offset + b
         if combiner == 0:
             if weighted:
                 for i in range(lo, hi):
-                    packed[start + i] = _pack(a, weights[i])
+                    packed[_U(start + i)] = _pack(a, weights[_U(i)])
             else:
                 one = _pack(a, 1.0)
                 for i in range(lo, hi):
-                    packed[start + i] = one
+                    packed[_U(start + i)] = one
         else:
             total = 0.0
             for i in range(lo, hi):
-                w = np.float64(weights[i]) if weighted else 1.0
+                w = np.float64(weights[_U(i)]) if weighted else 1.0
                 total += w if combiner == 1 else w * w
             denominator = total if combiner == 1 else np.sqrt(total)
             for i in range(lo, hi):
-                w = np.float64(weights[i]) if weighted else 1.0
-                packed[start + i] = _pack(a, 0.0 if denominator == 0.0 else np.float32(w / denominator))
-        out_ptr[a + 1] = start + hi
+                w = np.float64(weights[_U(i)]) if weighted else 1.0
+                packed[_U(start + i)] = _pack(a, 0.0 if denominator == 0.0 else np.float32(w / denominator))
+        out_ptr[_U(a + 1)] = start + hi
 
 
 PARALLEL_MIN = 1 << 15  # ids of a pooled feature from which it is laid out in parallel
@@ -163,18 +165,19 @@ def _fill_serial(ids, splits, weights, positions, combiner, seq_len, row_offset,
         lo, hi = splits[b], splits[b + 1]
         first = out_offset + b * seq_len
         for p in range(seq_len):
-            out_ptr[first + p + 1] = 0
+            out_ptr[_U(first + p + 1)] = 0
         for i in range(lo, hi):
-            p = positions[i] if explicit_positions else i - lo
+            iu = _U(i)
+            p = positions[iu] if explicit_positions else i - lo
             if p < seq_len:
-                rows[at] = ids[i] + row_offset
-                packed[at] = _pack(first + p, weights[i] if weighted else 1.0)
-                out_ptr[first + p + 1] += 1  # a Sparse batch may repeat a position
+                rows[_U(at)] = ids[iu] + row_offset
+                packed[_U(at)] = _pack(first + p, weights[iu] if weighted else 1.0)
+                out_ptr[_U(first + p + 1)] += 1  # a Sparse batch may repeat a position
                 at += 1
-        count = out_ptr[first]
+        count = out_ptr[_U(first)]
         for p in range(seq_len):
-            count += out_ptr[first + p + 1]
-            out_ptr[first + p + 1] = count
+            count += out_ptr[_U(first + p + 1)]
+            out_ptr[_U(first + p + 1)] = count
     return at - start
 
 

@@ -153,9 +153,10 @@ _LAZY_LOOP = '''
         for u in range(bounds[c], bounds[c + 1]):
             if u + ROWS_AHEAD < n_unique:
 {prefetch}
-            r = uniq[u]
+            uu = _U(u)  # unsigned subscripts (kernels/rows.py says why)
+            r = _U(uniq[uu])
             item = u
-            weighted_sum(g_sum, 0, ptr[u], ptr[u + 1], src_row, src_gain, d_act, ahead)
+            weighted_sum(g_sum, 0, ptr[uu], ptr[uu + _U(1)], src_row, src_gain, d_act, ahead)
 {body}
 '''
 
@@ -258,7 +259,7 @@ def kernel_source(row_function, lazy=True) -> str:
 def kernel_namespace(row_function) -> dict:
     """The globals the generated source refers to."""
     return {"np": np, "prange": prange, "fn": row_function.dispatcher, "into_row": into_row,
-            "all_finite": all_finite, "weighted_sum": weighted_sum, "prefetch_row": prefetch_row,
+            "all_finite": all_finite, "weighted_sum": weighted_sum, "prefetch_row": prefetch_row, "_U": np.uint64,
             "balanced_chunks": balanced_chunks,
             "CHUNK": CHUNK_ROWS, "ROWS_AHEAD": ROWS_AHEAD, "OCCURRENCES_AHEAD": OCCURRENCES_AHEAD,
             "PREFETCH_MIN_BYTES": PREFETCH_MIN_BYTES, "ROW_HALF": ROW_HALF, "GAIN_HALF": GAIN_HALF,
