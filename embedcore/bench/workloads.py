@@ -33,8 +33,11 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from ..kernels.aligned import aligned_empty
+
 __all__ = ["OPTIMIZERS", "OptimSpec", "make_optim", "Workload", "Batch", "make_batches", "initial_tables",
-           "step_bytes", "calibrate_alpha", "numpy_pool", "numpy_apply", "tbe_workload", "update_workload"]
+           "on_a_cache_line", "step_bytes", "calibrate_alpha", "numpy_pool", "numpy_apply", "tbe_workload",
+           "update_workload"]
 
 OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad", "adam")
 DISTRIBUTIONS = ("fbgemm", "zipf", "bounded", "uniform")
@@ -272,8 +275,18 @@ def make_batches(w: Workload):
         weights = rng.random((w.T, n), dtype=np.float32) if w.weighted else None
         grad = rng.standard_normal((w.T, w.B, w.D), dtype=np.float32)
         n_unique = [int(np.unique(ids[t]).size) for t in range(w.T)]
-        batches.append(Batch(ids, offsets, weights, grad, n_unique))
+        batches.append(Batch(*(None if a is None else on_a_cache_line(a) for a in (ids, offsets, weights, grad)),
+                             n_unique))
     return batches
+
+
+def on_a_cache_line(array: np.ndarray) -> np.ndarray:
+    """A copy of ``array`` starting on a 64-byte line, as torch's and XLA's allocators place tensors (NumPy's
+    malloc gives 16 bytes): every contender then reads its inputs' rows, the upstream gradient's above all,
+    from the same alignment."""
+    out = aligned_empty(array.shape, array.dtype)
+    out[...] = array
+    return out
 
 
 def initial_tables(w: Workload):

@@ -18,6 +18,7 @@ import time
 
 import numpy as np
 
+from ..workloads import on_a_cache_line
 from . import Contender, Skip, configure_torch
 
 try:
@@ -85,7 +86,7 @@ class FbgemmContender(Contender):
     def prepare(self, batch):
         T, B, D = self.w.T, self.w.B, self.w.D
         indices, offsets, psw = self._inputs(batch)
-        grad = torch.from_numpy(np.ascontiguousarray(batch.grad.transpose(1, 0, 2).reshape(B, T * D)))
+        grad = torch.from_numpy(on_a_cache_line(batch.grad.transpose(1, 0, 2).reshape(B, T * D)))
         out = self.tbe(indices, offsets, per_sample_weights=psw) if self.w.kind == "update" else None
         return indices, offsets, psw, grad, out
 
