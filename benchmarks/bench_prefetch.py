@@ -43,13 +43,16 @@ from numba import njit
 import embedcore as ec
 from embedcore import engine
 from embedcore.kernels import update
+from embedcore.kernels.rows import fixed_length
 
 
-def kernel_with(row_function, lazy, distance):
-    """The fused update kernel of ``row_function``, prefetching ``distance`` unique rows ahead."""
+def kernel_with(row_function, lazy, distance, dim):
+    """The fused update kernel of ``row_function`` for rows of ``dim`` values (as the engine compiles it),
+    prefetching ``distance`` unique rows ahead."""
     namespace = update.kernel_namespace(row_function)
     namespace["ROWS_AHEAD"] = distance
-    exec(compile(update.kernel_source(row_function, lazy), "<update kernel>", "exec"), namespace)
+    source = update.kernel_source(row_function, lazy, dim if dim is not None and fixed_length(dim) else None)
+    exec(compile(source, "<update kernel>", "exec"), namespace)
     return njit(parallel=True, error_model="numpy")(namespace["kernel"])
 
 
@@ -104,11 +107,11 @@ def main(argv=None) -> int:
     for optimizer in args.optimizers.split(","):
         captured, kernels = [], {}
 
-        def capturing_factory(row_function, lazy=True):
-            kernel = real_factory(row_function, lazy)
+        def capturing_factory(row_function, lazy=True, dim=None):
+            kernel = real_factory(row_function, lazy, dim)
             for d in distances:
                 if (d, row_function, lazy) not in kernels:
-                    kernels[d, row_function, lazy] = kernel_with(row_function, lazy, d)
+                    kernels[d, row_function, lazy] = kernel_with(row_function, lazy, d, dim)
 
             def run(*a):
                 captured.append((row_function, lazy, [x.copy() if isinstance(x, np.ndarray) else x for x in a]))
@@ -120,7 +123,7 @@ def main(argv=None) -> int:
         for batch in batches:  # compiles, and captures one kernel call per batch
             step(batch)
         chosen = {}
-        engine.fused_update_kernel = lambda row_function, lazy=True: kernels[chosen["d"], row_function, lazy]
+        engine.fused_update_kernel = lambda row_function, lazy=True, dim=None: kernels[chosen["d"], row_function, lazy]
         times = {d: [] for d in distances}
         flush = np.zeros(args.flush_mb << 18, np.float32)
         for i in range(args.steps + 4):

@@ -283,7 +283,7 @@ class Embedding(TableLookup):
             lazy = group.optimizer.lazy
             status = ws.array("status", (uniq.shape[0] if lazy else group.n_rows,), np.uint8)
             status[:] = 0
-            kernel = fused_update_kernel(group.row_function, lazy=lazy)
+            kernel = fused_update_kernel(group.row_function, lazy=lazy, dim=group.dim)
             if kernel(group.weights, group.slots, uniq, ptr, packed, d_act, lr, hyper, status):
                 report._record(group, uniq, status, lazy)
                 if np.any(status[np.flatnonzero(status)] == STATUS_LENGTH):

@@ -168,6 +168,59 @@ def test_lookup_sums_in_the_documented_order_bit_for_bit(per_bag):
         np.testing.assert_array_equal(act[a], _weighted_sum_reference(gains[lo:hi], table[rows[lo:hi]]))
 
 
+@pytest.mark.parametrize("dim", [16, 32, 48, 64, 128])
+def test_kernels_compiled_for_a_row_length_compute_the_same_bits(dim):
+    """Rows that fill whole cache lines get kernels compiled for their length; the lookup and the update
+    they compute are bit-identical to the any-length kernels' (bags of 0-9 ids, duplicates, few rows)."""
+    from embedcore.kernels.dedup import group_rows
+    from embedcore.kernels.occurrences import pack_occurrences
+    from embedcore.kernels.rows import _gather_any_dim, fixed_length, gather_combine, gather_kernel
+    from embedcore.kernels.update import fused_update_kernel
+    assert fixed_length(dim) and gather_kernel(dim) is not _gather_any_dim
+    rng = np.random.default_rng(dim)
+    n_rows, n_out = 40, 300
+    table = rng.standard_normal((n_rows, dim)).astype(np.float32)
+    out_ptr = np.concatenate(([0], np.cumsum(rng.integers(0, 10, n_out)))).astype(np.int64)
+    rows = rng.integers(0, n_rows, out_ptr[-1]).astype(np.int64)
+    gains = rng.standard_normal(out_ptr[-1]).astype(np.float32)
+    fixed, anyd = (np.full((n_out, dim), np.nan, np.float32) for _ in range(2))
+    gather_combine(table, rows, gains, out_ptr, fixed)
+    _gather_any_dim(table, rows, gains, out_ptr, anyd)
+    np.testing.assert_array_equal(fixed, anyd)
+    a = 17
+    np.testing.assert_array_equal(fixed[a], _weighted_sum_reference(gains[out_ptr[a]:out_ptr[a + 1]],
+                                                                    table[rows[out_ptr[a]:out_ptr[a + 1]]]))
+    out_row = np.repeat(np.arange(n_out), np.diff(out_ptr))
+    d_act = rng.standard_normal((n_out, dim)).astype(np.float32)
+    for optimizer in (ec.SGD(0.5), ec.Adagrad(0.5), ec.RowwiseAdagrad(0.5)):
+        function = optimizer.compiled(dim)
+        results = []
+        for kernel in (fused_update_kernel(function, dim=dim), fused_update_kernel(function)):
+            uniq, ptr, packed = group_rows(rows, n_rows, pack_occurrences(out_row, gains), Workspace())
+            t = table.copy()
+            slots = tuple(np.full((n_rows, dim) if d == 2 else n_rows, 0.1, np.float32) for d in optimizer.slot_dims)
+            lr, hyper = optimizer.step_values(1)
+            assert kernel(t, slots, uniq, ptr, packed, d_act, lr, hyper, np.zeros(uniq.shape[0], np.uint8)) == 0
+            results.append((t, slots))
+        assert fused_update_kernel(function, dim=dim) is not fused_update_kernel(function)
+        np.testing.assert_array_equal(results[0][0], results[1][0])
+        for s0, s1 in zip(results[0][1], results[1][1]):
+            np.testing.assert_array_equal(s0, s1)
+
+
+def test_a_kernel_compiled_for_one_row_length_refuses_other_rows():
+    from embedcore.kernels.rows import fixed_length, gather_kernel
+    from embedcore.kernels.update import fused_update_kernel
+    assert [d for d in range(0, 70) if fixed_length(d)] == [16, 32, 48, 64]
+    table, act = np.zeros((4, 32), np.float32), np.zeros((1, 32), np.float32)
+    with pytest.raises(ValueError, match="rows of 16 values"):
+        gather_kernel(16)(table, np.zeros(1, np.int64), np.ones(1, np.float32), np.array([0, 1]), act)
+    kernel = fused_update_kernel(ec.SGD(0.1).compiled(16), dim=16)
+    with pytest.raises(ValueError, match="rows of 16 values"):
+        kernel(table, (), np.zeros(1, np.int64), np.array([0, 1]), np.zeros(1, np.int64), act, np.float32(0.1), (),
+               np.zeros(1, np.uint8))
+
+
 def test_sharded_sums_equal_the_gradient_the_fused_update_applies():
     """sum_gradients (what a rank sends a row's owner) is bit-identical to the fused kernel's own sum:
     SGD with learning rate 1 on a zero table writes exactly -gradient."""

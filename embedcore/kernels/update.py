@@ -19,7 +19,8 @@ ahead and, when the gradients outgrow the caches, the gradient rows ``OCCURRENCE
 (:mod:`embedcore.kernels.prefetch`).
 
 ``lazy=False`` visits every row of the table, with a zero gradient for rows the batch did not touch
-(non-lazy Adam). A kernel is generated per (function, slot layout, mode) and kept for the process.
+(non-lazy Adam). A kernel is generated per (function, slot layout, mode, row length when it fills whole
+cache lines: see :func:`embedcore.kernels.rows.fixed_length`) and kept for the process.
 
 No NaN or Inf is ever written: a row whose summed gradient is not finite (float32 overflow of large
 gradients, or NaN/Inf let through on purpose) is not updated, and neither is a row for which ``f`` returns a
@@ -43,7 +44,7 @@ from numba.extending import overload
 from ..compile_cache import load_source
 from .occurrences import GAIN_HALF, ROW_HALF, pack_occurrences
 from .prefetch import prefetch_row
-from .rows import weighted_sum
+from .rows import fixed_length, weighted_sum
 
 __all__ = ["update_kernel", "fused_update_kernel", "compile_for", "all_finite", "balanced_chunks", "CHUNK_ROWS", "ROWS_AHEAD",
            "OCCURRENCES_AHEAD", "STATUS_GRADIENT", "STATUS_OUTPUT", "STATUS_LENGTH"]
@@ -130,7 +131,7 @@ def kernel(table, slots, uniq, ptr, packed, d_act, learning_rate, hyperparameter
     src_row = packed.view(np.int32).reshape((n_occurrences, 2))[:, ROW_HALF]
     src_gain = packed.view(np.float32).reshape((n_occurrences, 2))[:, GAIN_HALF]
     n_unique = uniq.shape[0]
-    dim = table.shape[1]
+{dim}
     ahead = OCCURRENCES_AHEAD if d_act.size * 4 >= PREFETCH_MIN_BYTES else 0
 {loop}
     return flags.sum()
@@ -156,7 +157,7 @@ _LAZY_LOOP = '''
             uu = _U(u)  # unsigned subscripts (kernels/rows.py says why)
             r = _U(uniq[uu])
             item = u
-            weighted_sum(g_sum, 0, ptr[uu], ptr[uu + _U(1)], src_row, src_gain, d_act, ahead)
+            weighted_sum(g_sum, 0, ptr[uu], ptr[uu + _U(1)], src_row, src_gain, d_act, ahead, dim)
 {body}
 '''
 
@@ -173,7 +174,7 @@ _DENSE_LOOP = '''
         for r in range(lo, hi):
             item = r
             if u < n_unique and uniq[u] == r:
-                weighted_sum(g_sum, 0, ptr[u], ptr[u + 1], src_row, src_gain, d_act, ahead)
+                weighted_sum(g_sum, 0, ptr[u], ptr[u + 1], src_row, src_gain, d_act, ahead, dim)
                 u += 1
             else:
                 g_row[:] = 0.0
@@ -246,14 +247,25 @@ def _body(slot_dims, elementwise):
 _KERNELS: dict = {}
 
 
-def kernel_source(row_function, lazy=True) -> str:
-    """The Python source of the update kernel generated for ``row_function``."""
+def _dim(dim):
+    """The kernel's row length: ``table.shape[1]``, or the constant ``dim`` (checked against the arrays)."""
+    if dim is None:
+        return _indent(["dim = table.shape[1]"], 1)
+    return _indent([f"dim = {int(dim)}",
+                    f"if table.shape[1] != {int(dim)} or d_act.shape[1] != {int(dim)}:",
+                    f"    raise ValueError('update kernel compiled for rows of {int(dim)} values called with other "
+                    f"rows')"], 1)
+
+
+def kernel_source(row_function, lazy=True, dim=None) -> str:
+    """The Python source of the update kernel generated for ``row_function``; with ``dim``, compiled for
+    rows of that length (see :func:`embedcore.kernels.rows.fixed_length`)."""
     slot_dims = row_function.slot_dims
     unpack = [f"s{k} = slots[{k}]" for k in range(len(slot_dims))] or ["pass"]
     loop = (_LAZY_LOOP if lazy else _DENSE_LOOP).format(
         scratch=_scratch(slot_dims, row_function.elementwise), prefetch=_prefetch(slot_dims),
         body=_indent(_body(slot_dims, row_function.elementwise), 3))
-    return _TEMPLATE.format(unpack=_indent(unpack, 1), loop=loop)
+    return _TEMPLATE.format(unpack=_indent(unpack, 1), dim=_dim(dim), loop=loop)
 
 
 def kernel_namespace(row_function) -> dict:
@@ -267,8 +279,10 @@ def kernel_namespace(row_function) -> dict:
             "STATUS_OUTPUT": STATUS_OUTPUT, "STATUS_LENGTH": STATUS_LENGTH}
 
 
-def fused_update_kernel(row_function, lazy=True):
-    """The jitted update kernel for a :class:`~embedcore.compiler.CompiledRowFunction`.
+def fused_update_kernel(row_function, lazy=True, dim=None):
+    """The jitted update kernel for a :class:`~embedcore.compiler.CompiledRowFunction`, for rows of ``dim``
+    values (compiled for that length when :func:`~embedcore.kernels.rows.fixed_length` says so; ``None``:
+    any length).
 
     ``kernel(table, slots, uniq, ptr, packed, d_act, learning_rate, hyperparameters, status)`` updates
     ``table`` rows ``uniq`` (sorted, unique) and returns the number of rows it flagged in ``status`` (uint8,
@@ -277,10 +291,11 @@ def fused_update_kernel(row_function, lazy=True):
     :func:`~embedcore.kernels.dedup.group_rows` returns them; the gradient of ``uniq[u]`` is summed from them
     on the fly and never written to memory.
     """
-    key = (row_function.dispatcher, row_function.slot_dims, row_function.elementwise, row_function.split, lazy)
+    dim = dim if dim is not None and fixed_length(dim) else None
+    key = (row_function.dispatcher, row_function.slot_dims, row_function.elementwise, row_function.split, lazy, dim)
     kernel = _KERNELS.get(key)
     if kernel is None:
-        source = kernel_source(row_function, lazy)
+        source = kernel_source(row_function, lazy, dim)
         namespace = kernel_namespace(row_function)
         function = None
         if row_function.fingerprint is not None:  # a file of its own, so Numba can cache the compiled code
@@ -302,7 +317,7 @@ def compile_for(row_function, lazy, table, slots, n_hyperparameters):
     """The kernel of :func:`fused_update_kernel`, compiled now for the argument types an engine passes
     (so a function whose kernel cannot compile is refused when the engine is built, not halfway through
     an update)."""
-    kernel = fused_update_kernel(row_function, lazy)
+    kernel = fused_update_kernel(row_function, lazy, table.shape[1])
     index = numba.typeof(np.empty(0, np.int64))
     signature = (numba.typeof(table), numba.typeof(tuple(slots)), index, index, index,
                  numba.typeof(np.empty((0, table.shape[1]), np.float32)), numba.float32,
