@@ -306,9 +306,9 @@ def test_update_kernels_compile_when_the_engine_is_built():
         return embedding_table - 0.5 * learning_rate * gradient
 
     a = ec.TableConfig(10, 4, name="a", optimizer=ec.Adam(0.1, lazy_adam=False))
-    b = ec.TableConfig(10, 4, name="b", optimizer=ec.CustomOptimizer(scaled, 0.1))
+    b = ec.TableConfig(10, 16, name="b", optimizer=ec.CustomOptimizer(scaled, 0.1))  # a kernel for its length
     emb = ec.Embedding({"fa": ec.FeatureConfig(a), "fb": ec.FeatureConfig(b)})
-    kernels = [fused_update_kernel(g.row_function, g.optimizer.lazy) for g in emb._groups]
+    kernels = [fused_update_kernel(g.row_function, g.optimizer.lazy, g.dim) for g in emb._groups]
     compiled = [len(k.signatures) for k in kernels]
     assert all(n >= 1 for n in compiled)
     for ids in (np.array([], np.int64), np.array([3]), np.array([1, 2, 2, 9])):  # 0, 1 and more occurrences
