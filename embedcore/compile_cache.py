@@ -32,7 +32,7 @@ import types as pytypes
 import numba
 import numpy as np
 
-__all__ = ["cache_dir", "fingerprint", "Uncacheable", "load_source", "read_verdict", "write_verdict"]
+__all__ = ["cache_dir", "fingerprint", "Uncacheable", "load_source", "jit_source", "read_verdict", "write_verdict"]
 
 _EMBEDCORE_SOURCES = ("compiler.py", "compile_cache.py", "split_reductions.py", "optimizers.py", "common_options.py",
                       "kernels")
@@ -246,6 +246,19 @@ def load_source(source: str, namespace: dict, function: str, key_parts) -> pytyp
     except OSError:
         return None
     return getattr(module, function)
+
+
+def jit_source(source: str, namespace: dict, function: str, key_parts, label: str, **options):
+    """``function`` of the generated ``source`` (globals ``namespace``), jitted with ``numba.njit(**options)``:
+    from its file in the cache folder (:func:`load_source`), so Numba caches the compiled code, unless
+    ``key_parts`` is None (the source depends on something that cannot be fingerprinted) or caching is off;
+    else compiled in memory, ``label`` naming it in tracebacks."""
+    defined = None if key_parts is None else load_source(source, namespace, function, key_parts)
+    cached = defined is not None
+    if not cached:
+        exec(compile(source, f"<{label}>", "exec"), namespace)
+        defined = namespace[function]
+    return numba.njit(cache=cached, **options)(defined)
 
 
 def _read(path: str) -> str | None:

@@ -19,7 +19,7 @@ here (:func:`gather_kernel`) and the update's in :mod:`embedcore.kernels.update`
 import numpy as np
 from numba import njit, prange
 
-from ..compile_cache import load_source
+from ..compile_cache import jit_source
 from .prefetch import CACHE_LINE_FLOATS, prefetch_row
 
 __all__ = ["weighted_sum", "gather_combine", "gather_kernel", "fixed_length", "sum_gradients", "count_non_finite",
@@ -131,14 +131,10 @@ def gather_kernel(dim: int):
         return _gather_any_dim
     kernel = _GATHERS.get(dim)
     if kernel is None:
-        source = _GATHER_SOURCE.format(dim=dim)
         namespace = {"prange": prange, "weighted_sum": weighted_sum, "ROWS_AHEAD": ROWS_AHEAD}
-        function = load_source(source, namespace, "gather", ("gather kernel", dim))
-        cached = function is not None
-        if not cached:
-            exec(compile(source, f"<embedcore gather kernel, dim {dim}>", "exec"), namespace)
-            function = namespace["gather"]
-        kernel = _GATHERS[dim] = njit(parallel=True, cache=cached)(function)
+        kernel = _GATHERS[dim] = jit_source(_GATHER_SOURCE.format(dim=dim), namespace, "gather",
+                                            ("gather kernel", dim), f"embedcore gather kernel, dim {dim}",
+                                            parallel=True)
     return kernel
 
 

@@ -41,7 +41,7 @@ import numpy as np
 from numba import njit, prange, types  # noqa: F401  (prange is used by the generated source)
 from numba.extending import overload
 
-from ..compile_cache import load_source
+from ..compile_cache import jit_source
 from .occurrences import GAIN_HALF, ROW_HALF, pack_occurrences
 from .prefetch import prefetch_row
 from .rows import fixed_length, weighted_sum
@@ -296,18 +296,12 @@ def fused_update_kernel(row_function, lazy=True, dim=None):
     kernel = _KERNELS.get(key)
     if kernel is None:
         source = kernel_source(row_function, lazy, dim)
-        namespace = kernel_namespace(row_function)
-        function = None
-        if row_function.fingerprint is not None:  # a file of its own, so Numba can cache the compiled code
-            function = load_source(source, namespace, "kernel", ("update kernel", row_function.fingerprint,
-                                                                 row_function.slot_dims, row_function.elementwise,
-                                                                 row_function.split, lazy))
-        cached = function is not None
-        if not cached:
-            exec(compile(source, f"<embedcore update kernel for {row_function.python_function!r}>", "exec"),
-                 namespace)
-            function = namespace["kernel"]
-        kernel = njit(parallel=True, error_model="numpy", cache=cached)(function)
+        key_parts = None if row_function.fingerprint is None else (
+            "update kernel", row_function.fingerprint, row_function.slot_dims, row_function.elementwise,
+            row_function.split, lazy)
+        kernel = jit_source(source, kernel_namespace(row_function), "kernel", key_parts,
+                            f"embedcore update kernel for {row_function.python_function!r}", parallel=True,
+                            error_model="numpy")
         kernel.source = source
         _KERNELS[key] = kernel
     return kernel
