@@ -351,6 +351,24 @@ def test_parallel_sort_with_no_one_or_several_passes(n_rows, spread):
     np.testing.assert_array_equal(sorted_packed, packed[expected_order])
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 400), st.sampled_from([1, 2, 3, 10, 1_000, 10 ** 6]), st.integers(1, 9), st.integers(0, 2 ** 32))
+def test_runs_of_sorted_words_split_among_parts(n, vocabulary, n_parts, seed):
+    """The unique rows and run offsets of sorted words, found in parallel parts, are NumPy's, whether runs
+    cross the parts' edges, a part holds no run start, or there are more parts than words."""
+    from embedcore.kernels.dedup import _group_words
+    rng = np.random.default_rng(seed)
+    rows = np.sort(rng.integers(0, vocabulary, n)).astype(np.int64)
+    words = (rows << 32) | np.arange(n, dtype=np.int64)
+    uniq = np.full(n, -7, np.int64)
+    ptr = np.full(n + 1, -7, np.int64)
+    n_unique = _group_words(words, uniq, ptr, n_parts)
+    starts = np.flatnonzero(np.r_[True, rows[1:] != rows[:-1]]) if n else np.zeros(0, np.int64)
+    assert n_unique == starts.shape[0]
+    np.testing.assert_array_equal(uniq[:n_unique], rows[starts])
+    np.testing.assert_array_equal(ptr[:n_unique + 1], np.r_[starts, n])
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 3_000), st.integers(1, 5_000), st.sampled_from([1, 3, 40, 10 ** 6])),
                 min_size=1, max_size=9), st.integers(0, 2 ** 32))

