@@ -509,3 +509,23 @@ def test_blocks_are_shared_out_largest_first_and_checked():
                 np.array([0])):
         with pytest.raises(ValueError, match="blocks must be int64 offsets"):
             dedup.group_rows(rows, 1, rows, Workspace(), bad)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 3_000), max_size=600), st.integers(0, 50), st.sampled_from([1, 4, 256]))
+def test_update_chunks_split_the_work_where_a_walk_over_the_rows_would(counts, first, chunk_rows):
+    """``balanced_chunks`` puts chunk ``c``'s first row at the first row whose work before it (occurrences
+    plus ``ROW_COST`` per row) reaches ``c / m`` of the total, as a walk over every row finds it."""
+    from embedcore.kernels.update import ROW_COST, balanced_chunks
+    ptr = first + np.r_[0, np.cumsum(counts)].astype(np.int64)
+    bounds = balanced_chunks(ptr, chunk_rows)
+    n_unique = len(counts)
+    n_chunks = min(n_unique, max(16, -(-n_unique // chunk_rows)))
+    work_before = [int(ptr[u] - ptr[0]) + ROW_COST * u for u in range(n_unique + 1)]
+    total = work_before[-1]
+    expected = [0]
+    for c in range(1, n_chunks):
+        target = total * c // n_chunks
+        expected.append(next(u for u in range(n_unique + 1) if u == n_unique or work_before[u] >= target))
+    expected.append(n_unique)
+    assert bounds.tolist() == (expected if n_unique else [0])
