@@ -308,6 +308,16 @@ def split_reductions(fn, slot_dims):
                     return ast.Name(n, ast.Load())
                 return self.generic_visit(attr)
 
+            def visit_Call(self, call):
+                self.generic_visit(call)
+                if a._numpy_attr(call.func) == "clip" and len(call.args) == 3:
+                    # Numba's np.clip takes arrays only; on one element it is NumPy's definition of clip
+                    def numpy(attr, *args):
+                        return ast.Call(ast.Attribute(ast.Name(f"{_PREFIX}np", ast.Load()), attr, ast.Load()),
+                                        list(args), [])
+                    return numpy("minimum", numpy("maximum", call.args[0], call.args[1]), call.args[2])
+                return call
+
             def visit_Name(self, name):
                 if name.id in (a.gradient, a.table):
                     return ast.Subscript(ast.Name(name.id, ast.Load()), ast.Name(j, ast.Load()), ast.Load())
@@ -362,7 +372,7 @@ def split_reductions(fn, slot_dims):
     source = "\n".join(lines) + "\n"
     namespace = dict(fn.__globals__)
     namespace.update(zip(fn.__code__.co_freevars, (c.cell_contents for c in fn.__closure__ or ())))
-    namespace.update(zero_like=zero_like, cast_like=cast_like)
+    namespace.update(zero_like=zero_like, cast_like=cast_like, **{f"{_PREFIX}np": np})
     exec(compile(source, f"<split form of {fn.__qualname__}>", "exec"), namespace)
     split = namespace[f"{_PREFIX}split"]
     split.__qualname__ = fn.__qualname__ + "[split]"

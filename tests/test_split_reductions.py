@@ -37,8 +37,17 @@ def centered(gradient, embedding_table, slot_variables, learning_rate, hyperpara
     return embedding_table - learning_rate * step, slot_variables[0] + energy, step
 
 
+def clipped_rowwise_adagrad(gradient, embedding_table, slot_variables, learning_rate, hyperparameters):
+    """np.clip, which Numba takes on arrays only, in the element loops of the split form."""
+    low, high, epsilon = hyperparameters
+    g = np.clip(gradient, -low, high)
+    accumulator = slot_variables[0] + np.mean(g * g)
+    return np.clip(embedding_table - learning_rate * g / (np.sqrt(accumulator) + epsilon), -0.1, 0.1), accumulator
+
+
 CASES = {
     "rowwise_adagrad": (rowwise_adagrad, [1], [1e-8]),
+    "clipped_rowwise_adagrad": (clipped_rowwise_adagrad, [1], [0.3, 0.5, 1e-8]),
     "normalized_momentum": (normalized_momentum, [2], []),
     "lamb": (lamb, [2, 2], [0.9, 0.999, 1e-6, 0.01]),
     "centered": (centered, [1, 2], []),
