@@ -13,7 +13,7 @@ most one alignment's worth of untouched address space per array.
 
 import numpy as np
 
-__all__ = ["aligned_empty", "aligned_zeros", "is_aligned", "CACHE_LINE", "HUGE_PAGE", "HUGE_MIN"]
+__all__ = ["aligned_empty", "aligned_zeros", "aligned_view", "is_aligned", "CACHE_LINE", "HUGE_PAGE", "HUGE_MIN"]
 
 CACHE_LINE = 64
 HUGE_PAGE = 2 << 20
@@ -32,7 +32,12 @@ def aligned_empty(shape, dtype) -> np.ndarray:
     dtype = np.dtype(dtype)
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     alignment = _alignment(nbytes)
-    raw = np.empty(nbytes + alignment, np.uint8)
+    return aligned_view(np.empty(nbytes + alignment, np.uint8), shape, dtype, alignment)
+
+
+def aligned_view(raw: np.ndarray, shape, dtype, alignment: int = CACHE_LINE) -> np.ndarray:
+    """An array of ``shape`` and ``dtype`` over the bytes ``raw`` (uint8, at least ``alignment - 1`` bytes
+    longer than the array), starting at its first multiple of ``alignment``; its ``base`` is ``raw``."""
     start = -raw.ctypes.data % alignment
     return np.ndarray(shape, dtype, buffer=raw, offset=start)  # (a slice of no bytes would not move)
 

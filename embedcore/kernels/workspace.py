@@ -13,7 +13,7 @@ import threading
 
 import numpy as np
 
-from .aligned import CACHE_LINE, aligned_empty
+from .aligned import CACHE_LINE, aligned_empty, aligned_view
 
 __all__ = ["Workspace", "WorkspacePool", "ArrayPool"]
 
@@ -106,9 +106,7 @@ class ArrayPool:
                     self._buffers.append(buffer)
             else:
                 return aligned_empty(shape, dtype)
-            buffer = self._buffers[k]  # views of the buffer itself (not of a slice), so its count sees them
-            start = -buffer.ctypes.data % CACHE_LINE
-            return buffer[start:start + nbytes].view(dtype).reshape(shape)
+            return aligned_view(self._buffers[k], shape, dtype)  # its base is the buffer, so its count sees it
 
     @property
     def nbytes(self) -> int:
