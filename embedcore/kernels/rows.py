@@ -22,8 +22,8 @@ from numba import njit, prange
 from ..compile_cache import jit_source
 from .prefetch import CACHE_LINE_FLOATS, prefetch_row
 
-__all__ = ["weighted_sum", "gather_combine", "gather_kernel", "fixed_length", "sum_gradients", "count_non_finite",
-           "ROWS_AHEAD"]
+__all__ = ["weighted_sum", "copy_row", "gather_combine", "gather_kernel", "fixed_length", "sum_gradients",
+           "count_non_finite", "ROWS_AHEAD"]
 
 ROWS_AHEAD = 8  # occurrences whose source rows are prefetched ahead of the current one
 _U = np.uint64
@@ -95,6 +95,29 @@ def weighted_sum(dst, d, lo, hi, index, gain, src, ahead, dim):
             ju = _U(j)
             dst[du, ju] += w * src[r, ju]
         k += 1
+
+
+# copy_row: dst[j] = src[j] for every j (converted to dst's dtype), one 64-byte line of float32 at a time,
+# the line's sixteen values all loaded before any is stored. A plain loop over a row of constant length (the
+# kernels compiled for one row length) becomes scalar code: LLVM unrolls it fully before it vectorises, and
+# it may not reorder the unrolled loads and stores of arrays that might overlap. Loaded first, each line is
+# one vector load and one vector store (a 64-value row: 22.9 -> 5.7 ns; TBE row-wise update kernel, its
+# three row copies, 1.17 -> 0.96 ms).
+_LINE = CACHE_LINE_FLOATS
+_COPY_ROW_SOURCE = "\n".join(
+    ["def copy_row(dst, src):",
+     "    n = dst.shape[0]",
+     f"    lines_end = n - n % {_LINE}",
+     f"    for start in range(0, lines_end, {_LINE}):",
+     "        b = _U(start)"]
+    + [f"        v{i} = src[b + _U({i})]" for i in range(_LINE)]
+    + [f"        dst[b + _U({i})] = v{i}" for i in range(_LINE)]
+    + ["    for j in range(lines_end, n):",
+       "        dst[_U(j)] = src[_U(j)]"])
+_namespace = {"_U": _U}
+exec(compile(_COPY_ROW_SOURCE, "<embedcore.kernels.rows.copy_row>", "exec"), _namespace)
+copy_row = njit(inline="always")(_namespace["copy_row"])
+copy_row.__doc__ = """``dst[:] = src`` for 1-D rows of equal length (the caller checks), vectorised (see above)."""
 
 
 @njit(cache=True, parallel=True)

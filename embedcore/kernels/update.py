@@ -44,7 +44,7 @@ from numba.extending import overload
 from ..compile_cache import jit_source
 from .occurrences import GAIN_HALF, ROW_HALF, pack_occurrences
 from .prefetch import prefetch_row
-from .rows import fixed_length, weighted_sum
+from .rows import copy_row, fixed_length, weighted_sum
 
 __all__ = ["update_kernel", "fused_update_kernel", "compile_for", "all_finite", "balanced_chunks", "CHUNK_ROWS", "ROWS_AHEAD",
            "OCCURRENCES_AHEAD", "STATUS_GRADIENT", "STATUS_OUTPUT", "STATUS_LENGTH"]
@@ -114,11 +114,9 @@ def into_row(dst, value):
 def _into_row_impl(dst, value):
     if isinstance(value, types.Array):
         def impl(dst, value):
-            n = dst.shape[0]
-            if value.shape[0] != n:
+            if value.shape[0] != dst.shape[0]:
                 return 0
-            for j in range(n):
-                dst[j] = value[j]
+            copy_row(dst, value)
             return 1
         return impl
 
@@ -224,12 +222,12 @@ def _body(slot_dims, elementwise):
             lines += [f"    out = {call}", "    w_new[j] = out[0]", "    ok = ok & np.isfinite(w_new[j])"]
             for k in range(n):
                 lines += [f"    n{k}[j] = out[{k + 1}]", f"    ok = ok & np.isfinite(n{k}[j])"]
-        lines += ["if not ok:"] + _flag("STATUS_OUTPUT") + ["for j in range(dim):", "    table[r, j] = w_new[j]"]
-        lines += [f"    s{k}[r, j] = n{k}[j]" for k in range(n)]
+        lines += ["if not ok:"] + _flag("STATUS_OUTPUT") + ["copy_row(table[r], w_new)"]
+        lines += [f"copy_row(s{k}[r], n{k})" for k in range(n)]
         return lines
     # Per row: the function gets scratch copies, so in-place edits reach the table only once checked.
-    lines += ["for j in range(dim):", "    w_new[j] = table[r, j]"]
-    lines += [f"    n{k}[j] = s{k}[r, j]" for k, d in enumerate(slot_dims) if d == 2]
+    lines += ["copy_row(w_new, table[r])"]
+    lines += [f"copy_row(n{k}, s{k}[r])" for k, d in enumerate(slot_dims) if d == 2]
     slot_args = "".join(f"n{k}, " if d == 2 else f"s{k}[r], " for k, d in enumerate(slot_dims))
     lines.append(f"out = fn(g_row, w_new, ({slot_args}), learning_rate, hyperparameters)")
     outputs = ["out"] if n == 0 else [f"out[{k}]" for k in range(n + 1)]
@@ -243,8 +241,8 @@ def _body(slot_dims, elementwise):
         else:
             lines += [f"v{k} = np.float32(out[{k + 1}])", f"ok = ok & np.isfinite(v{k})"]
     lines += ["if not ok:"] + _flag("STATUS_OUTPUT")
-    lines += ["for j in range(dim):", "    table[r, j] = o0[j]"]
-    lines += [f"    s{k}[r, j] = o{k + 1}[j]" for k, d in enumerate(slot_dims) if d == 2]
+    lines += ["copy_row(table[r], o0)"]
+    lines += [f"copy_row(s{k}[r], o{k + 1})" for k, d in enumerate(slot_dims) if d == 2]
     lines += [f"s{k}[r] = v{k}" for k, d in enumerate(slot_dims) if d == 1]
     return lines
 
@@ -276,7 +274,7 @@ def kernel_source(row_function, lazy=True, dim=None) -> str:
 def kernel_namespace(row_function) -> dict:
     """The globals the generated source refers to."""
     return {"np": np, "prange": prange, "fn": row_function.dispatcher, "into_row": into_row,
-            "all_finite": all_finite, "weighted_sum": weighted_sum, "prefetch_row": prefetch_row, "_U": np.uint64,
+            "all_finite": all_finite, "copy_row": copy_row, "weighted_sum": weighted_sum, "prefetch_row": prefetch_row, "_U": np.uint64,
             "balanced_chunks": balanced_chunks,
             "CHUNK": CHUNK_ROWS, "ROWS_AHEAD": ROWS_AHEAD, "OCCURRENCES_AHEAD": OCCURRENCES_AHEAD,
             "PREFETCH_MIN_BYTES": PREFETCH_MIN_BYTES, "ROW_HALF": ROW_HALF, "GAIN_HALF": GAIN_HALF,
