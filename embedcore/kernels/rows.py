@@ -25,7 +25,8 @@ from .prefetch import CACHE_LINE_FLOATS, prefetch_row
 __all__ = ["weighted_sum", "copy_row", "gather_combine", "gather_kernel", "fixed_length", "sum_gradients",
            "count_non_finite", "ROWS_AHEAD"]
 
-ROWS_AHEAD = 8  # occurrences whose source rows are prefetched ahead of the current one
+ROWS_AHEAD = 16  # occurrences whose source rows are prefetched ahead of the current one (8 -> 16: lookup of
+                 # the update shape, rows from DRAM, -7%; TBE lookups 0 to -9%; 32 was slower on DRAM rows)
 _U = np.uint64
 
 
