@@ -4,10 +4,12 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from numba import njit
 
 import embedcore as ec
 from embedcore.compiler import strip_del
 from embedcore.kernels.dedup import unique_rows
+from embedcore.kernels.rows import copy_row
 from embedcore.kernels.workspace import Workspace
 
 
@@ -529,3 +531,24 @@ def test_update_chunks_split_the_work_where_a_walk_over_the_rows_would(counts, f
         expected.append(next(u for u in range(n_unique + 1) if u == n_unique or work_before[u] >= target))
     expected.append(n_unique)
     assert bounds.tolist() == (expected if n_unique else [0])
+
+
+@njit
+def _copy_rows_jitted(dst, src):
+    for i in range(dst.shape[0]):
+        copy_row(dst[i], src[i])
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 70), st.sampled_from([np.float32, np.float64]), st.booleans(), st.integers(0, 2 ** 32))
+def test_copy_row_copies_every_value_of_rows_of_any_length(n, src_dtype, strided, seed):
+    """Whole 16-value lines and the remainder, from float32 or float64 (narrowed like an assignment), from
+    contiguous or strided rows, with NaN, Inf and signed zeros kept as they are."""
+    rng = np.random.default_rng(seed)
+    wide = rng.standard_normal((3, 2 * n)).astype(src_dtype)
+    every_seventh = wide.reshape(-1)[::7]
+    every_seventh[:] = np.resize(np.array([np.nan, np.inf, -np.inf, -0.0], src_dtype), every_seventh.shape[0])
+    src = wide[:, ::2] if strided else np.ascontiguousarray(wide[:, :n])
+    dst = np.full((3, n), 7.0, np.float32)
+    _copy_rows_jitted(dst, src)
+    np.testing.assert_array_equal(dst.view(np.uint32), src.astype(np.float32).view(np.uint32))
