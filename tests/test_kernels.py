@@ -552,3 +552,26 @@ def test_copy_row_copies_every_value_of_rows_of_any_length(n, src_dtype, strided
     dst = np.full((3, n), 7.0, np.float32)
     _copy_rows_jitted(dst, src)
     np.testing.assert_array_equal(dst.view(np.uint32), src.astype(np.float32).view(np.uint32))
+
+
+def test_block_layout_is_kept_for_the_same_blocks_and_rebuilt_for_others():
+    """The hash tables' layout and the threads' shares are kept per workspace for the same block offsets
+    and thread count, and recomputed when either changes; grouping stays exact through the changes."""
+    import numba
+    from embedcore.kernels import dedup
+    rng = np.random.default_rng(3)
+    workspace = Workspace()
+    cases = [np.array([0, 30_000, 40_000, 80_000], np.int64), np.array([0, 50_000, 60_000, 80_000], np.int64)]
+    layouts = []
+    for blocks in cases + cases:
+        rows = np.concatenate([2_000 * k + rng.integers(0, 700, blocks[k + 1] - blocks[k]) for k in range(3)])
+        uniq, ptr, sorted_packed, _ = dedup._group_by_blocks(rows, 10_000, rows, blocks, workspace)
+        expected, counts = np.unique(rows, return_counts=True)
+        np.testing.assert_array_equal(uniq, expected)
+        np.testing.assert_array_equal(np.diff(ptr), counts)
+        np.testing.assert_array_equal(sorted_packed, np.sort(rows, kind="stable"))
+        layouts.append(dedup._block_layout(blocks, numba.get_num_threads(), workspace))
+    assert layouts[0] is not layouts[1] and layouts[2] is not layouts[0]  # only the last blocks' layout is kept
+    assert dedup._block_layout(cases[1], numba.get_num_threads(), workspace) is layouts[3]
+    one_thread = dedup._block_layout(cases[1], 1, workspace)
+    assert one_thread is not layouts[3] and one_thread[5].tolist() == [0, 3]  # every block on the one thread

@@ -403,22 +403,37 @@ def _schedule(sizes, threads):
     return schedule, schedule_ptr
 
 
-def _group_by_blocks(rows, n_rows, payload, blocks, workspace):
-    """:func:`group_rows` block by block (``_group_blocks``); also returns how many blocks were sorted."""
-    n = rows.shape[0]
+def _block_layout(blocks, threads, workspace):
+    """``(limits, table_bits, table_lo, n_slots, schedule, schedule_ptr)``: each block's distinct-row limit,
+    its hash table's size (log2) and first slot, the slots in all, and the threads' shares of the blocks.
+    They depend on the block sizes alone, so the workspace keeps them for the next call with the same
+    blocks (a training loop's batches mostly have one shape; computing them took about 20 us of Python)."""
+    key = (blocks.tobytes(), threads)
+    kept = workspace.state.get("block_layout")
+    if kept is not None and kept[0] == key:
+        return kept[1]
     sizes = np.diff(blocks)
     limits = np.array([_distinct_limit(int(m)) for m in sizes], np.int64)
     table_bits = np.array([_table_bits(int(m)) for m in sizes], np.int64)
     table_lo = np.zeros(len(sizes), np.int64)
     np.cumsum(np.int64(1) << table_bits[:-1], out=table_lo[1:])
     n_slots = int(table_lo[-1] + (1 << int(table_bits[-1])))
+    layout = (limits, table_bits, table_lo, n_slots) + _schedule(sizes, threads)
+    workspace.state["block_layout"] = (key, layout)
+    return layout
+
+
+def _group_by_blocks(rows, n_rows, payload, blocks, workspace):
+    """:func:`group_rows` block by block (``_group_blocks``); also returns how many blocks were sorted."""
+    n = rows.shape[0]
+    limits, table_bits, table_lo, n_slots, schedule, schedule_ptr = _block_layout(blocks, numba.get_num_threads(),
+                                                                                  workspace)
     keys = workspace.array("hash_keys", n_slots, np.int64)
     arrays = [workspace.array(name, n, np.int64) for name in (  # all shared with _sort's paths
         "sort_words_a", "sort_words_b", "sort_keys_a", "sort_payload_a", "sort_keys_b", "sort_payload_b",
         "sorted_payload", "uniq")]
     ptr = workspace.array("ptr", n + 1, np.int64)
     n_bits = max(1, int(n_rows - 1).bit_length())
-    schedule, schedule_ptr = _schedule(sizes, numba.get_num_threads())
     n_unique, n_sorted = _group_blocks(rows, payload, blocks, schedule, schedule_ptr, limits, table_lo, table_bits,
                                        n_bits, keys, workspace.array("hash_ids", n_slots, np.int32),
                                        workspace.array("hash_sid", n, np.int32), *arrays, ptr)
