@@ -14,6 +14,8 @@ lookup, the fused update and the sharded engine's reductions all compute the sam
 
 Rows that fill whole 64-byte lines (:func:`fixed_length`) get kernels compiled for their length, the lookup's
 here (:func:`gather_kernel`) and the update's in :mod:`embedcore.kernels.update`; the sums are the same.
+In such kernels a plain copy loop over a row compiles to scalar code; :func:`copy_row` is the row copy
+that vectorises, which the update kernels use.
 """
 
 import numpy as np
