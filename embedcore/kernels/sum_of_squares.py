@@ -81,11 +81,16 @@ def _lanes_of_squares(typingctx, row, low, high):
 
 
 @njit(inline="always")
+def _clipped_square(row, j, low, high):
+    g = min(max(row[j], low), high)
+    return g * g  # float32, widened to float64 by the sum it is added to
+
+
+@njit(inline="always")
 def _combine(t0, t1, t2, t3, t4, t5, t6, t7, row, low, high):
     n = row.shape[0]
     for j in range(n - n % LANES, n):
-        g = min(max(row[j], low), high)
-        t0 += g * g
+        t0 += _clipped_square(row, j, low, high)
     return ((t0 + t1) + (t2 + t3)) + ((t4 + t5) + (t6 + t7))
 
 
@@ -94,22 +99,10 @@ def _sum_of_squares_loops(row, low, high):
     """The same sum in plain loops, in the same order."""
     t0 = t1 = t2 = t3 = t4 = t5 = t6 = t7 = 0.0
     for j in range(0, row.shape[0] - row.shape[0] % LANES, LANES):
-        g = min(max(row[j], low), high)
-        t0 += g * g
-        g = min(max(row[j + 1], low), high)
-        t1 += g * g
-        g = min(max(row[j + 2], low), high)
-        t2 += g * g
-        g = min(max(row[j + 3], low), high)
-        t3 += g * g
-        g = min(max(row[j + 4], low), high)
-        t4 += g * g
-        g = min(max(row[j + 5], low), high)
-        t5 += g * g
-        g = min(max(row[j + 6], low), high)
-        t6 += g * g
-        g = min(max(row[j + 7], low), high)
-        t7 += g * g
+        t0, t1 = t0 + _clipped_square(row, j, low, high), t1 + _clipped_square(row, j + 1, low, high)
+        t2, t3 = t2 + _clipped_square(row, j + 2, low, high), t3 + _clipped_square(row, j + 3, low, high)
+        t4, t5 = t4 + _clipped_square(row, j + 4, low, high), t5 + _clipped_square(row, j + 5, low, high)
+        t6, t7 = t6 + _clipped_square(row, j + 6, low, high), t7 + _clipped_square(row, j + 7, low, high)
     return _combine(t0, t1, t2, t3, t4, t5, t6, t7, row, low, high)
 
 
