@@ -24,11 +24,16 @@ __all__ = ["sum_of_squares", "LANES"]
 LANES = 8
 
 
+def _vector_types(row, low, high):
+    """Whether the vector path takes these Numba types: a C-contiguous float32 row, float32 bounds."""
+    return (isinstance(row, types.Array) and row.ndim == 1 and row.layout == "C" and row.dtype == types.float32
+            and low == types.float32 and high == types.float32)
+
+
 @intrinsic
 def _lanes_of_squares(typingctx, row, low, high):
     """The eight lane sums over the row's whole groups of eight (a C-contiguous float32 row)."""
-    if not (isinstance(row, types.Array) and row.ndim == 1 and row.layout == "C" and row.dtype == types.float32
-            and low == types.float32 and high == types.float32):
+    if not _vector_types(row, low, high):
         return None
     result_type = types.UniTuple(types.float64, LANES)
 
@@ -115,7 +120,7 @@ def sum_of_squares(row, low, high):
 def _sum_of_squares_impl(row, low, high):
     if not (isinstance(row, types.Array) and row.ndim == 1):
         return None
-    if row.layout == "C" and row.dtype == types.float32 and low == types.float32 and high == types.float32:
+    if _vector_types(row, low, high):
         def impl(row, low, high):
             t0, t1, t2, t3, t4, t5, t6, t7 = _lanes_of_squares(row, low, high)
             return _combine(t0, t1, t2, t3, t4, t5, t6, t7, row, low, high)
