@@ -19,6 +19,7 @@ from .initializers import TruncatedNormal, fill_rows
 from .inputs import InputError
 from .kernels.aligned import aligned_empty
 from .kernels.dedup import group_rows
+from .kernels.prefetch import rows_stay_cached
 from .kernels.rows import count_non_finite
 from .kernels.update import STATUS_GRADIENT, STATUS_LENGTH, STATUS_OUTPUT, compile_for, fused_update_kernel
 from .lookup import LookupContext, TableLookup, _FeatureSlot, _PhysicalTable
@@ -279,6 +280,8 @@ class Embedding(TableLookup):
         for group, tb, d_act in work:
             ws = group.workspace
             uniq, ptr, packed = group_rows(tb.rows, group.n_rows, tb.packed, ws, tb.blocks)
+            group.prefetch_rows = not rows_stay_cached(tb.rows.shape[0], uniq.shape[0],
+                                                     group.weights.itemsize * group.dim)
             lr, hyper = values[id(group.optimizer)]
             lazy = group.optimizer.lazy
             status = ws.array("status", (uniq.shape[0] if lazy else group.n_rows,), np.uint8)

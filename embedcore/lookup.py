@@ -39,6 +39,8 @@ class _PhysicalTable:
     workspace: Workspace = field(default_factory=Workspace)            # apply_gradients' scratch
     batch_pool: WorkspacePool = field(default_factory=WorkspacePool)  # lookups' table batches
     activation_pool: ArrayPool = field(default_factory=ArrayPool)     # lookups' activations
+    prefetch_rows: bool = True  # whether lookups prefetch rows; the last apply_gradients judged whether its
+                                # batch's rows stay cached (kernels/prefetch.py, rows_stay_cached)
 
     @property
     def n_rows(self) -> int:
@@ -198,7 +200,7 @@ class TableLookup:
                 tb = inputs.build_table_batch(group_parts, workspace)
             act = group.activation_pool.empty((tb.n_out if tb else 0, group.dim), np.float32)  # all written
             if tb is not None and tb.n_out:
-                gather_combine(group.weights, tb.rows, tb.gains, tb.out_ptr, act)
+                gather_combine(group.weights, tb.rows, tb.gains, tb.out_ptr, act, group.prefetch_rows)
             table_batches.append(tb)
             acts.append(act)
         activations = [acts[s.group][s.out_offset:s.out_offset + s.n_rows].reshape(s.shape) for s in slots]

@@ -177,7 +177,7 @@ def test_kernels_compiled_for_a_row_length_compute_the_same_bits(dim):
     they compute are bit-identical to the any-length kernels' (bags of 0-9 ids, duplicates, few rows)."""
     from embedcore.kernels.dedup import group_rows
     from embedcore.kernels.occurrences import pack_occurrences
-    from embedcore.kernels.rows import _gather_any_dim, fixed_length, gather_combine, gather_kernel
+    from embedcore.kernels.rows import ROWS_AHEAD, _gather_any_dim, fixed_length, gather_combine, gather_kernel
     from embedcore.kernels.update import fused_update_kernel
     assert fixed_length(dim) and gather_kernel(dim) is not _gather_any_dim
     rng = np.random.default_rng(dim)
@@ -186,10 +186,14 @@ def test_kernels_compiled_for_a_row_length_compute_the_same_bits(dim):
     out_ptr = np.concatenate(([0], np.cumsum(rng.integers(0, 10, n_out)))).astype(np.int64)
     rows = rng.integers(0, n_rows, out_ptr[-1]).astype(np.int64)
     gains = rng.standard_normal(out_ptr[-1]).astype(np.float32)
-    fixed, anyd = (np.full((n_out, dim), np.nan, np.float32) for _ in range(2))
+    fixed, unfetched, anyd, any_unfetched = (np.full((n_out, dim), np.nan, np.float32) for _ in range(4))
     gather_combine(table, rows, gains, out_ptr, fixed)
-    _gather_any_dim(table, rows, gains, out_ptr, anyd)
-    np.testing.assert_array_equal(fixed, anyd)
+    gather_combine(table, rows, gains, out_ptr, unfetched, prefetch=False)
+    _gather_any_dim(table, rows, gains, out_ptr, anyd, ROWS_AHEAD)
+    _gather_any_dim(table, rows, gains, out_ptr, any_unfetched, 0)
+    assert gather_kernel(dim, prefetch=False) is not gather_kernel(dim)
+    for result in (unfetched, anyd, any_unfetched):
+        np.testing.assert_array_equal(fixed, result)
     a = 17
     np.testing.assert_array_equal(fixed[a], _weighted_sum_reference(gains[out_ptr[a]:out_ptr[a + 1]],
                                                                     table[rows[out_ptr[a]:out_ptr[a + 1]]]))
@@ -247,6 +251,42 @@ def test_sharded_sums_equal_the_gradient_the_fused_update_applies():
     kernel = fused_update_kernel(sgd.compiled(dim))
     assert kernel(table, (), u2, p2, packed, d_act, np.float32(1.0), (), np.zeros(u2.shape[0], np.uint8)) == 0
     np.testing.assert_array_equal(table[uniq], -sums)
+
+
+def test_rows_stay_cached_needs_reuse_and_a_small_set_of_rows():
+    from embedcore.kernels.prefetch import CACHED_BYTES_MAX, REUSE_MIN, rows_stay_cached
+    fit = CACHED_BYTES_MAX // 256  # distinct 256-byte rows that fit
+    assert rows_stay_cached(REUSE_MIN * 100, 100, 256)
+    assert not rows_stay_cached(REUSE_MIN * 100 - 1, 100, 256)      # a little less reuse
+    assert rows_stay_cached(REUSE_MIN * fit, fit, 256)
+    assert not rows_stay_cached(REUSE_MIN * (fit + 1), fit + 1, 256)  # one row more than fits
+    assert not rows_stay_cached(0, 0, 256)
+
+
+@pytest.mark.parametrize("dim", [16, 5])  # a kernel compiled for the row length, and the any-length kernel
+def test_lookup_prefetches_unless_the_last_update_saw_a_hot_set_of_rows(dim, monkeypatch):
+    """apply_gradients judges from its batch whether the next lookup's rows will be cached; the lookup then
+    skips the prefetch. The activations are the same either way (against a NumPy gather)."""
+    from embedcore import lookup
+    seen = []
+    real = lookup.gather_combine
+
+    def recording(*args):
+        seen.append(args[-1])
+        return real(*args)
+    monkeypatch.setattr(lookup, "gather_combine", recording)
+    table = ec.TableConfig(50_000, dim, name="t", combiner="sum", initializer=ec.RandomUniform(-1, 1))
+    emb = ec.Embedding({"f": ec.FeatureConfig(table)}, ec.SGD(0.0))
+    weights = emb.embedding_tables["t"]
+    rng = np.random.default_rng(dim)
+    hot = rng.choice(rng.integers(0, 50_000, 7), (300, 4))   # 1,200 ids from 7 rows: each read ~170 times
+    spread = rng.permutation(50_000)[:1200].reshape(300, 4)  # every row once
+    for ids, then_prefetch in ((hot, False), (hot, False), (spread, True), (hot, False)):
+        acts, ctx = emb({"f": ids})
+        np.testing.assert_allclose(acts["f"], weights[ids].astype(np.float64).sum(axis=1), rtol=1e-5, atol=1e-6)
+        emb.apply_gradients({"f": np.ones_like(acts["f"])}, ctx)
+        assert emb._groups[0].prefetch_rows is then_prefetch
+    assert seen == [True, False, False, True]  # the first lookup has seen no batch yet
 
 
 def test_prefetch_changes_no_value():

@@ -13,7 +13,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-__all__ = ["prefetch", "prefetch_row", "CACHE_LINE_FLOATS"]
+__all__ = ["prefetch", "prefetch_row", "rows_stay_cached", "CACHE_LINE_FLOATS", "REUSE_MIN", "CACHED_BYTES_MAX"]
 
 CACHE_LINE_FLOATS = 16  # 64-byte cache lines of float32
 
@@ -66,3 +66,18 @@ def _prefetch_row_impl(array, row):
         if n:
             prefetch(array, row, n - 1)  # a row not starting on a line boundary spans one more line
     return impl
+
+
+REUSE_MIN = 8                  # occurrences per distinct row, at least, for rows_stay_cached
+CACHED_BYTES_MAX = 4 << 20     # the distinct rows' bytes, at most, for rows_stay_cached
+
+
+def rows_stay_cached(n_occurrences: int, n_distinct: int, row_bytes: int) -> bool:
+    """Whether a batch's rows are likely to be in cache when a lookup reads them, judged from a batch of the
+    same table (the previous one): it read every distinct row at least ``REUSE_MIN`` times on average, and
+    its distinct rows fit in ``CACHED_BYTES_MAX``. Such a batch draws from a small, hot set of rows (a
+    Zipf-like id distribution); prefetching rows that are already cached only costs instructions (the
+    TBE-shape gather, 8 tables of Zipf(1.15) ids, 45 reads per distinct row: 5-8% faster without).
+    A batch that reads most rows once, or more rows than the cache keeps, needs the prefetch (the
+    update shape's lookup, 1.75 reads per distinct row: 47% slower without)."""
+    return n_distinct > 0 and n_occurrences >= REUSE_MIN * n_distinct and n_distinct * row_bytes <= CACHED_BYTES_MAX

@@ -124,10 +124,10 @@ copy_row.__doc__ = """``dst[:] = src`` for 1-D rows of equal length (the caller 
 
 
 @njit(cache=True, parallel=True)
-def _gather_any_dim(table, rows, gains, out_ptr, act):
+def _gather_any_dim(table, rows, gains, out_ptr, act, ahead):
     dim = act.shape[1]
     for a in prange(act.shape[0]):
-        weighted_sum(act, a, out_ptr[a], out_ptr[a + 1], rows, gains, table, ROWS_AHEAD, dim)
+        weighted_sum(act, a, out_ptr[a], out_ptr[a + 1], rows, gains, table, ahead, dim)
 
 
 # The gather compiled for one row length: with ``dim`` a constant, LLVM drops the row loops' trip-count
@@ -138,7 +138,7 @@ def gather(table, rows, gains, out_ptr, act):
     if table.shape[1] != {dim} or act.shape[1] != {dim}:
         raise ValueError("gather kernel compiled for rows of {dim} values called with other rows")
     for a in prange(act.shape[0]):
-        weighted_sum(act, a, out_ptr[a], out_ptr[a + 1], rows, gains, table, ROWS_AHEAD, {dim})
+        weighted_sum(act, a, out_ptr[a], out_ptr[a + 1], rows, gains, table, {ahead}, {dim})
 '''
 
 _GATHERS: dict = {}
@@ -150,24 +150,33 @@ def fixed_length(dim: int) -> bool:
     return dim > 0 and dim % CACHE_LINE_FLOATS == 0
 
 
-def gather_kernel(dim: int):
-    """The jitted gather for rows of ``dim`` values: compiled for that length when :func:`fixed_length`
-    (and cached on disk like the update kernels), else the kernel for any length."""
+def gather_kernel(dim: int, prefetch: bool = True):
+    """The jitted gather for rows of ``dim`` values, prefetching source rows ``ROWS_AHEAD`` occurrences ahead
+    or (``prefetch`` False) not at all: compiled for that length when :func:`fixed_length` (and cached on
+    disk like the update kernels), else the kernel for any length (which takes the distance as its last
+    argument; :func:`gather_combine` passes it)."""
     if not fixed_length(dim):
         return _gather_any_dim
-    kernel = _GATHERS.get(dim)
+    ahead = ROWS_AHEAD if prefetch else 0
+    kernel = _GATHERS.get((dim, ahead))
     if kernel is None:
-        namespace = {"prange": prange, "weighted_sum": weighted_sum, "ROWS_AHEAD": ROWS_AHEAD}
-        kernel = _GATHERS[dim] = jit_source(_GATHER_SOURCE.format(dim=dim), namespace, "gather",
-                                            ("gather kernel", dim), f"embedcore gather kernel, dim {dim}",
-                                            parallel=True)
+        namespace = {"prange": prange, "weighted_sum": weighted_sum}
+        kernel = _GATHERS[dim, ahead] = jit_source(_GATHER_SOURCE.format(dim=dim, ahead=ahead), namespace, "gather",
+                                                   ("gather kernel", dim, ahead),
+                                                   f"embedcore gather kernel, dim {dim}, {ahead} ahead",
+                                                   parallel=True)
     return kernel
 
 
-def gather_combine(table, rows, gains, out_ptr, act):
+def gather_combine(table, rows, gains, out_ptr, act, prefetch: bool = True):
     """``act[a] = sum over o in out_ptr[a]:out_ptr[a + 1] of gains[o] * table[rows[o]]`` (:func:`weighted_sum`,
-    by the kernel for ``act``'s row length)."""
-    gather_kernel(act.shape[1])(table, rows, gains, out_ptr, act)
+    by the kernel for ``act``'s row length). ``prefetch`` False skips the source rows' prefetch, for rows
+    that are in cache anyway (see :func:`embedcore.kernels.prefetch.rows_stay_cached`); the sums are the same."""
+    dim = act.shape[1]
+    if fixed_length(dim):
+        gather_kernel(dim, prefetch)(table, rows, gains, out_ptr, act)
+    else:
+        _gather_any_dim(table, rows, gains, out_ptr, act, ROWS_AHEAD if prefetch else 0)
 
 
 @njit(cache=True)
