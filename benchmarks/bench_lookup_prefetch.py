@@ -49,10 +49,7 @@ def main(argv=None) -> int:
 
     w = tbe_workload(optim=make_optim(args.optimizer), n_batches=3)
     batches = make_batches(w)
-    contender = EmbedcoreContender(args.threads)
-    contender.load()
-    numba.set_num_threads(min(args.threads, numba.config.NUMBA_NUM_THREADS))
-    contender.setup(w, None)
+    contender = EmbedcoreContender.on_workload(w, args.threads)
     for rule in rules.values():  # compile both gathers and warm up
         policy["rule"] = rule
         for batch in batches:

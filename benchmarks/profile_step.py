@@ -74,10 +74,7 @@ def main(argv=None) -> int:
     make = tbe_workload if args.workload == "tbe" else update_workload
     w = make(optim=make_optim(args.optimizer), n_batches=3)
     batches = make_batches(w)
-    contender = EmbedcoreContender(args.threads)
-    contender.load()
-    numba.set_num_threads(min(args.threads, numba.config.NUMBA_NUM_THREADS))
-    contender.setup(w, None)
+    contender = EmbedcoreContender.on_workload(w, args.threads)
     instrument()
     for batch in batches:  # compile and warm up
         contender.run(contender.prepare(batch))

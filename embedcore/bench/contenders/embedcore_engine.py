@@ -57,6 +57,17 @@ class EmbedcoreContender(Contender):
         self.info["numba"] = numba.__version__
         self.info["numba_threads"] = numba.get_num_threads()
 
+    @classmethod
+    def on_workload(cls, w, threads: int):
+        """A contender loaded and set up on workload ``w`` (tables zero) with Numba on ``threads`` threads,
+        for scripts that time embedcore's steps alone (``benchmarks/``)."""
+        import numba
+        contender = cls(threads)
+        contender.load()
+        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+        contender.setup(w, None)
+        return contender
+
     def _features(self, w):
         return {f"f{t}": ec.FeatureConfig(ec.TableConfig(w.E, w.D, initializer=ec.Zeros(), combiner="sum",
                                                          name=f"t{t}"))
