@@ -151,12 +151,12 @@ def fixed_length(dim: int) -> bool:
 
 
 def gather_kernel(dim: int, prefetch: bool = True):
-    """The jitted gather for rows of ``dim`` values, prefetching source rows ``ROWS_AHEAD`` occurrences ahead
-    or (``prefetch`` False) not at all: compiled for that length when :func:`fixed_length` (and cached on
-    disk like the update kernels), else the kernel for any length (which takes the distance as its last
-    argument; :func:`gather_combine` passes it)."""
+    """The jitted gather compiled for rows of ``dim`` values, a :func:`fixed_length` (cached on disk like the
+    update kernels), prefetching source rows ``ROWS_AHEAD`` occurrences ahead or (``prefetch`` False) not
+    at all. Rows of other lengths share ``_gather_any_dim``, which takes the distance as its last argument;
+    :func:`gather_combine` calls whichever fits."""
     if not fixed_length(dim):
-        return _gather_any_dim
+        raise ValueError(f"no gather is compiled for rows of {dim} values; gather_combine takes any length")
     ahead = ROWS_AHEAD if prefetch else 0
     kernel = _GATHERS.get((dim, ahead))
     if kernel is None:
