@@ -135,6 +135,8 @@ class FeatureBatch:
     row_splits: np.ndarray   # int64 [B + 1]
     weights: np.ndarray | None   # float32 [N]
     positions: np.ndarray | None  # int64 [N], position of each id within its sample; None: i - row_splits[b]
+    name: str = ""           # the feature, for error messages
+    given_ids: np.ndarray | None = None  # the ids as the caller gave them (their dtype), for error messages
 
     @property
     def batch_size(self) -> int:
@@ -228,11 +230,13 @@ def _from_python_lists(ids, weights):
     return ids, weights
 
 
-def to_feature_batch(ids, weights, name: str, vocabulary_size: int, check_weights: bool = True) -> FeatureBatch:
+def to_feature_batch(ids, weights, name: str, vocabulary_size: int, check_weights: bool = True,
+                     check_range: bool = True) -> FeatureBatch:
     """Validate one feature's ids (and weights) and return its :class:`FeatureBatch`.
 
-    Ids are always range-checked (an out-of-range id would read outside the table); weights must mirror
-    the ids exactly and, when ``check_weights``, be finite.
+    Ids are range-checked (an out-of-range id would read outside the table) here or, with ``check_range``
+    False, by :func:`build_table_batch`, in the pass that lays them out (one read of the ids instead of two:
+    the lookup's way); weights must mirror the ids exactly and, when ``check_weights``, be finite.
     """
     if isinstance(ids, list):
         try:
@@ -284,7 +288,10 @@ def to_feature_batch(ids, weights, name: str, vocabulary_size: int, check_weight
     else:
         raise InputError(f"ids of feature '{name}' must be a NumPy integer array, a Ragged, a Sparse or a list "
                          f"of lists; got {type(ids).__name__}")
-    _check_range(batch.ids, name, vocabulary_size, ids.values if isinstance(ids, (Ragged, Sparse)) else ids)
+    batch.name = name
+    batch.given_ids = ids.values if isinstance(ids, (Ragged, Sparse)) else ids
+    if check_range:
+        _check_range(batch.ids, name, vocabulary_size, batch.given_ids)
     bad = first_non_finite(batch.weights) if check_weights and batch.weights is not None else -1
     if bad >= 0:
         raise InputError(f"weights of feature '{name}' hold a non-finite value {batch.weights[bad]} at flat "
@@ -328,7 +335,7 @@ def _sparse_batch(sp: Sparse, weights, name) -> FeatureBatch:
 def _check_range(ids, name, vocabulary_size, original):
     """Ids must lie in ``[0, vocabulary_size)``; checked on the caller's array so that no cast hides a value
     (a uint64 id of 2**64 - 1 would read as -1 after the cast to int64)."""
-    original = np.asarray(original)
+    original = np.asarray(ids if original is None else original)
     original = np.ascontiguousarray(original, original.dtype.newbyteorder("=")).reshape(-1)
     limit = np.uint64(vocabulary_size) if original.dtype == np.uint64 else np.int64(vocabulary_size)
     bad_at = first_out_of_range(original, limit)
@@ -373,7 +380,8 @@ def build_table_batch(parts, workspace=None) -> TableBatch:
     activation row ``out_offset + b * L + position`` (positions >= L dropped) with gain = weight, others feed
     ``out_offset + b`` with the combiner's gain (see :mod:`embedcore.kernels.occurrences`). Each feature's
     occurrences form a block of rows ``[row_offset, row_offset + vocabulary_size)``; consecutive features of
-    one table share a block.
+    one table share a block. Every id is range-checked as it is laid out: an id outside its vocabulary raises
+    :class:`InputError` naming the feature and the id.
     """
     n_out = 0
     n = 0
@@ -392,9 +400,15 @@ def build_table_batch(parts, workspace=None) -> TableBatch:
             ranges.append((row_offset, vocabulary_size))
         weights = _NO_WEIGHTS if batch.weights is None else np.ascontiguousarray(batch.weights, np.float32)
         positions = _NO_POSITIONS if batch.positions is None else np.ascontiguousarray(batch.positions, np.int64)
-        at += fill_occurrences(np.ascontiguousarray(batch.ids, np.int64),
-                               np.ascontiguousarray(batch.row_splits, np.int64), weights, positions,
-                               COMBINERS[combiner], seq_len or 0, row_offset, out_offset, at, rows, packed, out_ptr)
+        count, in_range = fill_occurrences(np.ascontiguousarray(batch.ids, np.int64),
+                                           np.ascontiguousarray(batch.row_splits, np.int64), weights, positions,
+                                           COMBINERS[combiner], seq_len or 0, row_offset, out_offset, at, rows,
+                                           packed, out_ptr, vocabulary_size)
+        if not in_range:
+            _check_range(batch.ids, batch.name, vocabulary_size, batch.given_ids)
+            raise AssertionError(f"feature '{batch.name}': the layout found an id outside [0, {vocabulary_size}) "
+                                 f"that the range check did not")
+        at += count
     increasing = all(lo + size <= next_lo for (lo, size), (next_lo, _) in zip(ranges, ranges[1:]))
     blocks = np.array(starts + [at], np.int64) if increasing and ranges else None
     return TableBatch(rows[:at], packed[:at], out_ptr, n_out, blocks)

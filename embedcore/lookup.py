@@ -159,7 +159,8 @@ class TableLookup:
         return self.lookup(features, weights)
 
     def _prepare(self, features, weights):
-        """Validate the batch; returns the features' activation slots and, per physical table, its parts."""
+        """Validate the batch; returns the features' activation slots and, per physical table, its parts (their
+        ids are range-checked when the parts are laid out, by ``inputs.build_table_batch``)."""
         id_leaves = inputs.flatten_like(self._feature_config, features, "features")
         weight_leaves = ([None] * len(id_leaves) if weights is None
                          else inputs.flatten_like(self._feature_config, weights, "weights"))
@@ -170,7 +171,7 @@ class TableLookup:
             name = feature.name or path
             g, row_offset = self._group_of[id(feature.table)]
             batch = inputs.to_feature_batch(ids, w, name, feature.table.vocabulary_size,
-                                            feature.validate_weights_and_indices)
+                                            feature.validate_weights_and_indices, check_range=False)
             seq_len = feature.max_sequence_length
             n = batch.batch_size * max(seq_len, 1)
             shape = (batch.batch_size, seq_len, feature.table.dim) if seq_len else \
@@ -197,7 +198,11 @@ class TableLookup:
             if group_parts:
                 workspace = group.batch_pool.acquire()
                 leases.append((group.batch_pool, workspace))
-                tb = inputs.build_table_batch(group_parts, workspace)
+                try:
+                    tb = inputs.build_table_batch(group_parts, workspace)
+                except InputError:  # an id out of range: no gather has run, the workspaces go back
+                    _return_leases(leases)
+                    raise
             act = group.activation_pool.empty((tb.n_out if tb else 0, group.dim), np.float32)  # all written
             if tb is not None and tb.n_out:
                 gather_combine(group.weights, tb.rows, tb.gains, tb.out_ptr, act, group.prefetch_rows)

@@ -1,9 +1,12 @@
 """Lookups against the oracle: input forms, combiners, weights, sequences, output shapes, nesting."""
 
 import itertools
+import re
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import embedcore as ec
 
@@ -234,10 +237,12 @@ def test_large_pooled_features_are_laid_out_in_parallel_exactly_as_serially(comb
         out_ptr = np.full(n_out + 3 + 1, -1, np.int64)
         out_ptr[3] = 5
         if parallel:
-            occ._fill_pooled_parallel(ids, splits, weights, code, 100, 3, 5, rows, packed, out_ptr, 7)
+            largest = occ._fill_pooled_parallel(ids, splits, weights, code, 100, 3, 5, rows, packed, out_ptr, 7)
         else:
-            occ._fill_serial(ids, splits, weights, np.zeros(0, np.int64), code, 0, 100, 3, 5, rows, packed,
-                             out_ptr)
+            count, largest = occ._fill_serial(ids, splits, weights, np.zeros(0, np.int64), code, 0, 100, 3, 5,
+                                              rows, packed, out_ptr)
+            assert count == n
+        assert largest == ids.max()  # what the range check compares with the vocabulary
         outputs.append((rows, packed, out_ptr))
     for serial, parallel in zip(*outputs):
         np.testing.assert_array_equal(parallel, serial)
@@ -255,3 +260,71 @@ def test_large_pooled_features_are_laid_out_in_parallel_exactly_as_serially(comb
     w = [(weights if weighted else np.ones(n))[splits[b]:splits[b + 1]].tolist() for b in range(n_out)]
     expected = ref.lookup(emb.embedding_tables["t"].astype(np.float64), samples, w, combiner, 0)
     np.testing.assert_allclose(acts["f"], expected, rtol=1e-5, atol=1e-5)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 3), st.integers(1, 2_000), st.sampled_from(["pooled", "parallel", "sequence"]),
+       st.data())
+def test_layout_range_checks_every_id_in_its_one_pass(n_bad, vocabulary, kind, data):
+    """``fill_occurrences`` reports an id outside ``[0, vocabulary)`` exactly when NumPy finds one: negative
+    ids, ids at or above the vocabulary, int64 extremes, in any sample, in the serial and parallel layouts,
+    and in a sequence feature at positions past its length (dropped, but still refused)."""
+    import numba
+    from embedcore.kernels import occurrences as occ
+    rng = np.random.default_rng(data.draw(st.integers(0, 2 ** 32 - 1)))
+    n_samples = 8_000 if kind == "parallel" else data.draw(st.integers(0, 40))
+    lengths = rng.integers(0, 14 if kind == "parallel" else 6, n_samples)
+    splits = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    ids = rng.integers(0, vocabulary, splits[-1]).astype(np.int64)
+    bad_values = [-1, vocabulary, vocabulary + 7, np.iinfo(np.int64).min, np.iinfo(np.int64).max]
+    for _ in range(n_bad if ids.shape[0] else 0):
+        ids[rng.integers(0, ids.shape[0])] = bad_values[rng.integers(0, len(bad_values))]
+    expected = bool(((ids >= 0) & (ids < vocabulary)).all())
+    n, n_out = ids.shape[0], n_samples * (3 if kind == "sequence" else 1)
+    rows, packed, out_ptr = np.empty(n, np.int64), np.empty(n, np.int64), np.zeros(n_out + 1, np.int64)
+    before = numba.get_num_threads()
+    numba.set_num_threads(min(2, numba.config.NUMBA_NUM_THREADS))
+    try:
+        if kind == "parallel":
+            assert n >= occ.PARALLEL_MIN
+        count, in_range = occ.fill_occurrences(ids, splits, np.zeros(0, np.float32), np.zeros(0, np.int64), 0,
+                                               3 if kind == "sequence" else 0, 10, 0, 0, rows, packed, out_ptr,
+                                               vocabulary)
+    finally:
+        numba.set_num_threads(before)
+    assert in_range == expected
+    if kind != "sequence":
+        assert count == n
+
+
+def test_out_of_range_id_refused_by_the_layout_names_it_and_leaves_no_trace():
+    """The lookup range-checks ids while laying them out (after other checks); an out-of-range id still
+    raises InputError naming the feature and the id as given, before any gather, and the leased workspaces
+    go back to their pool (a training loop catching the error would otherwise lease new ones every step)."""
+    from embedcore.kernels import occurrences as occ
+    table = ec.TableConfig(50, 4, name="t", initializer=ec.RandomUniform(-1, 1))
+    emb = ec.Embedding({"a": ec.FeatureConfig(table, name="first"),
+                        "b": ec.FeatureConfig(table, name="big"),
+                        "s": ec.FeatureConfig(table, name="seq", max_sequence_length=2)}, ec.SGD(0.1))
+    pool = emb._groups[0].batch_pool
+    n_big = occ.PARALLEL_MIN + 100
+    good = {"a": np.array([[1], [2]]), "b": ec.Ragged(np.arange(n_big) % 50, np.array([0, n_big // 2, n_big])),
+            "s": ec.Ragged(np.array([1, 2, 3]), np.array([0, 3, 3]))}
+    acts, ctx = emb(good)
+    emb.apply_gradients({k: np.ones_like(v) for k, v in acts.items()}, ctx)
+    del ctx
+    idle = pool.idle
+    table_before = emb.embedding_tables["t"].copy()
+    cases = [("b", ec.Ragged(np.r_[np.arange(n_big - 1) % 50, 50], np.array([0, n_big // 2, n_big])), "'big'",
+              r"\bid 50\b"),
+             ("s", ec.Ragged(np.array([1, 2, -4]), np.array([0, 3, 3])), "'seq'", r"\bid -4\b"),  # position 2: dropped
+             ("a", np.array([[1], [2 ** 64 - 1]], np.uint64), "'first'", r"\b18446744073709551615\b")]
+    for key, bad, name, value in cases:
+        features = dict(good, **{key: bad})
+        with pytest.raises(ec.InputError, match=name) as info:
+            emb(features)
+        assert re.search(value, str(info.value)) and "[0, 50)" in str(info.value)
+        assert pool.idle == idle
+    assert np.array_equal(emb.embedding_tables["t"], table_before)
+    acts, ctx = emb(good)  # the engine still works
+    np.testing.assert_array_equal(acts["a"], table_before[[1, 2]])
