@@ -51,6 +51,22 @@ def test_workspace_and_array_pool_hand_out_aligned_arrays():
     assert is_aligned(reused) and any(np.shares_memory(reused, b) for b in pool._buffers)
 
 
+def test_workspace_grows_by_doubling_and_restarts_on_another_dtype():
+    """Found bug: asking for a name in another dtype doubled its size each time, so a workspace whose rows
+    alternate between int32 and int64 grew without bound (80 GiB after some thirty switches)."""
+    ws = Workspace()
+    assert ws.array("x", 1000, np.int64).shape == (1000,) and ws.nbytes == 8000
+    ws.array("x", 1001, np.int64)
+    assert ws._buffers["x"].shape == (2000,)  # outgrown: doubled
+    for _ in range(40):
+        for dtype in (np.int32, np.int64):
+            x = ws.array("x", 1000, dtype)
+            assert x.dtype == dtype and x.shape == (1000,)
+    assert ws.nbytes == 8000  # the size asked for, each switch
+    ws.array("x", (10, 2), np.int64)
+    assert ws._buffers["x"].shape == (16, 2)  # another row shape: afresh, at least 16 rows
+
+
 @pytest.mark.parametrize("optimizer", [ec.SGD(0.1), ec.Adagrad(0.1), ec.RowwiseAdagrad(0.1), ec.Adam(0.01)])
 def test_engine_tables_slots_and_activations_start_on_a_cache_line(optimizer):
     tables = [ec.TableConfig(5000, 64, name="a"), ec.TableConfig(3000, 16, name="b")]

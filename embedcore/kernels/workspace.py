@@ -28,8 +28,11 @@ class Workspace:
     def array(self, name: str, shape, dtype) -> np.ndarray:
         shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
         buf = self._buffers.get(name)
-        if buf is None or buf.shape[0] < shape[0] or buf.shape[1:] != shape[1:] or buf.dtype != dtype:
-            grown = max(shape[0], 16, 2 * buf.shape[0] if buf is not None and buf.shape[1:] == shape[1:] else 0)
+        same_kind = buf is not None and buf.shape[1:] == shape[1:] and buf.dtype == dtype
+        if not same_kind or buf.shape[0] < shape[0]:
+            # Doubling only what outgrew itself: a name asked for in another dtype or row shape (a table
+            # batch's rows are int32 or int64) starts afresh at the size asked for.
+            grown = max(shape[0], 16, 2 * buf.shape[0] if same_kind else 0)
             buf = aligned_empty((grown,) + shape[1:], dtype)
             self._buffers[name] = buf
         return buf[:shape[0]]
