@@ -354,7 +354,7 @@ class TableBatch:
     ``act[a] = sum over o in out_ptr[a]:out_ptr[a+1] of gains[o] * table[rows[o]]``.
     """
 
-    rows: np.ndarray      # int64 [N] physical row
+    rows: np.ndarray      # int32 [N] physical row (int64 where a row reaches 2**31: ROW_TYPE_LIMIT)
     packed: np.ndarray    # int64 [N] activation row << 32 | the gain's float32 bits (kernels/occurrences.py)
     out_ptr: np.ndarray   # int64 [n_out + 1]
     n_out: int
@@ -372,6 +372,9 @@ class TableBatch:
         return packed_views(self.packed)[0]
 
 
+ROW_TYPE_LIMIT = 2 ** 31  # physical rows below this are int32 (half the bytes to write, sort and gather by)
+
+
 def build_table_batch(parts, workspace=None) -> TableBatch:
     """Concatenate features of one physical table (into ``workspace``'s arrays when given, else new ones).
 
@@ -385,10 +388,12 @@ def build_table_batch(parts, workspace=None) -> TableBatch:
     """
     n_out = 0
     n = 0
-    for batch, combiner, seq_len, row_offset, out_offset, _ in parts:
+    rows_end = 0
+    for batch, combiner, seq_len, row_offset, out_offset, vocabulary_size in parts:
         n += batch.ids.shape[0]
         n_out = out_offset + batch.batch_size * (seq_len if seq_len else 1)
-    rows = _array(workspace, "rows", n, np.int64)
+        rows_end = max(rows_end, row_offset + vocabulary_size)
+    rows = _array(workspace, "rows", n, np.int32 if rows_end <= ROW_TYPE_LIMIT else np.int64)
     packed = _array(workspace, "packed", n, np.int64)
     out_ptr = _array(workspace, "out_ptr", n_out + 1, np.int64)
     out_ptr[0] = 0

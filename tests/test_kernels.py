@@ -113,14 +113,17 @@ def test_count_non_finite_serial_and_parallel(dtype):
 
 @settings(max_examples=40, deadline=None)
 @given(st.integers(1, 2 ** 40), st.sampled_from([0, 1, 5, 300, 70_000]), st.integers(0, 2 ** 32),
-       st.sampled_from([1, 2]))
-def test_group_rows_is_unique_rows_with_the_occurrences_in_grouped_order(n_rows, n, seed, threads):
+       st.sampled_from([1, 2]), st.sampled_from([np.int32, np.int64]))
+def test_group_rows_is_unique_rows_with_the_occurrences_in_grouped_order(n_rows, n, seed, threads, row_type):
+    """Rows as int32 (a table batch's, below 2**31 rows) or int64, serial and parallel paths."""
     import numba
     from embedcore.kernels.dedup import group_rows
     from embedcore.kernels.occurrences import pack_occurrences, packed_views
+    if row_type == np.int32:
+        n_rows = min(n_rows, 2 ** 31)
     rng = np.random.default_rng(seed)
     rows = rng.integers(0, min(n_rows, max(1, n // 4 + 1)), n).astype(np.int64) * max(1, n_rows // (n // 4 + 1))
-    rows = np.minimum(rows, n_rows - 1)
+    rows = np.minimum(rows, n_rows - 1).astype(row_type)
     out_row = rng.integers(0, 2 ** 31 - 1, n)
     gains = rng.standard_normal(n).astype(np.float32)
     before = numba.get_num_threads()
@@ -373,13 +376,15 @@ def test_a_function_returning_complex_numbers_is_refused_at_construction():
 
 @pytest.mark.parametrize("n_rows, spread", [(1, 1), (5_000_000, 1), (2_000, 2_000), (3_000_000, 3_000_000),
                                             (2 ** 31, 2 ** 31)])
-def test_parallel_sort_with_no_one_or_several_passes(n_rows, spread):
-    """The parallel word sort when every digit is constant (no pass), one digit varies, or several do."""
+@pytest.mark.parametrize("row_type", [np.int32, np.int64])
+def test_parallel_sort_with_no_one_or_several_passes(n_rows, spread, row_type):
+    """The parallel word sort when every digit is constant (no pass), one digit varies, or several do, on
+    int32 rows (up to 2**31 - 1: the word's row half) and int64 rows."""
     import numba
     from embedcore.kernels.dedup import PARALLEL_MIN, group_rows
     rng = np.random.default_rng(n_rows)
     n = PARALLEL_MIN + 17
-    rows = np.minimum(n_rows - 1, rng.integers(0, spread, n) + (n_rows - spread))
+    rows = np.minimum(n_rows - 1, rng.integers(0, spread, n) + (n_rows - spread)).astype(row_type)
     packed = rng.integers(-2 ** 62, 2 ** 62, n)
     before = numba.get_num_threads()
     numba.set_num_threads(min(2, numba.config.NUMBA_NUM_THREADS))
@@ -416,10 +421,11 @@ def test_runs_of_sorted_words_split_among_parts(n, vocabulary, n_parts, seed):
 
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 3_000), st.integers(1, 5_000), st.sampled_from([1, 3, 40, 10 ** 6])),
-                min_size=1, max_size=9), st.integers(0, 2 ** 32))
-def test_grouping_block_by_block_equals_the_global_sort(spec, seed):
+                min_size=1, max_size=9), st.integers(0, 2 ** 32), st.sampled_from([np.int32, np.int64]))
+def test_grouping_block_by_block_equals_the_global_sort(spec, seed, row_type):
     """Blocks of disjoint, increasing row ranges grouped one by one (hashed, or sorted once a block holds
-    too many distinct rows, or empty) give exactly the global sort's unique rows, offsets and payloads."""
+    too many distinct rows, or empty) give exactly the global sort's unique rows, offsets and payloads,
+    for int32 and int64 rows."""
     from embedcore.kernels import dedup
     rng = np.random.default_rng(seed)
     parts, starts, base = [], [0], 0
@@ -428,10 +434,10 @@ def test_grouping_block_by_block_equals_the_global_sort(spec, seed):
         parts.append(base + ids)
         starts.append(starts[-1] + size)
         base += vocabulary
-    rows = np.concatenate(parts).astype(np.int64)
+    rows = np.concatenate(parts).astype(row_type)
     blocks = np.array(starts, np.int64)
     packed = rng.integers(-2 ** 62, 2 ** 62, rows.shape[0])
-    expected = dedup._sort(rows, base, packed, False, Workspace())
+    expected = dedup._sort(rows.astype(np.int64), base, packed, False, Workspace())
     workspace = Workspace()
     for _ in range(2):  # a second call reuses the workspace's tables
         got = dedup._group_by_blocks(rows, base, packed, blocks, workspace)[:3]
@@ -464,6 +470,23 @@ def test_table_batches_mark_blocks_of_disjoint_row_ranges():
     assert tb.blocks is None  # row ranges decreasing: the global sort
     tb = inputs.build_table_batch([part([1], 0, 10, 0), part([3], 10, 7, 1), part([2], 0, 10, 2)])
     assert tb.blocks is None  # a table's features apart
+
+
+def test_table_batch_rows_are_int32_below_2_31_rows_and_int64_from_there():
+    """Physical rows take 4 bytes while the batch's row ranges end at or below 2**31, else 8; the rows are
+    the same either way (a stacked table's offset pushing the last feature's rows past 2**31 - 1)."""
+    from embedcore import inputs
+    def part(ids, row_offset, vocabulary, out_offset):
+        batch = inputs.to_feature_batch(np.array(ids, np.int64), None, "f", vocabulary)
+        return batch, "sum", 0, row_offset, out_offset, vocabulary
+    tb = inputs.build_table_batch([part([0, 5], 0, 10, 0), part([2 ** 31 - 11], 10, 2 ** 31 - 10, 2)])
+    assert tb.rows.dtype == np.int32 and tb.rows.tolist() == [0, 5, 2 ** 31 - 1]
+    tb = inputs.build_table_batch([part([0, 5], 0, 10, 0), part([2 ** 31 - 10], 10, 2 ** 31 - 9, 2)])
+    assert tb.rows.dtype == np.int64 and tb.rows.tolist() == [0, 5, 2 ** 31]
+    workspace = Workspace()  # one workspace, both kinds in turn
+    for vocabulary in (2 ** 31 - 10, 2 ** 31, 2 ** 31 - 10):
+        tb = inputs.build_table_batch([part([0, 5], 0, 10, 0), part([7], 10, vocabulary, 2)], workspace)
+        assert tb.rows.tolist() == [0, 5, 17]
 
 
 def test_stacked_tables_train_the_same_whichever_way_occurrences_are_grouped(monkeypatch):
@@ -525,12 +548,14 @@ def test_clustered_hashes_and_many_distinct_rows_fall_back_to_sorting_and_later_
     blocks = np.array([0, m, 2 * m], np.int64)
     packed = rng.integers(-2 ** 62, 2 ** 62, rows.shape[0])
     workspace = Workspace()
-    uniq, ptr, sorted_packed, n_sorted = dedup._group_by_blocks(rows, 1 << 23, packed, blocks, workspace)
-    assert n_sorted == 1  # the clustered block; the other hashed
-    expected, counts = np.unique(rows, return_counts=True)
-    np.testing.assert_array_equal(uniq, expected)
-    np.testing.assert_array_equal(np.diff(ptr), counts)
-    np.testing.assert_array_equal(sorted_packed, packed[np.argsort(rows, kind="stable")])
+    for row_type in (np.int64, np.int32):
+        typed = rows.astype(row_type)
+        uniq, ptr, sorted_packed, n_sorted = dedup._group_by_blocks(typed, 1 << 23, packed, blocks, workspace)
+        assert n_sorted == 1  # the clustered block; the other hashed
+        expected, counts = np.unique(rows, return_counts=True)
+        np.testing.assert_array_equal(uniq, expected)
+        np.testing.assert_array_equal(np.diff(ptr), counts)
+        np.testing.assert_array_equal(sorted_packed, packed[np.argsort(rows, kind="stable")])
 
     # The memory of the fallback, whatever the thread count (the block path itself is forced here).
     monkeypatch.setattr(dedup, "_blocks_worth_it", lambda *a: True)

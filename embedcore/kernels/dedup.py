@@ -133,7 +133,7 @@ def _word_scatter(rows, words, first, last, payload, index_payload, lo, hi, shif
             key = rows[_U(i)]
             d = (key >> shift) & (_RADIX - 1)
             at = _U(offsets[d])
-            out[at] = (key << 32) | i
+            out[at] = (np.int64(key) << 32) | i
             if last:
                 if index_payload:
                     out_payload[at] = i
@@ -167,7 +167,7 @@ def _sort_words(rows, n_bits, payload, index_payload, words_a, words_b, out_payl
               if not _digit_is_constant(rows, shift)]  # the rows decide, whatever their order so far
     if len(shifts) == 0:  # the rows are all equal: the words, and the payloads, stay in input order
         for i in prange(n):
-            words_a[i] = (rows[i] << 32) | i
+            words_a[i] = (np.int64(rows[i]) << 32) | i
             if index_payload:
                 out_payload[i] = i
             else:
@@ -314,7 +314,7 @@ def _hash_block(rows, payload, lo, hi, limit, bits, t, keys, ids, sid, first, co
         counts[_U(lo + u)] += 1
     if abort:
         return -1
-    sorted_rows, perm = _sort_serial(first[lo:lo + n_unique], first[lo:lo + n_unique], True, n_bits,
+    sorted_rows, perm = _sort_serial(first[lo:lo + n_unique], perm_a[lo:lo + n_unique], True, n_bits,
                                      sort_a[lo:lo + n_unique], perm_a[lo:lo + n_unique],
                                      sort_b[lo:lo + n_unique], perm_b[lo:lo + n_unique])
     at = lo
@@ -429,9 +429,10 @@ def _group_by_blocks(rows, n_rows, payload, blocks, workspace):
     limits, table_bits, table_lo, n_slots, schedule, schedule_ptr = _block_layout(blocks, numba.get_num_threads(),
                                                                                   workspace)
     keys = workspace.array("hash_keys", n_slots, np.int64)
-    arrays = [workspace.array(name, n, np.int64) for name in (  # all shared with _sort's paths
-        "sort_words_a", "sort_words_b", "sort_keys_a", "sort_payload_a", "sort_keys_b", "sort_payload_b",
-        "sorted_payload", "uniq")]
+    arrays = [workspace.array(name, n, dtype) for name, dtype in (  # all shared with _sort's paths
+        ("hash_first", rows.dtype), ("sort_words_b", np.int64), ("sort_keys_a", rows.dtype),
+        ("sort_payload_a", np.int64), ("sort_keys_b", rows.dtype), ("sort_payload_b", np.int64),
+        ("sorted_payload", np.int64), ("uniq", np.int64))]
     ptr = workspace.array("ptr", n + 1, np.int64)
     n_bits = max(1, int(n_rows - 1).bit_length())
     n_unique, n_sorted = _group_blocks(rows, payload, blocks, schedule, schedule_ptr, limits, table_lo, table_bits,
@@ -455,18 +456,30 @@ def _sort(rows, n_rows, payload, index_payload, workspace):
         n_unique = _group_words(words, uniq, ptr, threads)
         return uniq[:n_unique], ptr[:n_unique + 1], sorted_payload
     # Small batches (and tables of more than 2**31 rows): a serial sort carrying a key and a payload.
-    buffers = [workspace.array(name, n, np.int64) for name in ("sort_keys_a", "sort_payload_a", "sort_keys_b",
-                                                               "sort_payload_b")]
+    buffers = [workspace.array(name, n, dtype) for name, dtype in (
+        ("sort_keys_a", rows.dtype), ("sort_payload_a", np.int64), ("sort_keys_b", rows.dtype),
+        ("sort_payload_b", np.int64))]
     sorted_keys, sorted_payload = _sort_serial(rows, payload, index_payload, n_bits, *buffers)
     n_unique = _group(sorted_keys, uniq, ptr)
     return uniq[:n_unique], ptr[:n_unique + 1], sorted_payload
 
 
 
+def _row_array(rows):
+    """``rows`` as a contiguous int32 or int64 array (the kernels take both; other types become int64)."""
+    rows = np.ascontiguousarray(rows)
+    return rows if rows.dtype in _ROW_TYPES else rows.astype(np.int64)
+
+
+_ROW_TYPES = (np.dtype(np.int32), np.dtype(np.int64))
+_NO_PAYLOAD = np.zeros(0, np.int64)
+
+
 def unique_rows(rows: np.ndarray, n_rows: int, workspace):
-    """``(uniq, ptr, order)`` for int64 ``rows`` in ``[0, n_rows)``; buffers come from a ``Workspace``."""
-    rows = np.ascontiguousarray(rows, np.int64)
-    return _sort(rows, n_rows, rows, True, workspace)
+    """``(uniq, ptr, order)`` for int32 or int64 ``rows`` in ``[0, n_rows)`` (``uniq``, ``ptr`` and ``order``
+    int64); buffers come from a ``Workspace``."""
+    rows = _row_array(rows)
+    return _sort(rows, n_rows, _NO_PAYLOAD, True, workspace)  # the indices are the payload
 
 
 def group_rows(rows: np.ndarray, n_rows: int, packed: np.ndarray, workspace, blocks=None):
@@ -476,7 +489,7 @@ def group_rows(rows: np.ndarray, n_rows: int, packed: np.ndarray, workspace, blo
 
     ``blocks`` (optional, int64 occurrence offsets ``[0, ..., n]``): every block's rows lie below the next
     block's, so the blocks can be grouped independently (see ``_group_blocks``); the result is the same."""
-    rows = np.ascontiguousarray(rows, np.int64)
+    rows = _row_array(rows)
     packed = np.ascontiguousarray(packed, np.int64)
     if blocks is not None:
         blocks = np.asarray(blocks)
