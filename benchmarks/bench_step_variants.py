@@ -1,0 +1,117 @@
+"""Whole training steps under two variants of one engine choice, alternating in one process.
+
+Run from the repository root::
+
+    python benchmarks/bench_step_variants.py --variant prefetch|range-check|row-type
+        [--workload tbe|update] [--optimizer rowwise_adagrad] [--rounds 30] [--steps 4]
+
+On this machine runs minutes apart differ by 30% or more, so a change is measured by running the shipped
+choice and the one it replaced in the same process, round by round (the order flipped every round), on the
+same batches. Each round first runs one untimed step (it lets a choice that depends on the previous step
+settle, and takes the reallocation of workspace arrays whose dtype changed), then times ``steps`` steps as
+the harness does (lookup + ``apply_gradients``). It prints the medians of the step and of its lookup and
+``apply_gradients`` per variant. The tables' values do not depend on the variant; only time does.
+
+Variants (the shipped one first):
+
+* ``prefetch``: the lookup's row prefetch chosen per table from the last update
+  (``kernels.prefetch.rows_stay_cached``), against prefetch always;
+* ``range-check``: ids range-checked in the layout pass (``inputs.build_table_batch``), against a separate
+  check of every feature's ids before it (``to_feature_batch(check_range=True)``; the layout's check then
+  runs too, on ids already known good);
+* ``row-type``: a table batch's physical rows as int32 (``inputs.ROW_TYPE_LIMIT``), against int64.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("GOMP_SPINCOUNT", "100000")  # the harness's default OpenMP waiting
+
+try:
+    import embedcore  # noqa: F401
+except ImportError:  # running from a checkout without installing
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
+
+import numba
+
+from embedcore import engine, inputs
+from embedcore.bench.contenders.embedcore_engine import EmbedcoreContender
+from embedcore.bench.workloads import make_batches, make_optim, tbe_workload, update_workload
+
+
+def _prefetch():
+    chosen = engine.rows_stay_cached
+    rule = {"now": chosen}
+    engine.rows_stay_cached = lambda *a: rule["now"](*a)
+    return {"chosen per table": lambda: rule.update(now=chosen),
+            "always": lambda: rule.update(now=lambda *a: False)}
+
+
+def _range_check():
+    build = inputs.to_feature_batch
+    separate = {"now": False}
+
+    def to_feature_batch(*args, check_range=True, **kwargs):
+        return build(*args, check_range=check_range or separate["now"], **kwargs)
+    inputs.to_feature_batch = to_feature_batch
+    return {"in the layout": lambda: separate.update(now=False),
+            "separate pass": lambda: separate.update(now=True)}
+
+
+def _row_type():
+    limit = inputs.ROW_TYPE_LIMIT
+    return {"int32": lambda: setattr(inputs, "ROW_TYPE_LIMIT", limit),
+            "int64": lambda: setattr(inputs, "ROW_TYPE_LIMIT", 0)}
+
+
+VARIANTS = {"prefetch": _prefetch, "range-check": _range_check, "row-type": _row_type}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--variant", required=True, choices=list(VARIANTS))
+    parser.add_argument("--workload", default="tbe", choices=("tbe", "update"))
+    parser.add_argument("--optimizer", default="rowwise_adagrad", choices=("sgd", "adagrad", "rowwise_adagrad"))
+    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args(argv)
+    variants = VARIANTS[args.variant]()
+
+    make = tbe_workload if args.workload == "tbe" else update_workload
+    w = make(optim=make_optim(args.optimizer), n_batches=3)
+    batches = make_batches(w)
+    contender = EmbedcoreContender.on_workload(w, args.threads)
+    for switch in variants.values():  # compile every kernel either variant takes, and warm up
+        switch()
+        for batch in batches:
+            contender.run(contender.prepare(batch))
+    names = list(variants)
+    times = {name: {"step": [], "lookup": [], "apply_gradients": []} for name in names}
+    for r in range(args.rounds):
+        for name in (names if r % 2 else names[::-1]):
+            variants[name]()
+            contender.run(contender.prepare(batches[0]))
+            for s in range(args.steps):
+                prepared = contender.prepare(batches[(s + 1) % len(batches)])
+                t0 = time.perf_counter()
+                phases = contender.run(prepared)
+                times[name]["step"].append(time.perf_counter() - t0)
+                for phase in ("lookup", "apply_gradients"):
+                    times[name][phase].append(phases.get(phase, 0.0))
+    print(f"{w.label}: {args.variant}, {args.rounds} rounds x {args.steps} steps per variant, alternating, "
+          f"Numba {numba.get_num_threads()} threads, GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT')}")
+    for name in names:
+        medians = {phase: 1e3 * statistics.median(values) for phase, values in times[name].items()}
+        print(f"  {name:17s} step median {medians['step']:.3f} ms, lookup {medians['lookup']:.3f} ms, "
+              f"apply_gradients {medians['apply_gradients']:.3f} ms")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
