@@ -200,7 +200,7 @@ class TableLookup:
                 leases.append((group.batch_pool, workspace))
                 try:
                     tb = inputs.build_table_batch(group_parts, workspace)
-                except InputError:  # an id out of range: no gather has run, the workspaces go back
+                except BaseException:  # an id out of range, say: no gather has run, the workspaces go back
                     _return_leases(leases)
                     raise
             act = group.activation_pool.empty((tb.n_out if tb else 0, group.dim), np.float32)  # all written

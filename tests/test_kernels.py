@@ -487,6 +487,7 @@ def test_table_batch_rows_are_int32_below_2_31_rows_and_int64_from_there():
     for vocabulary in (2 ** 31 - 10, 2 ** 31, 2 ** 31 - 10):
         tb = inputs.build_table_batch([part([0, 5], 0, 10, 0), part([7], 10, vocabulary, 2)], workspace)
         assert tb.rows.tolist() == [0, 5, 17]
+        assert tb.rows.dtype == (np.int64 if vocabulary == 2 ** 31 else np.int32)
 
 
 def test_stacked_tables_train_the_same_whichever_way_occurrences_are_grouped(monkeypatch):

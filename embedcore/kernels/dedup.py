@@ -464,7 +464,6 @@ def _sort(rows, n_rows, payload, index_payload, workspace):
     return uniq[:n_unique], ptr[:n_unique + 1], sorted_payload
 
 
-
 def _row_array(rows):
     """``rows`` as a contiguous int32 or int64 array (the kernels take both; other types become int64)."""
     rows = np.ascontiguousarray(rows)
