@@ -55,12 +55,12 @@ def test_every_contender_that_ran_is_in_the_table_and_the_json(quick):
     stdout, result, _ = quick
     table = stdout[stdout.index("RESULTS"):]
     blocks = table.split("\n\n")
-    loaded = [n for n in ("embedcore", "fbgemm", "torch", "jax", "tensorflow", "numpy")
-              if n not in result["skipped_contenders"]]
-    assert "embedcore" in loaded and "numpy" in loaded
+    loaded = [n for n in ("embedcore", "embedcore-custom", "embedcore-skip", "fbgemm", "torch", "jax", "tensorflow",
+                          "numpy") if n not in result["skipped_contenders"]]
+    assert {"embedcore", "embedcore-custom", "embedcore-skip", "numpy"} <= set(loaded)
     for case in result["cases"]:
         ran = _ran(case)
-        assert "embedcore" in ran and "numpy" in ran
+        assert {"embedcore", "embedcore-skip", "numpy"} <= set(ran)
         # every loaded contender either ran or says why not
         for name in loaded:
             assert name in ran or name in case["skipped"], (case["label"], name)
@@ -94,6 +94,22 @@ def test_contenders_agree_on_tables_states_and_outputs(quick):
     if "fbgemm" not in result["skipped_contenders"]:
         assert "fbgemm" in ran  # embedcore vs NumPy reference vs FBGEMM, same batches
 
+
+
+def test_the_skip_contender_is_the_engine_without_the_gradient_pass():
+    """embedcore-skip differs from embedcore only in non_finite: same optimizer, same tables, same steps."""
+    from embedcore.bench.contenders.embedcore_engine import EmbedcoreContender, EmbedcoreSkipContender
+    from embedcore.bench.workloads import tbe_workload
+    w = tbe_workload(T=2, E=40, D=8, B=4, L=3, optim=make_optim("rowwise_adagrad"), n_batches=2)
+    plain, skip = (cls.on_workload(w, 1) for cls in (EmbedcoreContender, EmbedcoreSkipContender))
+    assert (plain.emb.non_finite, skip.emb.non_finite) == ("raise", "skip")
+    for batch in make_batches(w):
+        for c in (plain, skip):
+            c.run(c.prepare(batch))
+    for t in range(w.T):
+        np.testing.assert_array_equal(plain.table(t), skip.table(t))
+        np.testing.assert_array_equal(plain.slots(t)[0], skip.slots(t)[0])
+    assert float(np.abs(plain.table(0)).max()) > 0  # the steps changed the tables
 
 # ----------------------------------------------------------------------------------------------------------
 # The reference math, against a per-row loop written from the formulas

@@ -75,8 +75,8 @@ def _parser():
                    help="tiny shapes, few steps, small probes (a smoke test in seconds); explicit options win")
     p.add_argument("--out", default="runs/bench", help="folder for bench.json and bench.png")
     p.add_argument("--contenders", default="default",
-                   help="comma list of embedcore, embedcore-custom, embedcore-torch, fbgemm, torch, jax, tensorflow, "
-                        "numpy; 'default' = all but embedcore-torch; 'all'")
+                   help="comma list of embedcore, embedcore-custom, embedcore-skip, embedcore-torch, fbgemm, torch, "
+                        "jax, tensorflow, numpy; 'default' = all but embedcore-torch; 'all'")
     p.add_argument("--workloads", default="tbe,update,lookup,sweep-rows,sweep-ids",
                    help="which of tbe, update, lookup, sweep-rows, sweep-ids to run (lookup: the update "
                         "workload's shape, the pooled lookup alone)")

@@ -222,10 +222,10 @@ def plot(result, path):
         for n, rec in case["contenders"].items():
             if "median_ms" in rec and n not in names:
                 names.append(n)
-    colors = {n: c for n, c in zip(["embedcore", "embedcore-custom", "embedcore-torch", "fbgemm", "torch", "jax",
-                                    "tensorflow", "numpy"],
-                                   ["#c0392b", "#f5b7b1", "#e67e22", "#2980b9", "#8e44ad", "#27ae60", "#f1c40f",
-                                    "#7f8c8d"])}
+    colors = {n: c for n, c in zip(["embedcore", "embedcore-custom", "embedcore-skip", "embedcore-torch", "fbgemm",
+                                    "torch", "jax", "tensorflow", "numpy"],
+                                   ["#c0392b", "#f5b7b1", "#922b21", "#e67e22", "#2980b9", "#8e44ad", "#27ae60",
+                                    "#f1c40f", "#7f8c8d"])}
     labels = [c["label"].split(": ", 1)[0] + ": " + c["workload"]["optimizer"] +
               (" w" if c["workload"]["weighted"] else "") for c in cases]
     width = 0.8 / max(1, len(names))

@@ -76,6 +76,7 @@ class Contender:
 REGISTRY = {
     "embedcore": ("embedcore_engine", "EmbedcoreContender"),
     "embedcore-custom": ("embedcore_custom", "EmbedcoreCustomContender"),
+    "embedcore-skip": ("embedcore_engine", "EmbedcoreSkipContender"),
     "embedcore-torch": ("embedcore_torch", "EmbedcoreTorchContender"),
     "fbgemm": ("fbgemm_tbe", "FbgemmContender"),
     "torch": ("torch_bag", "TorchBagContender"),
@@ -83,7 +84,7 @@ REGISTRY = {
     "tensorflow": ("tf_sparse", "TensorflowContender"),
     "numpy": ("numpy_ref", "NumpyContender"),
 }
-DEFAULT = ("embedcore", "embedcore-custom", "fbgemm", "torch", "jax", "tensorflow", "numpy")
+DEFAULT = ("embedcore", "embedcore-custom", "embedcore-skip", "fbgemm", "torch", "jax", "tensorflow", "numpy")
 
 
 def load(name: str, threads: int) -> Contender:

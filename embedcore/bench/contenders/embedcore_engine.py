@@ -140,3 +140,25 @@ class EmbedcoreContender(Contender):
 
     def close(self):
         self.emb = None
+
+
+class EmbedcoreSkipContender(EmbedcoreContender):
+    """The ``embedcore`` contender with ``Embedding(non_finite="skip")``: the price of refusing NaN/Inf
+    gradients up front, measured beside the default.
+
+    By default ``apply_gradients`` reads every gradient value once before it changes anything, so that a
+    NaN/Inf gradient is refused with tables, slots and ``step`` unchanged. With ``"skip"`` there is no such
+    pass: the fused kernel finds a non-finite summed gradient as it reads the row, and leaves that row
+    unchanged (no NaN is written either way). For finite gradients the results are the same, which the
+    harness checks; the update shape's gradients are larger than the caches, so there the pass is a second
+    read of them from memory."""
+
+    kinds = ("train", "update")  # a lookup does not read gradients
+    name = "embedcore-skip"
+    label = "embedcore non_finite=skip"
+    measures = ("as embedcore, with Embedding(non_finite='skip'): no pass over the gradients before the update; "
+                "rows whose summed gradient is NaN/Inf are skipped in the fused kernel and reported")
+
+    def _build(self, w):
+        opt, self.slot_names = embedcore_optimizer(w.optim)
+        return ec.Embedding(self._features(w), opt, non_finite="skip")
