@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 
+import numba
 import numpy as np
 import pytest
 
@@ -101,7 +102,9 @@ def test_the_skip_contender_is_the_engine_without_the_gradient_pass():
     from embedcore.bench.contenders.embedcore_engine import EmbedcoreContender, EmbedcoreSkipContender
     from embedcore.bench.workloads import tbe_workload
     w = tbe_workload(T=2, E=40, D=8, B=4, L=3, optim=make_optim("rowwise_adagrad"), n_batches=2)
-    plain, skip = (cls.on_workload(w, 1) for cls in (EmbedcoreContender, EmbedcoreSkipContender))
+    threads = numba.get_num_threads()  # on_workload sets Numba's thread count: keep this process's
+    plain, skip = (cls.on_workload(w, threads) for cls in (EmbedcoreContender, EmbedcoreSkipContender))
+    assert numba.get_num_threads() == threads
     assert (plain.emb.non_finite, skip.emb.non_finite) == ("raise", "skip")
     for batch in make_batches(w):
         for c in (plain, skip):
