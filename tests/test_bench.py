@@ -96,7 +96,6 @@ def test_contenders_agree_on_tables_states_and_outputs(quick):
         assert "fbgemm" in ran  # embedcore vs NumPy reference vs FBGEMM, same batches
 
 
-
 def test_the_skip_contender_is_the_engine_without_the_gradient_pass():
     """embedcore-skip differs from embedcore only in non_finite: same optimizer, same tables, same steps."""
     from embedcore.bench.contenders.embedcore_engine import EmbedcoreContender, EmbedcoreSkipContender
@@ -113,6 +112,7 @@ def test_the_skip_contender_is_the_engine_without_the_gradient_pass():
         np.testing.assert_array_equal(plain.table(t), skip.table(t))
         np.testing.assert_array_equal(plain.slots(t)[0], skip.slots(t)[0])
     assert float(np.abs(plain.table(0)).max()) > 0  # the steps changed the tables
+
 
 # ----------------------------------------------------------------------------------------------------------
 # The reference math, against a per-row loop written from the formulas

@@ -51,6 +51,7 @@ class EmbedcoreContender(Contender):
                 "gather+sum pooling, dedup, fused gradient reduction + optimizer, in place (update-only: "
                 "apply_gradients alone, the lookup untimed)")
     optimizers = ("sgd", "adagrad", "rowwise_adagrad", "adam")
+    non_finite = "raise"  # Embedding(non_finite=...): the engine's default
 
     def load(self):
         import numba
@@ -75,7 +76,7 @@ class EmbedcoreContender(Contender):
 
     def _build(self, w):
         opt, self.slot_names = embedcore_optimizer(w.optim)
-        return ec.Embedding(self._features(w), opt)
+        return ec.Embedding(self._features(w), opt, non_finite=self.non_finite)
 
     def setup(self, w, init):
         self.w = w
@@ -158,7 +159,4 @@ class EmbedcoreSkipContender(EmbedcoreContender):
     label = "embedcore non_finite=skip"
     measures = ("as embedcore, with Embedding(non_finite='skip'): no pass over the gradients before the update; "
                 "rows whose summed gradient is NaN/Inf are skipped in the fused kernel and reported")
-
-    def _build(self, w):
-        opt, self.slot_names = embedcore_optimizer(w.optim)
-        return ec.Embedding(self._features(w), opt, non_finite="skip")
+    non_finite = "skip"
