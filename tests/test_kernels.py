@@ -218,6 +218,57 @@ def test_kernels_compiled_for_a_row_length_compute_the_same_bits(dim):
             np.testing.assert_array_equal(s0, s1)
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from([16, 32, 48, 64, 128]), st.integers(1, 6), st.lists(st.integers(0, 11), min_size=1, max_size=12),
+       st.sampled_from([np.int32, np.int64]), st.booleans(), st.booleans(), st.integers(0, 2 ** 32))
+def test_sums_in_registers_are_the_in_memory_sums_bit_for_bit(dim, n_rows, lengths, row_type, packed_gains,
+                                                              prefetch, seed):
+    """The gather compiled for a row length sums each bag in vector registers (kernels/row_vector.py): the
+    same bits as the in-memory sum of the any-length kernel and as the documented order, for empty bags,
+    bags of 1-11 ids (groups of four and the rest), few distinct rows (duplicates), zero, negative and -0.0
+    gains, int32 or int64 rows, gains read as a strided view of the packed occurrences; each bag's row is
+    written whole and nothing else."""
+    from embedcore.kernels.occurrences import pack_occurrences
+    from embedcore.kernels.rows import ROWS_AHEAD, _gather_any_dim, gather_kernel
+    from embedcore.inputs import packed_views
+    rng = np.random.default_rng(seed)
+    table = rng.standard_normal((n_rows, dim)).astype(np.float32)
+    table[rng.random(table.shape) < 0.05] = -0.0
+    out_ptr = np.concatenate(([0], np.cumsum(lengths))).astype(np.int64)
+    n = int(out_ptr[-1])
+    rows = rng.integers(0, n_rows, n).astype(row_type)
+    gains = rng.choice(np.array([0.0, -0.0, 1.0, -2.5, 0.3], np.float32), n)
+    if packed_gains:
+        gains = packed_views(pack_occurrences(np.zeros(n, np.int64), gains))[1]
+        assert not gains.flags.c_contiguous
+    fixed = np.full((len(lengths) + 1, dim), np.nan, np.float32)  # one row more: never written
+    any_length = np.full((len(lengths), dim), np.nan, np.float32)
+    gather_kernel(dim, prefetch)(table, rows, gains, out_ptr, fixed[:-1])
+    _gather_any_dim(table, rows, gains, out_ptr, any_length, ROWS_AHEAD if prefetch else 0)
+    np.testing.assert_array_equal(fixed[:-1].view(np.int32), any_length.view(np.int32))
+    assert np.isnan(fixed[-1]).all()
+    for a in range(len(lengths)):
+        lo, hi = out_ptr[a], out_ptr[a + 1]
+        np.testing.assert_array_equal(fixed[a], _weighted_sum_reference(gains[lo:hi], table[rows[lo:hi]]))
+
+
+def test_sums_over_rows_that_are_not_contiguous_are_summed_in_memory():
+    """A kernel compiled for a row length, given a table whose rows are not C-contiguous (a strided view),
+    takes the in-memory sum (its register loads assume contiguous rows) and computes the same values."""
+    from embedcore.kernels.rows import gather_kernel
+    rng = np.random.default_rng(1)
+    base = rng.standard_normal((20, 32)).astype(np.float32)
+    table = base[::2]
+    out_ptr = np.array([0, 5, 5, 6], np.int64)
+    rows = rng.integers(0, 10, 6).astype(np.int64)
+    gains = rng.standard_normal(6).astype(np.float32)
+    act = np.zeros((3, 32), np.float32)
+    gather_kernel(32)(table, rows, gains, out_ptr, act)
+    for a in range(3):
+        lo, hi = out_ptr[a], out_ptr[a + 1]
+        np.testing.assert_array_equal(act[a], _weighted_sum_reference(gains[lo:hi], table[rows[lo:hi]]))
+
+
 def test_a_kernel_compiled_for_one_row_length_refuses_other_rows():
     from embedcore.kernels.rows import fixed_length, gather_kernel
     from embedcore.kernels.update import fused_update_kernel

@@ -9,11 +9,11 @@ never changes a value; it only changes timing.
 """
 
 from llvmlite import ir
-from numba import types
+from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-__all__ = ["prefetch", "prefetch_row", "rows_stay_cached", "CACHE_LINE_FLOATS", "REUSE_MIN", "CACHED_BYTES_MAX"]
+__all__ = ["prefetch", "prefetch_row", "prefetch_rows_ahead", "rows_stay_cached", "CACHE_LINE_FLOATS", "REUSE_MIN", "CACHED_BYTES_MAX"]
 
 CACHE_LINE_FLOATS = 16  # 64-byte cache lines of float32
 
@@ -66,6 +66,15 @@ def _prefetch_row_impl(array, row):
         if n:
             prefetch(array, row, n - 1)  # a row not starting on a line boundary spans one more line
     return impl
+
+
+@njit(inline="always")
+def prefetch_rows_ahead(src, index, k, n, ahead, count):
+    """Prefetch ``src[index[k + ahead + i]]`` for ``i`` in ``range(count)`` that lie before ``n``: the rows
+    of the ``count`` occurrences a loop over ``index`` will read ``ahead`` places on."""
+    for i in range(count):
+        if k + ahead + i < n:
+            prefetch_row(src, index[k + ahead + i])
 
 
 REUSE_MIN = 8                  # occurrences per distinct row, at least, for rows_stay_cached

@@ -13,7 +13,10 @@ is fixed by the occurrences' order alone, so results do not depend on the number
 lookup, the fused update and the sharded engine's reductions all compute the same sums.
 
 Rows that fill whole 64-byte lines (:func:`fixed_length`) get kernels compiled for their length, the lookup's
-here (:func:`gather_kernel`) and the update's in :mod:`embedcore.kernels.update`; the sums are the same.
+here (:func:`gather_kernel`) and the update's in :mod:`embedcore.kernels.update`. They sum with
+:func:`weighted_sum_fixed`, which keeps the running sum in vector registers
+(:mod:`embedcore.kernels.row_vector`) instead of passing over the destination row for every four
+occurrences; the sums are the same, bit for bit.
 In such kernels a plain copy loop over a row compiles to scalar code; :func:`copy_row` is the row copy
 that vectorises, which the update kernels use.
 """
@@ -21,22 +24,19 @@ that vectorises, which the update kernels use.
 import numpy as np
 from numba import njit, prange
 
-from ..compile_cache import jit_source
-from .prefetch import CACHE_LINE_FLOATS, prefetch_row
+from numba import types
+from numba.extending import overload
 
-__all__ = ["weighted_sum", "copy_row", "gather_combine", "gather_kernel", "fixed_length", "sum_gradients",
+from ..compile_cache import jit_source
+from .prefetch import CACHE_LINE_FLOATS, prefetch_rows_ahead
+from .row_vector import block_width, weighted_sum_registers
+
+__all__ = ["weighted_sum", "weighted_sum_fixed", "copy_row", "gather_combine", "gather_kernel", "fixed_length", "sum_gradients",
            "count_non_finite", "ROWS_AHEAD"]
 
 ROWS_AHEAD = 16  # occurrences whose source rows are prefetched ahead of the current one (8 -> 16: lookup of
                  # the update shape, rows from DRAM, -7%; TBE lookups 0 to -9%; 32 was slower on DRAM rows)
 _U = np.uint64
-
-
-@njit(cache=True, inline="always")
-def _prefetch_sources(src, index, k, n, ahead, count):
-    for i in range(count):
-        if k + ahead + i < n:
-            prefetch_row(src, index[k + ahead + i])
 
 
 @njit(cache=True, inline="always")
@@ -56,7 +56,7 @@ def weighted_sum(dst, d, lo, hi, index, gain, src, ahead, dim):
     k = lo
     if hi - lo >= 4:  # the first group or occurrence initialises the row: no separate zeroing pass
         if ahead:
-            _prefetch_sources(src, index, k, n, ahead, 4)
+            prefetch_rows_ahead(src, index, k, n, ahead, 4)
         ku = _U(k)
         w0, w1, w2, w3 = gain[ku], gain[ku + _U(1)], gain[ku + _U(2)], gain[ku + _U(3)]
         r0, r1, r2, r3 = _U(index[ku]), _U(index[ku + _U(1)]), _U(index[ku + _U(2)]), _U(index[ku + _U(3)])
@@ -66,7 +66,7 @@ def weighted_sum(dst, d, lo, hi, index, gain, src, ahead, dim):
         k += 4
     elif hi > lo:
         if ahead:
-            _prefetch_sources(src, index, k, n, ahead, 1)
+            prefetch_rows_ahead(src, index, k, n, ahead, 1)
         ku = _U(k)
         w = gain[ku]
         r = _U(index[ku])
@@ -80,7 +80,7 @@ def weighted_sum(dst, d, lo, hi, index, gain, src, ahead, dim):
         return
     while k + 3 < hi:
         if ahead:
-            _prefetch_sources(src, index, k, n, ahead, 4)
+            prefetch_rows_ahead(src, index, k, n, ahead, 4)
         ku = _U(k)
         w0, w1, w2, w3 = gain[ku], gain[ku + _U(1)], gain[ku + _U(2)], gain[ku + _U(3)]
         r0, r1, r2, r3 = _U(index[ku]), _U(index[ku + _U(1)]), _U(index[ku + _U(2)]), _U(index[ku + _U(3)])
@@ -90,7 +90,7 @@ def weighted_sum(dst, d, lo, hi, index, gain, src, ahead, dim):
         k += 4
     while k < hi:
         if ahead:
-            _prefetch_sources(src, index, k, n, ahead, 1)
+            prefetch_rows_ahead(src, index, k, n, ahead, 1)
         ku = _U(k)
         w = gain[ku]
         r = _U(index[ku])
@@ -98,6 +98,31 @@ def weighted_sum(dst, d, lo, hi, index, gain, src, ahead, dim):
             ju = _U(j)
             dst[du, ju] += w * src[r, ju]
         k += 1
+
+
+def weighted_sum_fixed(dst, d, lo, hi, index, gain, src, ahead, dim, width):
+    """:func:`weighted_sum` in a kernel compiled for rows of ``dim`` values (``width`` from
+    :func:`~embedcore.kernels.row_vector.block_width`, both constants): the running sum is kept in
+    registers (:func:`~embedcore.kernels.row_vector.weighted_sum_registers`, bit-identical) when ``dst`` and
+    ``src`` are C-contiguous float32 rows, else :func:`weighted_sum` (jitted code only)."""
+    raise NotImplementedError("only callable from jitted code")
+
+
+def _contiguous_float32_rows(array):
+    return (isinstance(array, types.Array) and array.ndim == 2 and array.layout == "C"
+            and array.dtype == types.float32)
+
+
+@overload(weighted_sum_fixed, inline="always")
+def _weighted_sum_fixed_impl(dst, d, lo, hi, index, gain, src, ahead, dim, width):
+    if _contiguous_float32_rows(dst) and _contiguous_float32_rows(src):
+        def impl_registers(dst, d, lo, hi, index, gain, src, ahead, dim, width):
+            weighted_sum_registers(dst, d, lo, hi, index, gain, src, ahead, dim, width)
+        return impl_registers
+
+    def impl_memory(dst, d, lo, hi, index, gain, src, ahead, dim, width):
+        weighted_sum(dst, d, lo, hi, index, gain, src, ahead, dim)
+    return impl_memory
 
 
 # copy_row: dst[j] = src[j] for every j (converted to dst's dtype), one 64-byte line of float32 at a time,
@@ -138,7 +163,7 @@ def gather(table, rows, gains, out_ptr, act):
     if table.shape[1] != {dim} or act.shape[1] != {dim}:
         raise ValueError("gather kernel compiled for rows of {dim} values called with other rows")
     for a in prange(act.shape[0]):
-        weighted_sum(act, a, out_ptr[a], out_ptr[a + 1], rows, gains, table, {ahead}, {dim})
+        weighted_sum_fixed(act, a, out_ptr[a], out_ptr[a + 1], rows, gains, table, {ahead}, {dim}, {width})
 '''
 
 _GATHERS: dict = {}
@@ -160,8 +185,9 @@ def gather_kernel(dim: int, prefetch: bool = True):
     ahead = ROWS_AHEAD if prefetch else 0
     kernel = _GATHERS.get((dim, ahead))
     if kernel is None:
-        namespace = {"prange": prange, "weighted_sum": weighted_sum}
-        kernel = _GATHERS[dim, ahead] = jit_source(_GATHER_SOURCE.format(dim=dim, ahead=ahead), namespace, "gather",
+        namespace = {"prange": prange, "weighted_sum_fixed": weighted_sum_fixed}
+        source = _GATHER_SOURCE.format(dim=dim, ahead=ahead, width=block_width(dim))
+        kernel = _GATHERS[dim, ahead] = jit_source(source, namespace, "gather",
                                                    ("gather kernel", dim, ahead),
                                                    f"embedcore gather kernel, dim {dim}, {ahead} ahead",
                                                    parallel=True)

@@ -13,7 +13,8 @@ For each unique row ``r`` (in parallel), its gradient ``g`` is summed into a scr
 
 The gradient of unique row ``u`` is ``sum over k in ptr[u]:ptr[u + 1] of src_gain[k] * d_act[src_row[k]]``
 (the occurrences in grouped order, see :func:`embedcore.kernels.dedup.group_rows`), summed by
-:func:`embedcore.kernels.rows.weighted_sum` in a fixed order, so results do not depend on the thread count.
+:func:`embedcore.kernels.rows.weighted_sum` in a fixed order, so results do not depend on the thread count
+(in a kernel compiled for the row length, the same sum in vector registers: ``rows.weighted_sum_fixed``).
 The rows are read at random, so the loop prefetches the table and slot rows ``ROWS_AHEAD`` unique rows
 ahead and, when the gradients outgrow the caches, the gradient rows ``OCCURRENCES_AHEAD`` occurrences ahead
 (:mod:`embedcore.kernels.prefetch`).
@@ -44,7 +45,8 @@ from numba.extending import overload
 from ..compile_cache import jit_source
 from .occurrences import GAIN_HALF, ROW_HALF, pack_occurrences
 from .prefetch import prefetch_row
-from .rows import copy_row, fixed_length, weighted_sum
+from .row_vector import block_width
+from .rows import copy_row, fixed_length, weighted_sum, weighted_sum_fixed
 
 __all__ = ["update_kernel", "fused_update_kernel", "compile_for", "all_finite", "balanced_chunks", "CHUNK_ROWS", "ROWS_AHEAD",
            "OCCURRENCES_AHEAD", "STATUS_GRADIENT", "STATUS_OUTPUT", "STATUS_LENGTH"]
@@ -160,7 +162,7 @@ _LAZY_LOOP = '''
             uu = _U(u)  # unsigned subscripts (kernels/rows.py says why)
             r = _U(uniq[uu])
             item = u
-            weighted_sum(g_sum, 0, ptr[uu], ptr[uu + _U(1)], src_row, src_gain, d_act, ahead, dim)
+            {row_sum}(g_sum, 0, ptr[uu], ptr[uu + _U(1)], src_row, src_gain, d_act, ahead, {dim_args})
 {body}
 '''
 
@@ -177,7 +179,7 @@ _DENSE_LOOP = '''
         for r in range(lo, hi):
             item = r
             if u < n_unique and uniq[u] == r:
-                weighted_sum(g_sum, 0, ptr[u], ptr[u + 1], src_row, src_gain, d_act, ahead, dim)
+                {row_sum}(g_sum, 0, ptr[u], ptr[u + 1], src_row, src_gain, d_act, ahead, {dim_args})
                 u += 1
             else:
                 g_row[:] = 0.0
@@ -265,7 +267,10 @@ def kernel_source(row_function, lazy=True, dim=None) -> str:
     rows of that length (see :func:`embedcore.kernels.rows.fixed_length`)."""
     slot_dims = row_function.slot_dims
     unpack = [f"s{k} = slots[{k}]" for k in range(len(slot_dims))] or ["pass"]
+    # With a constant row length the gradient is summed in registers (kernels/row_vector.py).
+    row_sum, dim_args = ("weighted_sum", "dim") if dim is None else ("weighted_sum_fixed", f"dim, {block_width(dim)}")
     loop = (_LAZY_LOOP if lazy else _DENSE_LOOP).format(
+        row_sum=row_sum, dim_args=dim_args,
         scratch=_scratch(slot_dims, row_function.elementwise), prefetch=_prefetch(slot_dims),
         body=_indent(_body(slot_dims, row_function.elementwise), 3))
     return _TEMPLATE.format(unpack=_indent(unpack, 1), dim=_dim(dim), loop=loop)
@@ -274,7 +279,8 @@ def kernel_source(row_function, lazy=True, dim=None) -> str:
 def kernel_namespace(row_function) -> dict:
     """The globals the generated source refers to."""
     return {"np": np, "prange": prange, "fn": row_function.dispatcher, "into_row": into_row,
-            "all_finite": all_finite, "copy_row": copy_row, "weighted_sum": weighted_sum, "prefetch_row": prefetch_row, "_U": np.uint64,
+            "all_finite": all_finite, "copy_row": copy_row, "weighted_sum": weighted_sum,
+            "weighted_sum_fixed": weighted_sum_fixed, "prefetch_row": prefetch_row, "_U": np.uint64,
             "balanced_chunks": balanced_chunks,
             "CHUNK": CHUNK_ROWS, "ROWS_AHEAD": ROWS_AHEAD, "OCCURRENCES_AHEAD": OCCURRENCES_AHEAD,
             "PREFETCH_MIN_BYTES": PREFETCH_MIN_BYTES, "ROW_HALF": ROW_HALF, "GAIN_HALF": GAIN_HALF,

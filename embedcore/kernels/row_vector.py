@@ -1,0 +1,202 @@
+"""Weighted row sums whose running sum stays in vector registers, for rows of a length known when compiled.
+
+:func:`embedcore.kernels.rows.weighted_sum` adds four occurrences per pass over the destination row in
+memory, so every pass loads and stores the whole row again, and each pass waits for the previous one's
+stores. :func:`weighted_sum_registers` keeps the running sum of a block of ``width`` values (16, 32 or 64
+float32: at most eight AVX2 registers) as one LLVM vector that is stored once, when the block is done, and
+walks the occurrences once per block of the row.
+
+The arithmetic is the same IEEE float32 operations in the same order, lane by lane: a group of four
+occurrences is ``(w0 * s0 + w1 * s1) + (w2 * s2 + w3 * s3)``, added to the running sum, the remaining
+``(hi - lo) % 4`` occurrences one by one; the first group (or occurrence) starts the sum, and no occurrence
+gives zeros. Every sum is bit-identical to ``weighted_sum``'s, whatever the machine's vector width (LLVM
+splits the vector into the registers it has).
+
+The block sum is one intrinsic (LLVM IR built here) rather than jitted Python: Numba inlines jitted
+helpers by copying their IR into the caller and typing it again, which for the loops below tripled the
+compile time of each kernel that uses them, and a helper left as a call costs atomic reference counts on
+every array it is passed, per row.
+"""
+
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from .prefetch import CACHE_LINE_FLOATS
+
+__all__ = ["weighted_sum_registers", "block_width"]
+
+_I32 = ir.IntType(32)
+
+
+def block_width(dim: int) -> int:
+    """The widest block of 64, 32 or 16 values that tiles a row of ``dim`` values (a multiple of 16)."""
+    for width in (64, 32, 16):
+        if dim % width == 0:
+            return width
+    raise ValueError(f"rows of {dim} values are not whole cache lines")
+
+
+def _float32_rows(array):
+    return isinstance(array, types.Array) and array.ndim == 2 and array.layout == "C" and array.dtype == types.float32
+
+
+def _vector_1d(array, dtype_check):
+    return isinstance(array, types.Array) and array.ndim == 1 and dtype_check(array.dtype)
+
+
+class _Arrays:
+    """Element and row addresses of the intrinsic's array arguments."""
+
+    def __init__(self, context, builder, signature, args):
+        self.context, self.builder = context, builder
+        self.arrays = {}
+        for position, name in ((0, "dst"), (4, "index"), (5, "gain"), (6, "src")):
+            array_type = signature.args[position]
+            value = context.make_array(array_type)(context, builder, args[position])
+            self.arrays[name] = (array_type, value)
+
+    def pointer(self, name, *indices):
+        array_type, value = self.arrays[name]
+        return cgutils.get_item_pointer2(self.context, self.builder, value.data,
+                                         cgutils.unpack_tuple(self.builder, value.shape),
+                                         cgutils.unpack_tuple(self.builder, value.strides), array_type.layout,
+                                         list(indices), wraparound=False, boundscheck=False)
+
+    def length(self, name):
+        return self.builder.extract_value(self.arrays[name][1].shape, 0)
+
+
+@intrinsic
+def _block_sum(typingctx, dst, d, lo, hi, index, gain, src, ahead, col, width):
+    """``dst[d, col:col + width] = sum over k in [lo, hi) of gain[k] * src[index[k], col:col + width]`` (the
+    module docstring's order); for ``ahead`` > 0 the block's lines of the rows ``ahead`` occurrences on are
+    prefetched."""
+    if not (isinstance(width, types.IntegerLiteral) and width.literal_value % CACHE_LINE_FLOATS == 0
+            and _float32_rows(dst) and _float32_rows(src) and _vector_1d(index, lambda t: isinstance(t, types.Integer))
+            and _vector_1d(gain, lambda t: t == types.float32)
+            and all(isinstance(t, types.Integer) for t in (d, lo, hi, ahead, col))):
+        return None
+    w = width.literal_value
+
+    def codegen(context, builder, signature, args):
+        arrays = _Arrays(context, builder, signature, args)
+        intp = context.get_value_type(types.intp)
+        as_intp = [context.cast(builder, args[i], signature.args[i], types.intp) for i in (1, 2, 3, 7, 8)]
+        row_d, lo_v, hi_v, ahead_v, col_v = as_intp
+        vector = ir.VectorType(ir.FloatType(), w)
+        n = arrays.length("index")
+        prefetch_fn = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), [ir.IntType(8).as_pointer(), _I32, _I32, _I32]),
+            "llvm.prefetch.p0")
+        lines = list(range(0, w, CACHE_LINE_FLOATS)) + [w - 1]  # + the last value: a row off a line boundary
+        prefetching = builder.icmp_signed(">", ahead_v, intp(0))
+
+        def source_row(k):
+            index_type = signature.args[4].dtype
+            row = builder.load(arrays.pointer("index", k))
+            return context.cast(builder, row, index_type, types.intp)
+
+        def prefetch(k, count):
+            """Prefetch the block of the rows of occurrences k + ahead ... (count of them), those before n."""
+            with builder.if_then(prefetching, likely=True):
+                for i in range(count):
+                    at = builder.add(builder.add(k, ahead_v), intp(i))
+                    with builder.if_then(builder.icmp_signed("<", at, n)):
+                        row = source_row(at)
+                        for j in lines:
+                            address = arrays.pointer("src", row, builder.add(col_v, intp(j)))
+                            builder.call(prefetch_fn, [builder.bitcast(address, ir.IntType(8).as_pointer()),
+                                                       _I32(0), _I32(3), _I32(1)])
+
+        def term(k):
+            """gain[k] * src[index[k], col:col + w], in float32."""
+            values = builder.load(builder.bitcast(arrays.pointer("src", source_row(k), col_v), vector.as_pointer()),
+                                  align=4)
+            scale = builder.load(arrays.pointer("gain", k))
+            splat = builder.insert_element(ir.Constant(vector, ir.Undefined), scale, _I32(0))
+            splat = builder.shuffle_vector(splat, splat, ir.Constant(ir.VectorType(_I32, w), [0] * w))
+            return builder.fmul(splat, values)
+
+        def group(k):
+            t = [term(builder.add(k, intp(i))) for i in range(4)]
+            return builder.fadd(builder.fadd(t[0], t[1]), builder.fadd(t[2], t[3]))
+
+        first_group = builder.append_basic_block("sum.first_group")
+        not_group = builder.append_basic_block("sum.not_group")
+        first_one = builder.append_basic_block("sum.first_one")
+        groups_check = builder.append_basic_block("sum.groups_check")
+        groups_body = builder.append_basic_block("sum.groups_body")
+        ones_check = builder.append_basic_block("sum.ones_check")
+        ones_body = builder.append_basic_block("sum.ones_body")
+        done = builder.append_basic_block("sum.done")
+
+        builder.cbranch(builder.icmp_signed(">=", builder.sub(hi_v, lo_v), intp(4)), first_group, not_group)
+
+        builder.position_at_end(not_group)
+        builder.cbranch(builder.icmp_signed(">", hi_v, lo_v), first_one, done)
+
+        builder.position_at_end(first_group)
+        prefetch(lo_v, 4)
+        first_group_sum = group(lo_v)
+        after_first_group = builder.add(lo_v, intp(4))
+        first_group_end = builder.block
+        builder.branch(groups_check)
+
+        builder.position_at_end(first_one)
+        prefetch(lo_v, 1)
+        first_one_sum = term(lo_v)
+        after_first_one = builder.add(lo_v, intp(1))
+        first_one_end = builder.block
+        builder.branch(ones_check)
+
+        builder.position_at_end(groups_check)
+        k4 = builder.phi(intp)
+        acc4 = builder.phi(vector)
+        k4.add_incoming(after_first_group, first_group_end)
+        acc4.add_incoming(first_group_sum, first_group_end)
+        builder.cbranch(builder.icmp_signed("<", builder.add(k4, intp(3)), hi_v), groups_body, ones_check)
+
+        builder.position_at_end(groups_body)
+        prefetch(k4, 4)
+        next_acc4 = builder.fadd(acc4, group(k4))
+        next_k4 = builder.add(k4, intp(4))
+        k4.add_incoming(next_k4, builder.block)
+        acc4.add_incoming(next_acc4, builder.block)
+        builder.branch(groups_check)
+
+        builder.position_at_end(ones_check)
+        k1 = builder.phi(intp)
+        acc1 = builder.phi(vector)
+        k1.add_incoming(k4, groups_check)
+        acc1.add_incoming(acc4, groups_check)
+        k1.add_incoming(after_first_one, first_one_end)
+        acc1.add_incoming(first_one_sum, first_one_end)
+        builder.cbranch(builder.icmp_signed("<", k1, hi_v), ones_body, done)
+
+        builder.position_at_end(ones_body)
+        prefetch(k1, 1)
+        next_acc1 = builder.fadd(acc1, term(k1))
+        next_k1 = builder.add(k1, intp(1))
+        k1.add_incoming(next_k1, builder.block)
+        acc1.add_incoming(next_acc1, builder.block)
+        builder.branch(ones_check)
+
+        builder.position_at_end(done)
+        total = builder.phi(vector)
+        total.add_incoming(ir.Constant(vector, [0.0] * w), not_group)
+        total.add_incoming(acc1, ones_check)
+        builder.store(total, builder.bitcast(arrays.pointer("dst", row_d, col_v), vector.as_pointer()), align=4)
+        return context.get_dummy_value()
+
+    return types.void(dst, d, lo, hi, index, gain, src, ahead, col, width), codegen
+
+
+@njit(inline="always")
+def weighted_sum_registers(dst, d, lo, hi, index, gain, src, ahead, dim, width):
+    """``dst[d] = sum over k in [lo, hi) of gain[k] * src[index[k]]`` exactly as
+    :func:`~embedcore.kernels.rows.weighted_sum` sums it, ``width`` values at a time in registers (C-contiguous
+    float32 rows; ``dim`` and ``width``, from :func:`block_width`, constants of the calling kernel)."""
+    for col in range(0, dim, width):
+        _block_sum(dst, d, lo, hi, index, gain, src, ahead, col, width)
