@@ -2,7 +2,7 @@
 
 Run from the repository root::
 
-    python benchmarks/bench_step_variants.py --variant prefetch|range-check|row-type
+    python benchmarks/bench_step_variants.py --variant prefetch|range-check|row-type|row-sums
         [--workload tbe|update] [--optimizer rowwise_adagrad] [--rounds 30] [--steps 4]
 
 On this machine runs minutes apart differ by 30% or more, so a change is measured by running the shipped
@@ -19,7 +19,10 @@ Variants (the shipped one first):
 * ``range-check``: ids range-checked in the layout pass (``inputs.build_table_batch``), against a separate
   check of every feature's ids before it (``to_feature_batch(check_range=True)``; the layout's check then
   runs too, on ids already known good);
-* ``row-type``: a table batch's physical rows as int32 (``inputs.ROW_TYPE_LIMIT``), against int64.
+* ``row-type``: a table batch's physical rows as int32 (``inputs.ROW_TYPE_LIMIT``), against int64;
+* ``row-sums``: the kernels compiled for a row length sum rows in vector registers
+  (``kernels/row_vector.py``), against the in-memory sum of ``rows.weighted_sum``; both sets of kernels are
+  compiled in this process (the on-disk kernel cache is turned off: their sources are the same text).
 """
 
 from __future__ import annotations
@@ -69,7 +72,25 @@ def _row_type():
             "int64": lambda: setattr(inputs, "ROW_TYPE_LIMIT", 0)}
 
 
-VARIANTS = {"prefetch": _prefetch, "range-check": _range_check, "row-type": _row_type}
+def _row_sums():
+    from numba import njit
+
+    from embedcore.kernels import rows, update
+
+    @njit(inline="always")
+    def in_memory(dst, d, lo, hi, index, gain, src, ahead, dim, width):
+        rows.weighted_sum(dst, d, lo, hi, index, gain, src, ahead, dim)
+
+    os.environ["EMBEDCORE_CACHE_DIR"] = "off"
+    kernels = {"registers": ({}, {}, rows.weighted_sum_fixed), "in memory": ({}, {}, in_memory)}
+
+    def use(name):
+        rows._GATHERS, update._KERNELS, row_sum = kernels[name]
+        rows.weighted_sum_fixed = update.weighted_sum_fixed = row_sum
+    return {name: (lambda name=name: use(name)) for name in kernels}
+
+
+VARIANTS = {"prefetch": _prefetch, "range-check": _range_check, "row-type": _row_type, "row-sums": _row_sums}
 
 
 def main(argv=None) -> int:
