@@ -137,51 +137,37 @@ def _block_sum(typingctx, dst, d, lo, hi, index, gain, src, ahead, col, width):
         builder.position_at_end(not_group)
         builder.cbranch(builder.icmp_signed(">", hi_v, lo_v), first_one, done)
 
-        builder.position_at_end(first_group)
-        prefetch(lo_v, 4)
-        first_group_sum = group(lo_v)
-        after_first_group = builder.add(lo_v, intp(4))
-        first_group_end = builder.block
-        builder.branch(groups_check)
+        def first(block, count, summand, target):
+            """In ``block``: the first ``count`` occurrences' sum starts the running sum; on to ``target``."""
+            builder.position_at_end(block)
+            prefetch(lo_v, count)
+            value = summand(lo_v)
+            after = builder.add(lo_v, intp(count))
+            builder.branch(target)
+            return after, value, builder.block
 
-        builder.position_at_end(first_one)
-        prefetch(lo_v, 1)
-        first_one_sum = term(lo_v)
-        after_first_one = builder.add(lo_v, intp(1))
-        first_one_end = builder.block
-        builder.branch(ones_check)
+        def loop(check, body, entries, count, summand, exit_block):
+            """At ``check`` (entered with the ``(k, sum, from block)`` of ``entries``): while occurrences
+            k ... k + count - 1 exist, ``body`` adds their ``summand``; then on to ``exit_block``."""
+            builder.position_at_end(check)
+            k, acc = builder.phi(intp), builder.phi(vector)
+            for k_in, acc_in, block in entries:
+                k.add_incoming(k_in, block)
+                acc.add_incoming(acc_in, block)
+            builder.cbranch(builder.icmp_signed("<", builder.add(k, intp(count - 1)), hi_v), body, exit_block)
+            builder.position_at_end(body)
+            prefetch(k, count)
+            next_acc = builder.fadd(acc, summand(k))
+            next_k = builder.add(k, intp(count))
+            k.add_incoming(next_k, builder.block)
+            acc.add_incoming(next_acc, builder.block)
+            builder.branch(check)
+            return k, acc
 
-        builder.position_at_end(groups_check)
-        k4 = builder.phi(intp)
-        acc4 = builder.phi(vector)
-        k4.add_incoming(after_first_group, first_group_end)
-        acc4.add_incoming(first_group_sum, first_group_end)
-        builder.cbranch(builder.icmp_signed("<", builder.add(k4, intp(3)), hi_v), groups_body, ones_check)
-
-        builder.position_at_end(groups_body)
-        prefetch(k4, 4)
-        next_acc4 = builder.fadd(acc4, group(k4))
-        next_k4 = builder.add(k4, intp(4))
-        k4.add_incoming(next_k4, builder.block)
-        acc4.add_incoming(next_acc4, builder.block)
-        builder.branch(groups_check)
-
-        builder.position_at_end(ones_check)
-        k1 = builder.phi(intp)
-        acc1 = builder.phi(vector)
-        k1.add_incoming(k4, groups_check)
-        acc1.add_incoming(acc4, groups_check)
-        k1.add_incoming(after_first_one, first_one_end)
-        acc1.add_incoming(first_one_sum, first_one_end)
-        builder.cbranch(builder.icmp_signed("<", k1, hi_v), ones_body, done)
-
-        builder.position_at_end(ones_body)
-        prefetch(k1, 1)
-        next_acc1 = builder.fadd(acc1, term(k1))
-        next_k1 = builder.add(k1, intp(1))
-        k1.add_incoming(next_k1, builder.block)
-        acc1.add_incoming(next_acc1, builder.block)
-        builder.branch(ones_check)
+        group_start = first(first_group, 4, group, groups_check)
+        one_start = first(first_one, 1, term, ones_check)
+        k4, acc4 = loop(groups_check, groups_body, [group_start], 4, group, ones_check)
+        k1, acc1 = loop(ones_check, ones_body, [(k4, acc4, groups_check), one_start], 1, term, done)
 
         builder.position_at_end(done)
         total = builder.phi(vector)
