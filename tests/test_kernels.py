@@ -254,7 +254,8 @@ def test_sums_in_registers_are_the_in_memory_sums_bit_for_bit(dim, n_rows, lengt
 
 def test_sums_over_rows_that_are_not_contiguous_are_summed_in_memory():
     """A kernel compiled for a row length, given a table whose rows are not C-contiguous (a strided view),
-    takes the in-memory sum (its register loads assume contiguous rows) and computes the same values."""
+    takes the in-memory sum (its register loads assume contiguous rows) and computes the same values; so
+    do float64 gains."""
     from embedcore.kernels.rows import gather_kernel
     rng = np.random.default_rng(1)
     base = rng.standard_normal((20, 32)).astype(np.float32)
@@ -267,6 +268,9 @@ def test_sums_over_rows_that_are_not_contiguous_are_summed_in_memory():
     for a in range(3):
         lo, hi = out_ptr[a], out_ptr[a + 1]
         np.testing.assert_array_equal(act[a], _weighted_sum_reference(gains[lo:hi], table[rows[lo:hi]]))
+    wide_gains = np.zeros((3, 32), np.float32)  # float64 gains too take the in-memory sum
+    gather_kernel(32)(np.ascontiguousarray(table), rows, gains.astype(np.float64), out_ptr, wide_gains)
+    np.testing.assert_allclose(wide_gains, act, rtol=1e-6)
 
 
 def test_a_kernel_compiled_for_one_row_length_refuses_other_rows():

@@ -104,7 +104,7 @@ def weighted_sum_fixed(dst, d, lo, hi, index, gain, src, ahead, dim, width):
     """:func:`weighted_sum` in a kernel compiled for rows of ``dim`` values (``width`` from
     :func:`~embedcore.kernels.row_vector.block_width`, both constants): the running sum is kept in
     registers (:func:`~embedcore.kernels.row_vector.weighted_sum_registers`, bit-identical) when ``dst`` and
-    ``src`` are C-contiguous float32 rows, else :func:`weighted_sum` (jitted code only)."""
+    ``src`` are C-contiguous float32 rows and the gains float32, else :func:`weighted_sum` (jitted code only)."""
     raise NotImplementedError("only callable from jitted code")
 
 
@@ -115,7 +115,8 @@ def _contiguous_float32_rows(array):
 
 @overload(weighted_sum_fixed, inline="always")
 def _weighted_sum_fixed_impl(dst, d, lo, hi, index, gain, src, ahead, dim, width):
-    if _contiguous_float32_rows(dst) and _contiguous_float32_rows(src):
+    if (_contiguous_float32_rows(dst) and _contiguous_float32_rows(src) and isinstance(gain, types.Array)
+            and gain.dtype == types.float32):
         def impl_registers(dst, d, lo, hi, index, gain, src, ahead, dim, width):
             weighted_sum_registers(dst, d, lo, hi, index, gain, src, ahead, dim, width)
         return impl_registers
