@@ -240,7 +240,7 @@ def test_sums_in_registers_are_the_in_memory_sums_bit_for_bit(dim, n_rows, lengt
     gains = rng.choice(np.array([0.0, -0.0, 1.0, -2.5, 0.3], np.float32), n)
     if packed_gains:
         gains = packed_views(pack_occurrences(np.zeros(n, np.int64), gains))[1]
-        assert not gains.flags.c_contiguous
+        assert n <= 1 or not gains.flags.c_contiguous  # one value: any view is contiguous
     fixed = np.full((len(lengths) + 1, dim), np.nan, np.float32)  # one row more: never written
     any_length = np.full((len(lengths), dim), np.nan, np.float32)
     gather_kernel(dim, prefetch)(table, rows, gains, out_ptr, fixed[:-1])

@@ -13,9 +13,19 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-__all__ = ["prefetch", "prefetch_row", "prefetch_rows_ahead", "rows_stay_cached", "CACHE_LINE_FLOATS", "REUSE_MIN", "CACHED_BYTES_MAX"]
+__all__ = ["prefetch", "emit_prefetch", "prefetch_row", "prefetch_rows_ahead", "rows_stay_cached", "CACHE_LINE_FLOATS", "REUSE_MIN", "CACHED_BYTES_MAX"]
 
 CACHE_LINE_FLOATS = 16  # 64-byte cache lines of float32
+
+
+def emit_prefetch(builder, pointer):
+    """Emit, in LLVM IR, a prefetch of the cache line holding ``pointer`` (for reading, into every level)."""
+    byte_pointer = ir.IntType(8).as_pointer()
+    i32 = ir.IntType(32)
+    function_type = ir.FunctionType(ir.VoidType(), [byte_pointer, i32, i32, i32])
+    function = cgutils.get_or_insert_function(builder.module, function_type, "llvm.prefetch.p0")
+    # (address, 0 = for reading, 3 = keep in all cache levels, 1 = data cache)
+    builder.call(function, [builder.bitcast(pointer, byte_pointer), i32(0), i32(3), i32(1)])
 
 
 @intrinsic
@@ -34,12 +44,7 @@ def prefetch(typingctx, array, row, col):
         pointer = cgutils.get_item_pointer2(context, builder, ary.data, cgutils.unpack_tuple(builder, ary.shape),
                                             cgutils.unpack_tuple(builder, ary.strides), array_type.layout, index,
                                             wraparound=False, boundscheck=False)
-        byte_pointer = ir.IntType(8).as_pointer()
-        i32 = ir.IntType(32)
-        function_type = ir.FunctionType(ir.VoidType(), [byte_pointer, i32, i32, i32])
-        function = cgutils.get_or_insert_function(builder.module, function_type, "llvm.prefetch.p0")
-        # (address, 0 = for reading, 3 = keep in all cache levels, 1 = data cache)
-        builder.call(function, [builder.bitcast(pointer, byte_pointer), i32(0), i32(3), i32(1)])
+        emit_prefetch(builder, pointer)
         return context.get_dummy_value()
 
     return types.void(array, row, col), codegen

@@ -23,7 +23,7 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .prefetch import CACHE_LINE_FLOATS
+from .prefetch import CACHE_LINE_FLOATS, emit_prefetch
 
 __all__ = ["weighted_sum_registers", "block_width"]
 
@@ -87,9 +87,6 @@ def _block_sum(typingctx, dst, d, lo, hi, index, gain, src, ahead, col, width):
         row_d, lo_v, hi_v, ahead_v, col_v = as_intp
         vector = ir.VectorType(ir.FloatType(), w)
         n = arrays.length("index")
-        prefetch_fn = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(ir.VoidType(), [ir.IntType(8).as_pointer(), _I32, _I32, _I32]),
-            "llvm.prefetch.p0")
         lines = list(range(0, w, CACHE_LINE_FLOATS)) + [w - 1]  # + the last value: a row off a line boundary
         prefetching = builder.icmp_signed(">", ahead_v, intp(0))
 
@@ -106,9 +103,7 @@ def _block_sum(typingctx, dst, d, lo, hi, index, gain, src, ahead, col, width):
                     with builder.if_then(builder.icmp_signed("<", at, n)):
                         row = source_row(at)
                         for j in lines:
-                            address = arrays.pointer("src", row, builder.add(col_v, intp(j)))
-                            builder.call(prefetch_fn, [builder.bitcast(address, ir.IntType(8).as_pointer()),
-                                                       _I32(0), _I32(3), _I32(1)])
+                            emit_prefetch(builder, arrays.pointer("src", row, builder.add(col_v, intp(j))))
 
         def term(k):
             """gain[k] * src[index[k], col:col + w], in float32."""
