@@ -13,7 +13,8 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-__all__ = ["prefetch", "emit_prefetch", "prefetch_row", "prefetch_rows_ahead", "rows_stay_cached", "CACHE_LINE_FLOATS", "REUSE_MIN", "CACHED_BYTES_MAX"]
+__all__ = ["prefetch", "emit_prefetch", "prefetch_row", "prefetch_rows_ahead", "rows_stay_cached", "CACHE_LINE_FLOATS",
+           "REUSE_MIN", "CACHED_BYTES_MAX"]
 
 CACHE_LINE_FLOATS = 16  # 64-byte cache lines of float32
 

@@ -25,7 +25,7 @@ from numba.extending import intrinsic
 
 from .prefetch import CACHE_LINE_FLOATS, emit_prefetch
 
-__all__ = ["weighted_sum_registers", "block_width"]
+__all__ = ["weighted_sum_registers", "sums_in_registers", "block_width"]
 
 _I32 = ir.IntType(32)
 
@@ -42,8 +42,13 @@ def _float32_rows(array):
     return isinstance(array, types.Array) and array.ndim == 2 and array.layout == "C" and array.dtype == types.float32
 
 
-def _vector_1d(array, dtype_check):
-    return isinstance(array, types.Array) and array.ndim == 1 and dtype_check(array.dtype)
+def sums_in_registers(dst, index, gain, src) -> bool:
+    """Whether :func:`weighted_sum_registers` takes arguments of these Numba types: C-contiguous float32
+    rows ``dst`` and ``src`` (its vector loads and stores assume contiguous rows), 1-D integer ``index`` and
+    float32 ``gain`` of any layout."""
+    return (_float32_rows(dst) and _float32_rows(src)
+            and isinstance(index, types.Array) and index.ndim == 1 and isinstance(index.dtype, types.Integer)
+            and isinstance(gain, types.Array) and gain.ndim == 1 and gain.dtype == types.float32)
 
 
 class _Arrays:
@@ -74,8 +79,7 @@ def _block_sum(typingctx, dst, d, lo, hi, index, gain, src, ahead, col, width):
     module docstring's order); for ``ahead`` > 0 the block's lines of the rows ``ahead`` occurrences on are
     prefetched."""
     if not (isinstance(width, types.IntegerLiteral) and width.literal_value % CACHE_LINE_FLOATS == 0
-            and _float32_rows(dst) and _float32_rows(src) and _vector_1d(index, lambda t: isinstance(t, types.Integer))
-            and _vector_1d(gain, lambda t: t == types.float32)
+            and sums_in_registers(dst, index, gain, src)
             and all(isinstance(t, types.Integer) for t in (d, lo, hi, ahead, col))):
         return None
     w = width.literal_value

@@ -23,16 +23,14 @@ that vectorises, which the update kernels use.
 
 import numpy as np
 from numba import njit, prange
-
-from numba import types
 from numba.extending import overload
 
 from ..compile_cache import jit_source
 from .prefetch import CACHE_LINE_FLOATS, prefetch_rows_ahead
-from .row_vector import block_width, weighted_sum_registers
+from .row_vector import block_width, sums_in_registers, weighted_sum_registers
 
-__all__ = ["weighted_sum", "weighted_sum_fixed", "copy_row", "gather_combine", "gather_kernel", "fixed_length", "sum_gradients",
-           "count_non_finite", "ROWS_AHEAD"]
+__all__ = ["weighted_sum", "weighted_sum_fixed", "copy_row", "gather_combine", "gather_kernel", "fixed_length",
+           "sum_gradients", "count_non_finite", "ROWS_AHEAD"]
 
 ROWS_AHEAD = 16  # occurrences whose source rows are prefetched ahead of the current one (8 -> 16: lookup of
                  # the update shape, rows from DRAM, -7%; TBE lookups 0 to -9%; 32 was slower on DRAM rows)
@@ -108,15 +106,9 @@ def weighted_sum_fixed(dst, d, lo, hi, index, gain, src, ahead, dim, width):
     raise NotImplementedError("only callable from jitted code")
 
 
-def _contiguous_float32_rows(array):
-    return (isinstance(array, types.Array) and array.ndim == 2 and array.layout == "C"
-            and array.dtype == types.float32)
-
-
 @overload(weighted_sum_fixed, inline="always")
 def _weighted_sum_fixed_impl(dst, d, lo, hi, index, gain, src, ahead, dim, width):
-    if (_contiguous_float32_rows(dst) and _contiguous_float32_rows(src) and isinstance(gain, types.Array)
-            and gain.dtype == types.float32):
+    if sums_in_registers(dst, index, gain, src):
         def impl_registers(dst, d, lo, hi, index, gain, src, ahead, dim, width):
             weighted_sum_registers(dst, d, lo, hi, index, gain, src, ahead, dim, width)
         return impl_registers
