@@ -2,12 +2,15 @@
 
 Run from the repository root::
 
-    python benchmarks/profile_step.py [--workload tbe|update] [--optimizer adagrad] [--steps 40]
+    python benchmarks/profile_step.py [--workload tbe|update] [--optimizer adagrad] [--steps 40] [--evict-mb 64]
 
 The benchmark harness times whole steps; this script wraps the engine's phases (input checks and layout,
 the lookup kernel, gradient checks and copies, the grouping sort, the fused update kernel) with timers and
 runs the harness's workloads (``embedcore.bench.workloads``) through the public API, printing the median
-and the per-step total of each phase. Wrapping costs a few microseconds per call. For a Python-level
+and the per-step total of each phase. Wrapping costs a few microseconds per call. ``--evict-mb N`` writes
+N MB of other memory before each step (after its inputs are prepared), so that the step finds none of its
+data in the caches: the harness's first step of every round follows the other contenders and the bandwidth
+probes, and in a model the dense layers run between two embedding steps. For a Python-level
 profile of the same loop: ``py-spy record -o profile.svg -- python benchmarks/profile_step.py``
 (kernels show as their Python callers; the host has no hardware counters for ``perf``).
 """
@@ -29,6 +32,7 @@ except ImportError:  # running from a checkout without installing
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 
 import numba
+import numpy as np
 
 from embedcore import engine, lookup
 from embedcore.bench.contenders.embedcore_engine import EmbedcoreContender
@@ -70,7 +74,10 @@ def main(argv=None) -> int:
     parser.add_argument("--optimizer", default="adagrad", choices=("sgd", "adagrad", "rowwise_adagrad", "adam"))
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--evict-mb", type=int, default=0,
+                        help="MB of other memory written before each step (0: steps run back to back, warm)")
     args = parser.parse_args(argv)
+    other_memory = np.zeros(args.evict_mb << 20, np.uint8)
     make = tbe_workload if args.workload == "tbe" else update_workload
     w = make(optim=make_optim(args.optimizer), n_batches=3)
     batches = make_batches(w)
@@ -82,12 +89,13 @@ def main(argv=None) -> int:
     steps = []
     for s in range(args.steps):
         prepared = contender.prepare(batches[s % len(batches)])
+        other_memory += 1
         t0 = time.perf_counter()
         contender.run(prepared)
         steps.append(time.perf_counter() - t0)
     print(f"{w.label}: {args.steps} steps, Numba {numba.get_num_threads()} threads, GOMP_SPINCOUNT="
-          f"{os.environ.get('GOMP_SPINCOUNT')}; timed part of a step (as the harness times it): median "
-          f"{1e3 * statistics.median(steps):.2f} ms")
+          f"{os.environ.get('GOMP_SPINCOUNT')}, {args.evict_mb} MB written before each step; timed part of a step "
+          f"(as the harness times it): median {1e3 * statistics.median(steps):.2f} ms")
     print(f"  {'phase':42s} {'calls/step':>10s} {'median ms':>10s} {'ms/step':>8s}")
     for name, values in TIMES.items():
         print(f"  {name:42s} {len(values) / args.steps:10.0f} {1e3 * statistics.median(values):10.2f} "
