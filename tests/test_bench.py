@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from embedcore.bench.harness import _rel_diff
+from embedcore.bench.report import _fmt_round_ratios, _round_ratios
 from embedcore.bench.workloads import Workload, make_batches, make_optim, numpy_apply, numpy_pool, step_bytes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -72,10 +73,21 @@ def test_every_contender_that_ran_is_in_the_table_and_the_json(quick):
             assert rec["min_ms"] <= rec["median_ms"] <= rec["max_ms"]
             assert rec["n"] == result["args"]["rounds"] * result["args"]["steps"]
             assert rec["ratio_to_embedcore"] > 0 and rec["fraction_of_copy"] > 0 and rec["fraction_of_gather"] > 0
+            assert len(rec["round_ratios"]) == result["args"]["rounds"] and min(rec["round_ratios"]) > 0
+            assert _fmt_round_ratios(rec["round_ratios"]) in block
             assert name in result["contender_measures"]
         assert math.isclose(case["contenders"]["embedcore"]["ratio_to_embedcore"], 1.0)
+        assert case["contenders"]["embedcore"]["round_ratios"] == [1.0] * result["args"]["rounds"]
     for name, why in result["skipped_contenders"].items():
         assert f"contender {name} skipped" in stdout and why
+
+
+def test_round_ratios_pair_each_round_with_embedcores_steps_of_that_round():
+    assert _round_ratios([2.0, 6.0, 3.0], [1.0, 2.0, 3.0]) == [2.0, 3.0, 1.0]
+    assert _fmt_round_ratios([2.0, 3.0, 1.0]) == "1.00-3.00x"
+    assert _round_ratios([2.0], [1.0, 2.0]) is None  # a contender that failed a round: no pairing
+    assert _round_ratios(None, [1.0]) is None and _round_ratios([1.0], None) is None
+    assert _fmt_round_ratios(None) == "-"
 
 
 def test_contenders_agree_on_tables_states_and_outputs(quick):

@@ -40,9 +40,11 @@ def add_summary(result):
     failures = []
     for case, recs in _contender_records(result):
         base = recs.get("embedcore", {}).get("median_ms")
+        base_rounds = recs.get("embedcore", {}).get("round_medians_ms")
         for name, rec in recs.items():
             if "median_ms" in rec:
                 rec["ratio_to_embedcore"] = rec["median_ms"] / base if base else None
+                rec["round_ratios"] = _round_ratios(rec.get("round_medians_ms"), base_rounds)
                 rec["fraction_of_copy"] = rec["gbps_median"] / copy if copy else None
                 rec["fraction_of_gather"] = rec["gbps_median"] / gather if gather else None
             ok = rec.get("check", {}).get("ok", False) and rec.get("final_check", {}).get("ok", False)
@@ -66,6 +68,20 @@ def add_summary(result):
     }
 
 
+def _round_ratios(mine, base):
+    """The contender's median over embedcore's, round by round (the two ran one after the other, so a slow
+    phase of the machine weighs on both), or None when either lacks a round."""
+    if not mine or not base or len(mine) != len(base) or not all(base):
+        return None
+    return [m / b for m, b in zip(mine, base)]
+
+
+def _fmt_round_ratios(ratios):
+    if not ratios:
+        return "-"
+    return f"{min(ratios):.2f}-{max(ratios):.2f}x"
+
+
 def _fmt_pct(x):
     return "-" if x is None else f"{100 * x:.1f}%"
 
@@ -80,8 +96,8 @@ def _case_table(case):
     lines.append(f"{case['label']}")
     lines.append(f"  {w['ids_per_step']:,} ids/step, {min(uniq):,}-{max(uniq):,} distinct; minimal bytes/step "
                  f"{mean_rand:.1f} MB random rows + {mean_seq:.1f} MB sequential; reference {case.get('reference')}")
-    head = (f"  {'contender':34s} {'median ms':>10s} {'min-max ms':>17s} {'x embedcore':>11s} {'GB/s':>6s} "
-            f"{'%copy':>6s} {'%gather':>7s}  {'check':s}")
+    head = (f"  {'contender':34s} {'median ms':>10s} {'min-max ms':>17s} {'x embedcore':>11s} {'x per round':>13s} "
+            f"{'GB/s':>6s} {'%copy':>6s} {'%gather':>7s}  {'check':s}")
     lines.append(head)
     lines.append("  " + "-" * (len(head) - 2))
     for name, rec in case["contenders"].items():
@@ -96,7 +112,8 @@ def _case_table(case):
                                 final.get("tables", 0.0), final.get("state", 0.0)) if v is not None)
         ratio = rec.get("ratio_to_embedcore")
         lines.append(f"  {label:34s} {rec['median_ms']:10.2f} {rec['min_ms']:8.2f}-{rec['max_ms']:<8.2f} "
-                     f"{'-' if ratio is None else f'{ratio:.2f}x':>11s} {rec['gbps_median']:6.2f} "
+                     f"{'-' if ratio is None else f'{ratio:.2f}x':>11s} "
+                     f"{_fmt_round_ratios(rec.get('round_ratios')):>13s} {rec['gbps_median']:6.2f} "
                      f"{_fmt_pct(rec.get('fraction_of_copy')):>6s} {_fmt_pct(rec.get('fraction_of_gather')):>7s}  "
                      f"{verdict} ({worst:.0e})")
     for name, why in case["skipped"].items():
@@ -156,6 +173,8 @@ def _sweep_table(kind, points):
 def tables(result):
     lines = ["", "=" * 110,
              "RESULTS (per step; x embedcore = contender median / embedcore median, above 1 = slower than embedcore;",
+             "x per round = the lowest and highest of that ratio taken round by round, each contender against the",
+             "embedcore steps of the same round: how much the machine's phases moved the ratio;",
              "GB/s = minimal bytes / time; %copy / %gather = that GB/s over the run's streaming-copy / "
              "random-256-byte-row-gather bandwidth;",
              "above 100% of gather means the step's rows were mostly cache hits (hot Zipf rows), not random DRAM rows)",
