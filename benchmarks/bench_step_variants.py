@@ -2,7 +2,7 @@
 
 Run from the repository root::
 
-    python benchmarks/bench_step_variants.py --variant prefetch|range-check|row-type|row-sums
+    python benchmarks/bench_step_variants.py --variant prefetch|range-check|row-type|payload|row-sums
         [--workload tbe|update] [--optimizer rowwise_adagrad] [--rounds 30] [--steps 4]
 
 On this machine runs minutes apart differ by 30% or more, so a change is measured by running the shipped
@@ -20,6 +20,8 @@ Variants (the shipped one first):
   check of every feature's ids before it (``to_feature_batch(check_range=True)``; the layout's check then
   runs too, on ids already known good);
 * ``row-type``: a table batch's physical rows as int32 (``inputs.ROW_TYPE_LIMIT``), against int64;
+* ``payload``: a batch whose gains are all 1 carries int32 activation rows alone
+  (``inputs.unit_gains``), against int64 words packing each occurrence's activation row and gain;
 * ``row-sums``: the kernels compiled for a row length sum rows in vector registers
   (``kernels/row_vector.py``), against the in-memory sum of ``rows.weighted_sum``; both sets of kernels are
   compiled in this process (the on-disk kernel cache is turned off: their sources are the same text).
@@ -90,7 +92,14 @@ def _row_sums():
     return {name: (lambda name=name: use(name)) for name in kernels}
 
 
-VARIANTS = {"prefetch": _prefetch, "range-check": _range_check, "row-type": _row_type, "row-sums": _row_sums}
+def _payload():
+    rule = inputs.unit_gains
+    return {"int32 rows": lambda: setattr(inputs, "unit_gains", rule),
+            "int64 packed": lambda: setattr(inputs, "unit_gains", lambda parts: False)}
+
+
+VARIANTS = {"prefetch": _prefetch, "range-check": _range_check, "row-type": _row_type, "payload": _payload,
+            "row-sums": _row_sums}
 
 
 def main(argv=None) -> int:

@@ -145,7 +145,8 @@ class Embedding(TableLookup):
         group.slots = tuple(aligned_empty((group.n_rows, group.dim) if d == 2 else (group.n_rows,), np.float32)
                             for d in opt.slot_dims)
         try:
-            compile_for(group.row_function, opt.lazy, group.weights, group.slots, opt.n_hyperparameters)
+            compile_for(group.row_function, opt.lazy, group.weights, group.slots, opt.n_hyperparameters,
+                        unit_gains=self._sums_rows(group))
         except Exception as exc:  # numba raises many error types; each becomes one clear message
             cause = "\n".join(str(exc).strip().splitlines()[:12])
             raise RowFunctionError(f"the update kernel of {describe(group.row_function.python_function)} for "
@@ -154,6 +155,13 @@ class Embedding(TableLookup):
         if fill:
             for table in group.tables:
                 self._fill_table(table, 0, 1, table.vocabulary_size)
+
+    def _sums_rows(self, group: _PhysicalTable) -> bool:
+        """Whether a batch without weights gives every occurrence of ``group`` a gain of 1 (its features'
+        tables sum, or the features are sequences), so that its occurrences carry activation rows alone."""
+        tables = {id(t) for t in group.tables}
+        return all(f.table.combiner == "sum" or f.max_sequence_length for _, f in self._features
+                   if id(f.table) in tables)
 
     def _fill_table(self, table, first_row: int, stride: int, vocabulary_size: int, n_rows: int | None = None):
         """Initial values of ``table`` and its slots: the rows ``first_row + i * stride`` of a table of

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .kernels.occurrences import (COMBINERS, fill_occurrences, first_non_finite, first_out_of_range, packed_views,
+from .kernels.occurrences import (COMBINERS, fill_occurrences, first_non_finite, first_out_of_range, payload_views,
                                  splits_are_valid)
 
 __all__ = ["Ragged", "Sparse", "FeatureBatch", "TableBatch", "InputError", "to_feature_batch",
@@ -355,21 +355,22 @@ class TableBatch:
     """
 
     rows: np.ndarray      # int32 [N] physical row (int64 where a row reaches 2**31: ROW_TYPE_LIMIT)
-    packed: np.ndarray    # int64 [N] activation row << 32 | the gain's float32 bits (kernels/occurrences.py)
+    packed: np.ndarray    # [N] the occurrences' payload (kernels/occurrences.py): int64 activation row << 32 |
+                          # the gain's float32 bits, or, when every gain is 1, int32 activation rows alone
     out_ptr: np.ndarray   # int64 [n_out + 1]
     n_out: int
     blocks: np.ndarray = None  # int64 occurrence offsets [0, ..., N] of blocks whose row ranges are disjoint and
                                # increasing (kernels/dedup.py groups them one by one); None when they are not
 
     @property
-    def gains(self) -> np.ndarray:
-        """float32 [N] (a view of ``packed``)."""
-        return packed_views(self.packed)[1]
+    def gains(self):
+        """float32 [N] (a view of ``packed``), or None when every gain is 1 (the sums take None so)."""
+        return payload_views(self.packed)[1]
 
     @property
     def out_row(self) -> np.ndarray:
         """int32 [N] activation row of each occurrence (a view of ``packed``)."""
-        return packed_views(self.packed)[0]
+        return payload_views(self.packed)[0]
 
 
 ROW_TYPE_LIMIT = 2 ** 31  # physical rows below this are int32 (half the bytes to write, sort and gather by)
@@ -384,7 +385,8 @@ def build_table_batch(parts, workspace=None) -> TableBatch:
     ``out_offset + b`` with the combiner's gain (see :mod:`embedcore.kernels.occurrences`). Each feature's
     occurrences form a block of rows ``[row_offset, row_offset + vocabulary_size)``; consecutive features of
     one table share a block. Every id is range-checked as it is laid out: an id outside its vocabulary raises
-    :class:`InputError` naming the feature and the id.
+    :class:`InputError` naming the feature and the id. When every gain is 1 (:func:`unit_gains`) the
+    occurrences' payload is their int32 activation rows, else packed int64 words.
     """
     n_out = 0
     n = 0
@@ -394,7 +396,8 @@ def build_table_batch(parts, workspace=None) -> TableBatch:
         n_out = out_offset + batch.batch_size * (seq_len if seq_len else 1)
         rows_end = max(rows_end, row_offset + vocabulary_size)
     rows = _array(workspace, "rows", n, np.int32 if rows_end <= ROW_TYPE_LIMIT else np.int64)
-    packed = _array(workspace, "packed", n, np.int64)
+    unit = unit_gains(parts)
+    packed = _array(workspace, "out_rows" if unit else "packed", n, np.int32 if unit else np.int64)
     out_ptr = _array(workspace, "out_ptr", n_out + 1, np.int64)
     out_ptr[0] = 0
     at = 0
@@ -417,6 +420,12 @@ def build_table_batch(parts, workspace=None) -> TableBatch:
     increasing = all(lo + size <= next_lo for (lo, size), (next_lo, _) in zip(ranges, ranges[1:]))
     blocks = np.array(starts + [at], np.int64) if increasing and ranges else None
     return TableBatch(rows[:at], packed[:at], out_ptr, n_out, blocks)
+
+
+def unit_gains(parts) -> bool:
+    """Whether every occurrence of a table batch's ``parts`` has gain 1 (no weights; the features' tables
+    sum, or the features are sequences): then its occurrences carry their activation rows alone."""
+    return all(batch.weights is None and (combiner == "sum" or seq_len) for batch, combiner, seq_len, *_ in parts)
 
 
 def _array(workspace, name, shape, dtype):

@@ -113,12 +113,14 @@ def test_count_non_finite_serial_and_parallel(dtype):
 
 @settings(max_examples=40, deadline=None)
 @given(st.integers(1, 2 ** 40), st.sampled_from([0, 1, 5, 300, 70_000]), st.integers(0, 2 ** 32),
-       st.sampled_from([1, 2]), st.sampled_from([np.int32, np.int64]))
-def test_group_rows_is_unique_rows_with_the_occurrences_in_grouped_order(n_rows, n, seed, threads, row_type):
-    """Rows as int32 (a table batch's, below 2**31 rows) or int64, serial and parallel paths."""
+       st.sampled_from([1, 2]), st.sampled_from([np.int32, np.int64]), st.booleans())
+def test_group_rows_is_unique_rows_with_the_occurrences_in_grouped_order(n_rows, n, seed, threads, row_type,
+                                                                         unit_gains):
+    """Rows as int32 (a table batch's, below 2**31 rows) or int64, serial and parallel paths; payloads as
+    packed words or (every gain 1) int32 activation rows."""
     import numba
     from embedcore.kernels.dedup import group_rows
-    from embedcore.kernels.occurrences import pack_occurrences, packed_views
+    from embedcore.kernels.occurrences import pack_occurrences, packed_views, payload_views
     if row_type == np.int32:
         n_rows = min(n_rows, 2 ** 31)
     rng = np.random.default_rng(seed)
@@ -129,8 +131,15 @@ def test_group_rows_is_unique_rows_with_the_occurrences_in_grouped_order(n_rows,
     before = numba.get_num_threads()
     numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
     try:
-        uniq, ptr, packed = group_rows(rows, n_rows, pack_occurrences(out_row, gains), Workspace())
-        src_row, src_gain = packed_views(packed)
+        if unit_gains:
+            uniq, ptr, packed = group_rows(rows, n_rows, out_row.astype(np.int32), Workspace())
+            assert packed.dtype == np.int32
+            src_row, src_gain = payload_views(packed)
+            assert src_gain is None
+            src_gain = gains = np.ones(n, np.float32)
+        else:
+            uniq, ptr, packed = group_rows(rows, n_rows, pack_occurrences(out_row, gains), Workspace())
+            src_row, src_gain = packed_views(packed)
         u2, p2, order2 = unique_rows(rows, n_rows, Workspace())
     finally:
         numba.set_num_threads(before)
@@ -220,17 +229,17 @@ def test_kernels_compiled_for_a_row_length_compute_the_same_bits(dim):
 
 @settings(max_examples=60, deadline=None)
 @given(st.sampled_from([16, 32, 48, 64, 128]), st.integers(1, 6), st.lists(st.integers(0, 11), min_size=1, max_size=12),
-       st.sampled_from([np.int32, np.int64]), st.booleans(), st.booleans(), st.integers(0, 2 ** 32))
-def test_sums_in_registers_are_the_in_memory_sums_bit_for_bit(dim, n_rows, lengths, row_type, packed_gains,
+       st.sampled_from([np.int32, np.int64]), st.sampled_from(["array", "packed", "none"]), st.booleans(),
+       st.integers(0, 2 ** 32))
+def test_sums_in_registers_are_the_in_memory_sums_bit_for_bit(dim, n_rows, lengths, row_type, gain_kind,
                                                               prefetch, seed):
     """The gather compiled for a row length sums each bag in vector registers (kernels/row_vector.py): the
     same bits as the in-memory sum of the any-length kernel and as the documented order, for empty bags,
     bags of 1-11 ids (groups of four and the rest), few distinct rows (duplicates), zero, negative and -0.0
-    gains, int32 or int64 rows, gains read as a strided view of the packed occurrences; each bag's row is
-    written whole and nothing else."""
-    from embedcore.kernels.occurrences import pack_occurrences
+    gains, int32 or int64 rows, gains as an array, read as a strided view of the packed occurrences, or None
+    (every gain 1: the sums of gains of 1); each bag's row is written whole and nothing else."""
+    from embedcore.kernels.occurrences import pack_occurrences, packed_views
     from embedcore.kernels.rows import ROWS_AHEAD, _gather_any_dim, gather_kernel
-    from embedcore.inputs import packed_views
     rng = np.random.default_rng(seed)
     table = rng.standard_normal((n_rows, dim)).astype(np.float32)
     table[rng.random(table.shape) < 0.05] = -0.0
@@ -238,9 +247,11 @@ def test_sums_in_registers_are_the_in_memory_sums_bit_for_bit(dim, n_rows, lengt
     n = int(out_ptr[-1])
     rows = rng.integers(0, n_rows, n).astype(row_type)
     gains = rng.choice(np.array([0.0, -0.0, 1.0, -2.5, 0.3], np.float32), n)
-    if packed_gains:
+    if gain_kind == "packed":
         gains = packed_views(pack_occurrences(np.zeros(n, np.int64), gains))[1]
         assert n <= 1 or not gains.flags.c_contiguous  # one value: any view is contiguous
+    reference_gains = np.ones(n, np.float32) if gain_kind == "none" else gains
+    gains = None if gain_kind == "none" else gains
     fixed = np.full((len(lengths) + 1, dim), np.nan, np.float32)  # one row more: never written
     any_length = np.full((len(lengths), dim), np.nan, np.float32)
     gather_kernel(dim, prefetch)(table, rows, gains, out_ptr, fixed[:-1])
@@ -249,7 +260,8 @@ def test_sums_in_registers_are_the_in_memory_sums_bit_for_bit(dim, n_rows, lengt
     assert np.isnan(fixed[-1]).all()
     for a in range(len(lengths)):
         lo, hi = out_ptr[a], out_ptr[a + 1]
-        np.testing.assert_array_equal(fixed[a], _weighted_sum_reference(gains[lo:hi], table[rows[lo:hi]]))
+        np.testing.assert_array_equal(fixed[a], _weighted_sum_reference(reference_gains[lo:hi],
+                                                                        table[rows[lo:hi]]))
 
 
 def test_sums_over_rows_that_are_not_contiguous_are_summed_in_memory():
@@ -479,11 +491,12 @@ def test_runs_of_sorted_words_split_among_parts(n, vocabulary, n_parts, seed):
 
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 3_000), st.integers(1, 5_000), st.sampled_from([1, 3, 40, 10 ** 6])),
-                min_size=1, max_size=9), st.integers(0, 2 ** 32), st.sampled_from([np.int32, np.int64]))
-def test_grouping_block_by_block_equals_the_global_sort(spec, seed, row_type):
+                min_size=1, max_size=9), st.integers(0, 2 ** 32), st.sampled_from([np.int32, np.int64]),
+       st.sampled_from([np.int32, np.int64]))
+def test_grouping_block_by_block_equals_the_global_sort(spec, seed, row_type, payload_type):
     """Blocks of disjoint, increasing row ranges grouped one by one (hashed, or sorted once a block holds
     too many distinct rows, or empty) give exactly the global sort's unique rows, offsets and payloads,
-    for int32 and int64 rows."""
+    for int32 and int64 rows, and payloads of packed words (int64) or activation rows (int32)."""
     from embedcore.kernels import dedup
     rng = np.random.default_rng(seed)
     parts, starts, base = [], [0], 0
@@ -494,11 +507,13 @@ def test_grouping_block_by_block_equals_the_global_sort(spec, seed, row_type):
         base += vocabulary
     rows = np.concatenate(parts).astype(row_type)
     blocks = np.array(starts, np.int64)
-    packed = rng.integers(-2 ** 62, 2 ** 62, rows.shape[0])
+    packed = rng.integers(np.iinfo(payload_type).min, np.iinfo(payload_type).max, rows.shape[0], payload_type)
     expected = dedup._sort(rows.astype(np.int64), base, packed, False, Workspace())
+    assert expected[2].dtype == payload_type
     workspace = Workspace()
     for _ in range(2):  # a second call reuses the workspace's tables
         got = dedup._group_by_blocks(rows, base, packed, blocks, workspace)[:3]
+        assert got[2].dtype == payload_type
         for e, g in zip(expected, got):
             np.testing.assert_array_equal(g, e)
     order = np.argsort(rows, kind="stable")
@@ -605,15 +620,16 @@ def test_clustered_hashes_and_many_distinct_rows_fall_back_to_sorting_and_later_
     rng = np.random.default_rng(5)
     rows = np.concatenate([rng.permutation(np.resize(clustered, m)), (1 << 22) + rng.integers(0, 30, m)])
     blocks = np.array([0, m, 2 * m], np.int64)
-    packed = rng.integers(-2 ** 62, 2 ** 62, rows.shape[0])
     workspace = Workspace()
-    for row_type in (np.int64, np.int32):
+    for row_type, payload_type in ((np.int64, np.int64), (np.int32, np.int64), (np.int32, np.int32)):
+        packed = rng.integers(np.iinfo(payload_type).min, np.iinfo(payload_type).max, rows.shape[0], payload_type)
         typed = rows.astype(row_type)
         uniq, ptr, sorted_packed, n_sorted = dedup._group_by_blocks(typed, 1 << 23, packed, blocks, workspace)
         assert n_sorted == 1  # the clustered block; the other hashed
         expected, counts = np.unique(rows, return_counts=True)
         np.testing.assert_array_equal(uniq, expected)
         np.testing.assert_array_equal(np.diff(ptr), counts)
+        assert sorted_packed.dtype == payload_type
         np.testing.assert_array_equal(sorted_packed, packed[np.argsort(rows, kind="stable")])
 
     # The memory of the fallback, whatever the thread count (the block path itself is forced here).
@@ -735,3 +751,78 @@ def test_sum_of_squares_is_the_documented_float64_order_bit_for_bit(n, scale, cl
     row = wide[::2] if strided else np.ascontiguousarray(wide[:n])
     low, high = (np.float32(-0.7 * scale), np.float32(0.4 * scale)) if clipped else (np.float32(-np.inf), np.float32(np.inf))
     assert _sum_of_squares_jitted(row, low, high) == _sum_of_squares_reference(row, low, high)
+
+
+def test_table_batches_carry_activation_rows_alone_when_every_gain_is_1():
+    """Without weights, a table whose features sum (or are sequences) lays out int32 activation rows, no
+    gains; weights, or a mean/sqrtn feature among the table's, give packed int64 words. The activation rows
+    are the same either way."""
+    from embedcore import inputs
+    def part(ids, combiner, out_offset, weights=None, seq_len=0):
+        batch = inputs.to_feature_batch(ec.Ragged(np.array(ids, np.int64), [0, len(ids) - 1, len(ids)]),
+                                        None if weights is None else
+                                        ec.Ragged(np.array(weights, np.float32), [0, len(ids) - 1, len(ids)]),
+                                        "f", 10)
+        return batch, combiner, seq_len, 0, out_offset, 10
+    cases = [([part([1, 2, 3], "sum", 0)], True), ([part([1, 2, 3], "mean", 0, seq_len=2)], True),
+             ([part([1, 2, 3], "sum", 0), part([4, 4], "sum", 2)], True),
+             ([part([1, 2, 3], "sum", 0, weights=[1, 1, 1])], False), ([part([1, 2, 3], "mean", 0)], False),
+             ([part([1, 2, 3], "sqrtn", 0)], False), ([part([1, 2, 3], "sum", 0), part([4, 4], "mean", 2)], False)]
+    workspace = Workspace()
+    for parts, unit in cases + cases:  # one workspace, both kinds in turn
+        tb = inputs.build_table_batch(parts, workspace)
+        assert inputs.unit_gains(parts) == unit
+        assert tb.packed.dtype == (np.int32 if unit else np.int64)
+        assert (tb.gains is None) == unit
+        expected = np.repeat(np.arange(tb.n_out), np.diff(tb.out_ptr))
+        np.testing.assert_array_equal(tb.out_row, expected)
+    with pytest.raises(ValueError, match="int32 payloads"):
+        from embedcore.kernels.occurrences import fill_occurrences
+        fill_occurrences(np.array([1, 2]), np.array([0, 2]), np.zeros(0, np.float32), np.zeros(0, np.int64), 1, 0,
+                         0, 0, 0, np.zeros(2, np.int32), np.zeros(2, np.int32), np.zeros(2, np.int64), 10)
+
+
+@pytest.mark.parametrize("dim", [5, 64])
+@pytest.mark.parametrize("optimizer", [lambda: ec.SGD(0.3), lambda: ec.Adagrad(0.3), lambda: ec.RowwiseAdagrad(0.3),
+                                       lambda: ec.Adam(0.01)])
+def test_batches_without_weights_train_bit_for_bit_as_weights_of_1(dim, optimizer):
+    """Steps without weights (activation rows alone, no gains: the lookup and the update skip the products)
+    give the same activations, tables and slots, bit for bit, as the same steps with weights of 1 (packed
+    words), on one engine alternating weighted and unweighted batches, stacked tables large enough for the
+    block grouping, duplicates and empty bags; for kernels compiled for a row length (64) and not (5)."""
+    import numba
+    rng = np.random.default_rng(dim)
+    vocabularies = [3_000, 40]
+    features = {f"f{t}": ec.FeatureConfig(ec.TableConfig(v, dim, combiner="sum", name=f"t{t}",
+                                                        initializer=ec.RandomUniform(-1, 1, seed=t)))
+                for t, v in enumerate(vocabularies)}
+    engines = [ec.Embedding(features, optimizer()) for _ in range(2)]
+    before = numba.get_num_threads()
+    numba.set_num_threads(min(2, numba.config.NUMBA_NUM_THREADS))
+    try:
+        for step in range(4):
+            lengths = rng.integers(0, 9, 10_000)
+            batch = {f"f{t}": ec.Ragged(rng.zipf(1.2, lengths.sum()) % v, np.r_[0, np.cumsum(lengths)])
+                     for t, v in enumerate(vocabularies)}
+            given = None
+            if step == 2:  # a weighted step between the others: both engines take packed words
+                given = {k: ec.Ragged(rng.standard_normal(r.values.shape[0]).astype(np.float32), r.row_splits)
+                         for k, r in batch.items()}
+            ones = given or {k: ec.Ragged(np.ones(r.values.shape[0], np.float32), r.row_splits)
+                             for k, r in batch.items()}
+            grads = {k: rng.standard_normal((10_000, dim)).astype(np.float32) for k in batch}
+            acts = []
+            for emb, weights in zip(engines, (given, ones)):
+                a, ctx = emb.lookup(batch, weights)
+                assert (ctx.table_batches[0].packed.dtype == np.int32) == (weights is None)
+                acts.append(a)
+                emb.apply_gradients(grads, ctx)
+            for k in batch:
+                np.testing.assert_array_equal(acts[0][k].view(np.int32), acts[1][k].view(np.int32))
+            for name, table in engines[0].embedding_tables.items():
+                np.testing.assert_array_equal(table.view(np.int32), engines[1].embedding_tables[name].view(np.int32))
+            for name, slots in engines[0].slot_variables.items():
+                for slot, values in slots.items():
+                    np.testing.assert_array_equal(values, engines[1].slot_variables[name][slot])
+    finally:
+        numba.set_num_threads(before)

@@ -7,8 +7,8 @@ in their original order). The sort is stable, so every later sum over a row's oc
 same order on every run and thread count.
 
 :func:`group_rows` also lays out, in that grouped order, what the update needs of each occurrence (its
-activation row and its gain, packed in one word), so that the update reads them sequentially instead of
-through ``order``.
+activation row and its gain, packed in one word, or, when every gain is 1, its activation row alone), so
+that the update reads them sequentially instead of through ``order``.
 
 The sort makes one pass per 11-bit digit of the row numbers, skipping digits on which all rows agree. Large
 batches sort in parallel: each thread counts and then scatters its own contiguous part of the input; the
@@ -429,10 +429,11 @@ def _group_by_blocks(rows, n_rows, payload, blocks, workspace):
     limits, table_bits, table_lo, n_slots, schedule, schedule_ptr = _block_layout(blocks, numba.get_num_threads(),
                                                                                   workspace)
     keys = workspace.array("hash_keys", n_slots, np.int64)
+    p = payload.dtype  # the permutations of the distinct rows share the payload's buffers (a block that is
+    names = _PAYLOAD_BUFFERS[p]  # sorted instead sorts its payload in them), in its integer type
     arrays = [workspace.array(name, n, dtype) for name, dtype in (  # all shared with _sort's paths
         ("hash_first", rows.dtype), ("sort_words_b", np.int64), ("sort_keys_a", rows.dtype),
-        ("sort_payload_a", np.int64), ("sort_keys_b", rows.dtype), ("sort_payload_b", np.int64),
-        ("sorted_payload", np.int64), ("uniq", np.int64))]
+        (names[0], p), ("sort_keys_b", rows.dtype), (names[1], p), (names[2], p), ("uniq", np.int64))]
     ptr = workspace.array("ptr", n + 1, np.int64)
     n_bits = max(1, int(n_rows - 1).bit_length())
     n_unique, n_sorted = _group_blocks(rows, payload, blocks, schedule, schedule_ptr, limits, table_lo, table_bits,
@@ -450,15 +451,16 @@ def _sort(rows, n_rows, payload, index_payload, workspace):
     if n >= PARALLEL_MIN and threads > 1 and n < 2 ** 32 and n_rows <= 2 ** 31:
         # Large batches: rows and occurrence numbers share one word, sorted in parallel; the payload is
         # written once, in sorted order, by the last pass.
-        sorted_payload = workspace.array("sorted_payload", n, np.int64)
+        sorted_payload = workspace.array(_PAYLOAD_BUFFERS[payload.dtype][2], n, payload.dtype)
         words = _sort_words(rows, n_bits, payload, index_payload, workspace.array("sort_words_a", n, np.int64),
                             workspace.array("sort_words_b", n, np.int64), sorted_payload, threads)
         n_unique = _group_words(words, uniq, ptr, threads)
         return uniq[:n_unique], ptr[:n_unique + 1], sorted_payload
     # Small batches (and tables of more than 2**31 rows): a serial sort carrying a key and a payload.
+    p = payload.dtype
+    names = _PAYLOAD_BUFFERS[p]
     buffers = [workspace.array(name, n, dtype) for name, dtype in (
-        ("sort_keys_a", rows.dtype), ("sort_payload_a", np.int64), ("sort_keys_b", rows.dtype),
-        ("sort_payload_b", np.int64))]
+        ("sort_keys_a", rows.dtype), (names[0], p), ("sort_keys_b", rows.dtype), (names[1], p))]
     sorted_keys, sorted_payload = _sort_serial(rows, payload, index_payload, n_bits, *buffers)
     n_unique = _group(sorted_keys, uniq, ptr)
     return uniq[:n_unique], ptr[:n_unique + 1], sorted_payload
@@ -471,6 +473,12 @@ def _row_array(rows):
 
 
 _ROW_TYPES = (np.dtype(np.int32), np.dtype(np.int64))
+_PAYLOAD_TYPES = _ROW_TYPES
+# Workspace buffers of payloads, one set per payload type (so that batches of both kinds in turn do not
+# reallocate them): the sort's two payload buffers, and the payloads in grouped order.
+_PAYLOAD_BUFFERS = {np.dtype(t): tuple(f"{name}_{np.dtype(t).name}" for name in
+                                       ("sort_payload_a", "sort_payload_b", "sorted_payload"))
+                    for t in (np.int32, np.int64)}
 _NO_PAYLOAD = np.zeros(0, np.int64)
 
 
@@ -482,14 +490,17 @@ def unique_rows(rows: np.ndarray, n_rows: int, workspace):
 
 
 def group_rows(rows: np.ndarray, n_rows: int, packed: np.ndarray, workspace, blocks=None):
-    """``(uniq, ptr, sorted_packed)``: :func:`unique_rows`, with each occurrence's packed word (activation
-    row and gain, see :mod:`embedcore.kernels.occurrences`) in grouped order: the sort carries the words, so
-    no pass gathers them through ``order`` (``packed_views(sorted_packed)`` reads them).
+    """``(uniq, ptr, sorted_packed)``: :func:`unique_rows`, with each occurrence's payload (its packed word,
+    activation row and gain, or its int32 activation row when every gain is 1; see
+    :mod:`embedcore.kernels.occurrences`) in grouped order, in the payload's type: the sort carries the
+    payloads, so no pass gathers them through ``order`` (``payload_views(sorted_packed)`` reads them).
 
     ``blocks`` (optional, int64 occurrence offsets ``[0, ..., n]``): every block's rows lie below the next
     block's, so the blocks can be grouped independently (see ``_group_blocks``); the result is the same."""
     rows = _row_array(rows)
-    packed = np.ascontiguousarray(packed, np.int64)
+    packed = np.ascontiguousarray(packed)
+    if packed.dtype not in _PAYLOAD_TYPES:
+        raise ValueError(f"the payload must be int64 packed words or int32 activation rows, got {packed.dtype}")
     if blocks is not None:
         blocks = np.asarray(blocks)
         if blocks.dtype != np.int64 or blocks.ndim != 1 or blocks.shape[0] < 2 or blocks[0] != 0 or \

@@ -45,10 +45,15 @@ def _float32_rows(array):
 def sums_in_registers(dst, index, gain, src) -> bool:
     """Whether :func:`weighted_sum_registers` takes arguments of these Numba types: C-contiguous float32
     rows ``dst`` and ``src`` (its vector loads and stores assume contiguous rows), 1-D integer ``index`` and
-    float32 ``gain`` of any layout."""
+    float32 ``gain`` of any layout, or ``None`` (every gain 1)."""
     return (_float32_rows(dst) and _float32_rows(src)
             and isinstance(index, types.Array) and index.ndim == 1 and isinstance(index.dtype, types.Integer)
-            and isinstance(gain, types.Array) and gain.ndim == 1 and gain.dtype == types.float32)
+            and (_unit_gains(gain) or isinstance(gain, types.Array) and gain.ndim == 1
+                 and gain.dtype == types.float32))
+
+
+def _unit_gains(gain) -> bool:
+    return isinstance(gain, types.NoneType)
 
 
 class _Arrays:
@@ -59,6 +64,8 @@ class _Arrays:
         self.arrays = {}
         for position, name in ((0, "dst"), (4, "index"), (5, "gain"), (6, "src")):
             array_type = signature.args[position]
+            if not isinstance(array_type, types.Array):  # no gains: every gain is 1
+                continue
             value = context.make_array(array_type)(context, builder, args[position])
             self.arrays[name] = (array_type, value)
 
@@ -76,13 +83,14 @@ class _Arrays:
 @intrinsic
 def _block_sum(typingctx, dst, d, lo, hi, index, gain, src, ahead, col, width):
     """``dst[d, col:col + width] = sum over k in [lo, hi) of gain[k] * src[index[k], col:col + width]`` (the
-    module docstring's order); for ``ahead`` > 0 the block's lines of the rows ``ahead`` occurrences on are
-    prefetched."""
+    module docstring's order; ``gain`` None: every gain 1, no product, the same sums since ``1 * x == x``);
+    for ``ahead`` > 0 the block's lines of the rows ``ahead`` occurrences on are prefetched."""
     if not (isinstance(width, types.IntegerLiteral) and width.literal_value % CACHE_LINE_FLOATS == 0
             and sums_in_registers(dst, index, gain, src)
             and all(isinstance(t, types.Integer) for t in (d, lo, hi, ahead, col))):
         return None
     w = width.literal_value
+    unit = _unit_gains(gain)
 
     def codegen(context, builder, signature, args):
         arrays = _Arrays(context, builder, signature, args)
@@ -113,6 +121,8 @@ def _block_sum(typingctx, dst, d, lo, hi, index, gain, src, ahead, col, width):
             """gain[k] * src[index[k], col:col + w], in float32."""
             values = builder.load(builder.bitcast(arrays.pointer("src", source_row(k), col_v), vector.as_pointer()),
                                   align=4)
+            if unit:
+                return values
             scale = builder.load(arrays.pointer("gain", k))
             splat = builder.insert_element(ir.Constant(vector, ir.Undefined), scale, _I32(0))
             splat = builder.shuffle_vector(splat, splat, ir.Constant(ir.VectorType(_I32, w), [0] * w))

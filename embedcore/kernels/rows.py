@@ -7,6 +7,9 @@ row, so ``out_ptr`` (CSR) lists the occurrences of each activation row.
 * lookup:    ``act[a] = sum over o in a of gains[o] * table[rows[o]]``
 * gradient:  ``grad[u] = sum over occurrences o of uniq[u] (in order) of gains[o] * d_act[out_row[o]]``
 
+A batch whose gains are all 1 passes ``None`` for them: no gains are read and no products made (the same
+sums, as ``1 * x == x`` exactly).
+
 Both are :func:`weighted_sum`, which adds four occurrences per pass over the destination row (a pass per
 occurrence made every occurrence wait for the previous one's store: 1.6x slower). The order of additions
 is fixed by the occurrences' order alone, so results do not depend on the number of threads, and the
@@ -22,7 +25,7 @@ that vectorises, which the update kernels use.
 """
 
 import numpy as np
-from numba import njit, prange
+from numba import njit, prange, types
 from numba.extending import overload
 
 from ..compile_cache import jit_source
@@ -37,9 +40,22 @@ ROWS_AHEAD = 16  # occurrences whose source rows are prefetched ahead of the cur
 _U = np.uint64
 
 
+def gain_at(gain, k):
+    """``gain[k]``, or float32 1 when ``gain`` is None (every gain 1: a product by it LLVM leaves out)."""
+    raise NotImplementedError("only callable from jitted code")
+
+
+@overload(gain_at, inline="always")
+def _gain_at_impl(gain, k):
+    if isinstance(gain, types.NoneType):
+        return lambda gain, k: np.float32(1.0)
+    return lambda gain, k: gain[k]
+
+
 @njit(cache=True, inline="always")
 def weighted_sum(dst, d, lo, hi, index, gain, src, ahead, dim):
-    """``dst[d] = sum over k in [lo, hi) of gain[k] * src[index[k]]``: each group of four occurrences added
+    """``dst[d] = sum over k in [lo, hi) of gain[k] * src[index[k]]`` (``gain`` None: every gain 1, the same
+    sums as gains of 1, without their products): each group of four occurrences added
     as ``(t0 + t1) + (t2 + t3)``, the last ``(hi - lo) % 4`` one by one, starting from the first group
     (the same sums as starting from zero, but for the sign of a zero); no occurrence gives zeros. The source
     rows of the occurrences ``ahead`` places on are prefetched (``ahead`` 0: none). ``dim`` is the rows'
@@ -56,7 +72,8 @@ def weighted_sum(dst, d, lo, hi, index, gain, src, ahead, dim):
         if ahead:
             prefetch_rows_ahead(src, index, k, n, ahead, 4)
         ku = _U(k)
-        w0, w1, w2, w3 = gain[ku], gain[ku + _U(1)], gain[ku + _U(2)], gain[ku + _U(3)]
+        w0, w1 = gain_at(gain, ku), gain_at(gain, ku + _U(1))
+        w2, w3 = gain_at(gain, ku + _U(2)), gain_at(gain, ku + _U(3))
         r0, r1, r2, r3 = _U(index[ku]), _U(index[ku + _U(1)]), _U(index[ku + _U(2)]), _U(index[ku + _U(3)])
         for j in range(dim):
             ju = _U(j)
@@ -66,7 +83,7 @@ def weighted_sum(dst, d, lo, hi, index, gain, src, ahead, dim):
         if ahead:
             prefetch_rows_ahead(src, index, k, n, ahead, 1)
         ku = _U(k)
-        w = gain[ku]
+        w = gain_at(gain, ku)
         r = _U(index[ku])
         for j in range(dim):
             ju = _U(j)
@@ -80,7 +97,8 @@ def weighted_sum(dst, d, lo, hi, index, gain, src, ahead, dim):
         if ahead:
             prefetch_rows_ahead(src, index, k, n, ahead, 4)
         ku = _U(k)
-        w0, w1, w2, w3 = gain[ku], gain[ku + _U(1)], gain[ku + _U(2)], gain[ku + _U(3)]
+        w0, w1 = gain_at(gain, ku), gain_at(gain, ku + _U(1))
+        w2, w3 = gain_at(gain, ku + _U(2)), gain_at(gain, ku + _U(3))
         r0, r1, r2, r3 = _U(index[ku]), _U(index[ku + _U(1)]), _U(index[ku + _U(2)]), _U(index[ku + _U(3)])
         for j in range(dim):
             ju = _U(j)
@@ -90,7 +108,7 @@ def weighted_sum(dst, d, lo, hi, index, gain, src, ahead, dim):
         if ahead:
             prefetch_rows_ahead(src, index, k, n, ahead, 1)
         ku = _U(k)
-        w = gain[ku]
+        w = gain_at(gain, ku)
         r = _U(index[ku])
         for j in range(dim):
             ju = _U(j)
@@ -189,7 +207,7 @@ def gather_kernel(dim: int, prefetch: bool = True):
 
 def gather_combine(table, rows, gains, out_ptr, act, prefetch: bool = True):
     """``act[a] = sum over o in out_ptr[a]:out_ptr[a + 1] of gains[o] * table[rows[o]]`` (:func:`weighted_sum`,
-    by the kernel for ``act``'s row length). ``prefetch`` False skips the source rows' prefetch, for rows
+    by the kernel for ``act``'s row length; ``gains`` None: every gain 1, none read). ``prefetch`` False skips the source rows' prefetch, for rows
     that are in cache anyway (see :func:`embedcore.kernels.prefetch.rows_stay_cached`); the sums are the same."""
     dim = act.shape[1]
     if fixed_length(dim):
@@ -235,8 +253,8 @@ def _sum_gradients(out, ptr, src_row, src_gain, d_act):
 def sum_gradients(out, ptr, order, out_row, gains, d_act):
     """``out[u] = sum over k in ptr[u]:ptr[u + 1] of gains[order[k]] * d_act[out_row[order[k]]]``: the
     per-row gradients a process sends to the rows' owners when tables are sharded, summed exactly as the
-    fused update sums them (:func:`weighted_sum`, occurrences in grouped order)."""
+    fused update sums them (:func:`weighted_sum`, occurrences in grouped order; ``gains`` None: all 1)."""
     order = np.ascontiguousarray(order, np.int64)
     src_row = np.ascontiguousarray(out_row, np.int64)[order]
-    src_gain = np.ascontiguousarray(gains, np.float32)[order]
+    src_gain = None if gains is None else np.ascontiguousarray(gains, np.float32)[order]
     _sum_gradients(out, ptr, src_row, src_gain, d_act)

@@ -43,7 +43,7 @@ from numba import njit, prange, types  # noqa: F401  (prange is used by the gene
 from numba.extending import overload
 
 from ..compile_cache import jit_source
-from .occurrences import GAIN_HALF, ROW_HALF, pack_occurrences
+from .occurrences import occurrence_views, pack_occurrences
 from .prefetch import prefetch_row
 from .row_vector import block_width
 from .rows import copy_row, fixed_length, weighted_sum, weighted_sum_fixed
@@ -132,9 +132,7 @@ def _into_row_impl(dst, value):
 _TEMPLATE = '''
 def kernel(table, slots, uniq, ptr, packed, d_act, learning_rate, hyperparameters, status):
 {unpack}
-    n_occurrences = packed.shape[0]  # each a 64-bit word: activation row and gain (kernels/occurrences.py)
-    src_row = packed.view(np.int32).reshape((n_occurrences, 2))[:, ROW_HALF]
-    src_gain = packed.view(np.float32).reshape((n_occurrences, 2))[:, GAIN_HALF]
+    src_row, src_gain = occurrence_views(packed)  # activation rows and gains (None: all 1; kernels/occurrences.py)
     n_unique = uniq.shape[0]
 {dim}
     ahead = OCCURRENCES_AHEAD if d_act.size * 4 >= PREFETCH_MIN_BYTES else 0
@@ -283,7 +281,7 @@ def kernel_namespace(row_function) -> dict:
             "weighted_sum_fixed": weighted_sum_fixed, "prefetch_row": prefetch_row, "_U": np.uint64,
             "balanced_chunks": balanced_chunks,
             "CHUNK": CHUNK_ROWS, "ROWS_AHEAD": ROWS_AHEAD, "OCCURRENCES_AHEAD": OCCURRENCES_AHEAD,
-            "PREFETCH_MIN_BYTES": PREFETCH_MIN_BYTES, "ROW_HALF": ROW_HALF, "GAIN_HALF": GAIN_HALF,
+            "PREFETCH_MIN_BYTES": PREFETCH_MIN_BYTES, "occurrence_views": occurrence_views,
             "STATUS_GRADIENT": STATUS_GRADIENT,
             "STATUS_OUTPUT": STATUS_OUTPUT, "STATUS_LENGTH": STATUS_LENGTH}
 
@@ -297,8 +295,9 @@ def fused_update_kernel(row_function, lazy=True, dim=None):
     ``table`` rows ``uniq`` (sorted, unique) and returns the number of rows it flagged in ``status`` (uint8,
     zeroed, one entry per unique row when lazy, per table row when not; see the module docstring).
     ``packed`` holds the occurrences' activation rows and gains in grouped order, as
-    :func:`~embedcore.kernels.dedup.group_rows` returns them; the gradient of ``uniq[u]`` is summed from them
-    on the fly and never written to memory.
+    :func:`~embedcore.kernels.dedup.group_rows` returns them (packed int64 words, or int32 activation rows
+    when every gain is 1: a kernel is compiled for each); the gradient of ``uniq[u]`` is summed from them on
+    the fly and never written to memory.
     """
     dim = dim if dim is not None and fixed_length(dim) else None
     key = (row_function.dispatcher, row_function.slot_dims, row_function.elementwise, row_function.split, lazy, dim)
@@ -316,13 +315,16 @@ def fused_update_kernel(row_function, lazy=True, dim=None):
     return kernel
 
 
-def compile_for(row_function, lazy, table, slots, n_hyperparameters):
+def compile_for(row_function, lazy, table, slots, n_hyperparameters, unit_gains=False):
     """The kernel of :func:`fused_update_kernel`, compiled now for the argument types an engine passes
     (so a function whose kernel cannot compile is refused when the engine is built, not halfway through
-    an update)."""
+    an update): occurrences' payloads as int32 activation rows when ``unit_gains`` (the batches without
+    weights of tables that sum), else as packed int64 words. The other payload type compiles (or loads from
+    the cache) when a batch first brings it."""
     kernel = fused_update_kernel(row_function, lazy, table.shape[1])
     index = numba.typeof(np.empty(0, np.int64))
-    signature = (numba.typeof(table), numba.typeof(tuple(slots)), index, index, index,
+    payload = numba.typeof(np.empty(0, np.int32 if unit_gains else np.int64))
+    signature = (numba.typeof(table), numba.typeof(tuple(slots)), index, index, payload,
                  numba.typeof(np.empty((0, table.shape[1]), np.float32)), numba.float32,
                  numba.typeof(tuple(np.float32(0) for _ in range(n_hyperparameters))),
                  numba.typeof(np.empty(0, np.uint8)))
