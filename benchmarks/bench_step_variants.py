@@ -2,7 +2,7 @@
 
 Run from the repository root::
 
-    python benchmarks/bench_step_variants.py --variant prefetch|range-check|row-type|payload|row-sums
+    python benchmarks/bench_step_variants.py --variant prefetch|range-check|row-type|payload|hash-types|row-sums
         [--workload tbe|update] [--optimizer rowwise_adagrad] [--rounds 30] [--steps 4]
 
 On this machine runs minutes apart differ by 30% or more, so a change is measured by running the shipped
@@ -22,6 +22,8 @@ Variants (the shipped one first):
 * ``row-type``: a table batch's physical rows as int32 (``inputs.ROW_TYPE_LIMIT``), against int64;
 * ``payload``: a batch whose gains are all 1 carries int32 activation rows alone
   (``inputs.unit_gains``), against int64 words packing each occurrence's activation row and gain;
+* ``hash-types``: the hash grouping's keys in the rows' type and distinct-row ids as uint16
+  (``kernels.dedup.hash_types``), against int64 keys and int32 ids;
 * ``row-sums``: the kernels compiled for a row length sum rows in vector registers
   (``kernels/row_vector.py``), against the in-memory sum of ``rows.weighted_sum``; both sets of kernels are
   compiled in this process (the on-disk kernel cache is turned off: their sources are the same text).
@@ -43,6 +45,7 @@ except ImportError:  # running from a checkout without installing
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 
 import numba
+import numpy as np
 
 from embedcore import engine, inputs
 from embedcore.bench.contenders.embedcore_engine import EmbedcoreContender
@@ -98,8 +101,15 @@ def _payload():
             "int64 packed": lambda: setattr(inputs, "unit_gains", lambda parts: False)}
 
 
+def _hash_types():
+    from embedcore.kernels import dedup
+    rule = dedup.hash_types
+    return {"narrow": lambda: setattr(dedup, "hash_types", rule),
+            "int64 keys, int32 ids": lambda: setattr(dedup, "hash_types", lambda *a: (np.int64, np.int32))}
+
+
 VARIANTS = {"prefetch": _prefetch, "range-check": _range_check, "row-type": _row_type, "payload": _payload,
-            "row-sums": _row_sums}
+            "hash-types": _hash_types, "row-sums": _row_sums}
 
 
 def main(argv=None) -> int:

@@ -826,3 +826,26 @@ def test_batches_without_weights_train_bit_for_bit_as_weights_of_1(dim, optimize
                     np.testing.assert_array_equal(values, engines[1].slot_variables[name][slot])
     finally:
         numba.set_num_threads(before)
+
+
+def test_hash_grouping_takes_narrow_types_where_they_fit_and_wide_ones_elsewhere(monkeypatch):
+    """Keys in the rows' type and distinct-row ids as uint16 while no block may hold more than 2**16
+    distinct rows, else int32 ids; with either choice (and the int64 keys of rows past 2**31) the blocks
+    group exactly as the global sort does."""
+    from embedcore.kernels import dedup
+    assert dedup.hash_types(np.dtype(np.int32), 1 << 16) == (np.int32, np.uint16)
+    assert dedup.hash_types(np.dtype(np.int64), (1 << 16) + 1) == (np.int64, np.int32)
+    rng = np.random.default_rng(8)
+    rows = np.concatenate([rng.integers(0, 900, 40_000), 1_000 + rng.zipf(1.2, 40_000) % 900])
+    blocks = np.array([0, 40_000, 80_000], np.int64)
+    payload = rng.integers(0, 2 ** 31 - 1, rows.shape[0]).astype(np.int32)
+    expected = dedup._sort(rows, 2_000, payload, False, Workspace())
+    rule = dedup.hash_types
+    for types in (None, (np.int64, np.int32), (np.int32, np.int32), (np.int64, np.uint16)):
+        monkeypatch.setattr(dedup, "hash_types", rule if types is None else lambda *a, types=types: types)
+        for row_type in (np.int32, np.int64):
+            uniq, ptr, grouped, n_sorted = dedup._group_by_blocks(rows.astype(row_type), 2_000, payload, blocks,
+                                                                  Workspace())
+            assert n_sorted == 0
+            for e, g in zip(expected, (uniq, ptr, grouped)):
+                np.testing.assert_array_equal(g, e)

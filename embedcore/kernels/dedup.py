@@ -423,12 +423,20 @@ def _block_layout(blocks, threads, workspace):
     return layout
 
 
+def hash_types(row_type, largest_limit):
+    """``(key type, id type)`` of the hash grouping: keys in the rows' type, and the distinct rows' ids (per
+    slot and per occurrence) as uint16 where no block may hold more than 2**16 distinct rows, else int32.
+    The smaller the types, the fewer bytes the hash table takes in L1 and the occurrences' ids in memory."""
+    return row_type, (np.uint16 if largest_limit <= 1 << 16 else np.int32)
+
+
 def _group_by_blocks(rows, n_rows, payload, blocks, workspace):
     """:func:`group_rows` block by block (``_group_blocks``); also returns how many blocks were sorted."""
     n = rows.shape[0]
     limits, table_bits, table_lo, n_slots, schedule, schedule_ptr = _block_layout(blocks, numba.get_num_threads(),
                                                                                   workspace)
-    keys = workspace.array("hash_keys", n_slots, np.int64)
+    key_type, id_type = hash_types(rows.dtype, int(limits.max()))
+    keys = workspace.array("hash_keys", n_slots, key_type)
     p = payload.dtype  # the permutations of the distinct rows share the payload's buffers (a block that is
     names = _PAYLOAD_BUFFERS[p]  # sorted instead sorts its payload in them), in its integer type
     arrays = [workspace.array(name, n, dtype) for name, dtype in (  # all shared with _sort's paths
@@ -437,8 +445,8 @@ def _group_by_blocks(rows, n_rows, payload, blocks, workspace):
     ptr = workspace.array("ptr", n + 1, np.int64)
     n_bits = max(1, int(n_rows - 1).bit_length())
     n_unique, n_sorted = _group_blocks(rows, payload, blocks, schedule, schedule_ptr, limits, table_lo, table_bits,
-                                       n_bits, keys, workspace.array("hash_ids", n_slots, np.int32),
-                                       workspace.array("hash_sid", n, np.int32), *arrays, ptr)
+                                       n_bits, keys, workspace.array("hash_ids", n_slots, id_type),
+                                       workspace.array("hash_sid", n, id_type), *arrays, ptr)
     return arrays[-1][:n_unique], ptr[:n_unique + 1], arrays[-2], int(n_sorted)
 
 
