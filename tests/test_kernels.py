@@ -415,16 +415,19 @@ def test_update_matches_numpy_around_the_prefetch_distance(dim, n_distinct):
         np.testing.assert_array_equal(emb.embedding_tables["t"][~touched], before[~touched])
 
 
-def test_update_kernels_compile_when_the_engine_is_built():
+@pytest.mark.parametrize("combiner", ["mean", "sum"])
+def test_update_kernels_compile_when_the_engine_is_built(combiner):
     """The kernel is compiled for the engine's argument types at construction: apply_gradients never
-    compiles (and never fails to compile after updating some tables), whatever the batch size."""
+    compiles (and never fails to compile after updating some tables), whatever the batch size; for batches
+    without weights, packed words for a mean table, activation rows alone for a sum table."""
     from embedcore.kernels.update import fused_update_kernel
 
     def scaled(gradient, embedding_table, slot_variables, learning_rate, hyperparameters):
         return embedding_table - 0.5 * learning_rate * gradient
 
-    a = ec.TableConfig(10, 4, name="a", optimizer=ec.Adam(0.1, lazy_adam=False))
-    b = ec.TableConfig(10, 16, name="b", optimizer=ec.CustomOptimizer(scaled, 0.1))  # a kernel for its length
+    a = ec.TableConfig(10, 4, name="a", optimizer=ec.Adam(0.1, lazy_adam=False), combiner=combiner)
+    b = ec.TableConfig(10, 16, name="b", optimizer=ec.CustomOptimizer(scaled, 0.1),  # a kernel for its length
+                       combiner=combiner)
     emb = ec.Embedding({"fa": ec.FeatureConfig(a), "fb": ec.FeatureConfig(b)})
     kernels = [fused_update_kernel(g.row_function, g.optimizer.lazy, g.dim) for g in emb._groups]
     compiled = [len(k.signatures) for k in kernels]
