@@ -20,8 +20,9 @@ Variants (the shipped one first):
   check of every feature's ids before it (``to_feature_batch(check_range=True)``; the layout's check then
   runs too, on ids already known good);
 * ``row-type``: a table batch's physical rows as int32 (``inputs.ROW_TYPE_LIMIT``), against int64;
-* ``payload``: a batch whose gains are all 1 carries int32 activation rows alone
-  (``inputs.unit_gains``), against int64 words packing each occurrence's activation row and gain;
+* ``payload``: a batch whose gains are all 1 is laid out without payloads, and grouped with the activation
+  rows its ``out_ptr`` gives (``inputs.unit_gains``), against int64 words packing each occurrence's
+  activation row and gain;
 * ``hash-types``: the hash grouping's keys in the rows' type and distinct-row ids as uint16
   (``kernels.dedup.hash_types``), against int64 keys and int32 ids;
 * ``row-sums``: the kernels compiled for a row length sum rows in vector registers
@@ -97,7 +98,7 @@ def _row_sums():
 
 def _payload():
     rule = inputs.unit_gains
-    return {"int32 rows": lambda: setattr(inputs, "unit_gains", rule),
+    return {"no payload": lambda: setattr(inputs, "unit_gains", rule),
             "int64 packed": lambda: setattr(inputs, "unit_gains", lambda parts: False)}
 
 

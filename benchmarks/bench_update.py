@@ -171,7 +171,7 @@ class KernelPath:
         self.step += 1
         lr, hyper = self.optimizer.step_values(self.step)
         t0 = time.perf_counter()
-        uniq, ptr, packed = group_rows(tb.rows, self.n_rows, tb.packed, self.ws, tb.blocks)
+        uniq, ptr, packed = group_rows(tb.rows, self.n_rows, tb.packed, self.ws, tb.blocks, tb.out_ptr)
         t1 = time.perf_counter()
         status = np.zeros(uniq.shape[0] if self.lazy else self.table.shape[0], np.uint8)
         kernel = fused_update_kernel(self.row_function, lazy=self.lazy)

@@ -287,7 +287,7 @@ class Embedding(TableLookup):
         wrong_length = []
         for group, tb, d_act in work:
             ws = group.workspace
-            uniq, ptr, packed = group_rows(tb.rows, group.n_rows, tb.packed, ws, tb.blocks)
+            uniq, ptr, packed = group_rows(tb.rows, group.n_rows, tb.packed, ws, tb.blocks, tb.out_ptr)
             group.prefetch_rows = not rows_stay_cached(tb.rows.shape[0], uniq.shape[0],
                                                      group.weights.itemsize * group.dim)
             lr, hyper = values[id(group.optimizer)]

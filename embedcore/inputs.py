@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .kernels.occurrences import (COMBINERS, fill_occurrences, first_non_finite, first_out_of_range, payload_views,
-                                 splits_are_valid)
+from .kernels.occurrences import (COMBINERS, activation_rows, fill_occurrences, first_non_finite, first_out_of_range,
+                                 packed_views, splits_are_valid)
 
 __all__ = ["Ragged", "Sparse", "FeatureBatch", "TableBatch", "InputError", "to_feature_batch",
            "build_table_batch", "flatten", "flatten_like", "unflatten"]
@@ -355,8 +355,8 @@ class TableBatch:
     """
 
     rows: np.ndarray      # int32 [N] physical row (int64 where a row reaches 2**31: ROW_TYPE_LIMIT)
-    packed: np.ndarray    # [N] the occurrences' payload (kernels/occurrences.py): int64 activation row << 32 |
-                          # the gain's float32 bits, or, when every gain is 1, int32 activation rows alone
+    packed: np.ndarray    # int64 [N] activation row << 32 | the gain's float32 bits (kernels/occurrences.py), or
+                          # None when every gain is 1 (out_ptr tells each occurrence's activation row)
     out_ptr: np.ndarray   # int64 [n_out + 1]
     n_out: int
     blocks: np.ndarray = None  # int64 occurrence offsets [0, ..., N] of blocks whose row ranges are disjoint and
@@ -365,12 +365,16 @@ class TableBatch:
     @property
     def gains(self):
         """float32 [N] (a view of ``packed``), or None when every gain is 1 (the sums take None so)."""
-        return payload_views(self.packed)[1]
+        return None if self.packed is None else packed_views(self.packed)[1]
 
     @property
     def out_row(self) -> np.ndarray:
-        """int32 [N] activation row of each occurrence (a view of ``packed``)."""
-        return payload_views(self.packed)[0]
+        """int32 [N] activation row of each occurrence (a view of ``packed``, or made from ``out_ptr``)."""
+        if self.packed is not None:
+            return packed_views(self.packed)[0]
+        out_row = np.empty(self.rows.shape[0], np.int32)
+        activation_rows(self.out_ptr, 0, self.n_out, out_row)
+        return out_row
 
 
 ROW_TYPE_LIMIT = 2 ** 31  # physical rows below this are int32 (half the bytes to write, sort and gather by)
@@ -385,8 +389,9 @@ def build_table_batch(parts, workspace=None) -> TableBatch:
     ``out_offset + b`` with the combiner's gain (see :mod:`embedcore.kernels.occurrences`). Each feature's
     occurrences form a block of rows ``[row_offset, row_offset + vocabulary_size)``; consecutive features of
     one table share a block. Every id is range-checked as it is laid out: an id outside its vocabulary raises
-    :class:`InputError` naming the feature and the id. When every gain is 1 (:func:`unit_gains`) the
-    occurrences' payload is their int32 activation rows, else packed int64 words.
+    :class:`InputError` naming the feature and the id. When every gain is 1 (:func:`unit_gains`) no
+    payload is written (``packed`` None: ``out_ptr`` tells each occurrence's activation row), else packed
+    int64 words.
     """
     n_out = 0
     n = 0
@@ -397,7 +402,7 @@ def build_table_batch(parts, workspace=None) -> TableBatch:
         rows_end = max(rows_end, row_offset + vocabulary_size)
     rows = _array(workspace, "rows", n, np.int32 if rows_end <= ROW_TYPE_LIMIT else np.int64)
     unit = unit_gains(parts)
-    packed = _array(workspace, "out_rows" if unit else "packed", n, np.int32 if unit else np.int64)
+    packed = _NO_PAYLOAD if unit else _array(workspace, "packed", n, np.int64)
     out_ptr = _array(workspace, "out_ptr", n_out + 1, np.int64)
     out_ptr[0] = 0
     at = 0
@@ -419,7 +424,7 @@ def build_table_batch(parts, workspace=None) -> TableBatch:
         at += count
     increasing = all(lo + size <= next_lo for (lo, size), (next_lo, _) in zip(ranges, ranges[1:]))
     blocks = np.array(starts + [at], np.int64) if increasing and ranges else None
-    return TableBatch(rows[:at], packed[:at], out_ptr, n_out, blocks)
+    return TableBatch(rows[:at], None if unit else packed[:at], out_ptr, n_out, blocks)
 
 
 def unit_gains(parts) -> bool:
@@ -434,3 +439,4 @@ def _array(workspace, name, shape, dtype):
 
 _NO_WEIGHTS = np.zeros(0, np.float32)
 _NO_POSITIONS = np.zeros(0, np.int64)
+_NO_PAYLOAD = np.zeros(0, np.int64)  # a batch whose gains are all 1 is laid out without payloads

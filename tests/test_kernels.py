@@ -634,6 +634,12 @@ def test_clustered_hashes_and_many_distinct_rows_fall_back_to_sorting_and_later_
         np.testing.assert_array_equal(np.diff(ptr), counts)
         assert sorted_packed.dtype == payload_type
         np.testing.assert_array_equal(sorted_packed, packed[np.argsort(rows, kind="stable")])
+    # Without payloads (one occurrence per activation row): the sorted block takes its activation rows too.
+    out_ptr = np.arange(rows.shape[0] + 1, dtype=np.int64)
+    uniq, ptr, grouped, n_sorted = dedup._group_by_blocks(rows.astype(np.int32), 1 << 23, None, blocks, workspace,
+                                                          out_ptr)
+    assert n_sorted == 1 and grouped.dtype == np.int32
+    np.testing.assert_array_equal(grouped, np.argsort(rows, kind="stable"))
 
     # The memory of the fallback, whatever the thread count (the block path itself is forced here).
     monkeypatch.setattr(dedup, "_blocks_worth_it", lambda *a: True)
@@ -757,9 +763,9 @@ def test_sum_of_squares_is_the_documented_float64_order_bit_for_bit(n, scale, cl
 
 
 def test_table_batches_carry_activation_rows_alone_when_every_gain_is_1():
-    """Without weights, a table whose features sum (or are sequences) lays out int32 activation rows, no
-    gains; weights, or a mean/sqrtn feature among the table's, give packed int64 words. The activation rows
-    are the same either way."""
+    """Without weights, a table whose features sum (or are sequences) is laid out without payloads (its
+    activation rows are out_ptr's, no gains); weights, or a mean/sqrtn feature among the table's, give packed
+    int64 words. The activation rows are the same either way."""
     from embedcore import inputs
     def part(ids, combiner, out_offset, weights=None, seq_len=0):
         batch = inputs.to_feature_batch(ec.Ragged(np.array(ids, np.int64), [0, len(ids) - 1, len(ids)]),
@@ -775,14 +781,14 @@ def test_table_batches_carry_activation_rows_alone_when_every_gain_is_1():
     for parts, unit in cases + cases:  # one workspace, both kinds in turn
         tb = inputs.build_table_batch(parts, workspace)
         assert inputs.unit_gains(parts) == unit
-        assert tb.packed.dtype == (np.int32 if unit else np.int64)
+        assert tb.packed is None if unit else tb.packed.dtype == np.int64
         assert (tb.gains is None) == unit
         expected = np.repeat(np.arange(tb.n_out), np.diff(tb.out_ptr))
         np.testing.assert_array_equal(tb.out_row, expected)
-    with pytest.raises(ValueError, match="int32 payloads"):
+    with pytest.raises(ValueError, match="without payloads"):
         from embedcore.kernels.occurrences import fill_occurrences
         fill_occurrences(np.array([1, 2]), np.array([0, 2]), np.zeros(0, np.float32), np.zeros(0, np.int64), 1, 0,
-                         0, 0, 0, np.zeros(2, np.int32), np.zeros(2, np.int32), np.zeros(2, np.int64), 10)
+                         0, 0, 0, np.zeros(2, np.int32), np.zeros(0, np.int64), np.zeros(2, np.int64), 10)
 
 
 @pytest.mark.parametrize("dim", [5, 64])
@@ -817,7 +823,7 @@ def test_batches_without_weights_train_bit_for_bit_as_weights_of_1(dim, optimize
             acts = []
             for emb, weights in zip(engines, (given, ones)):
                 a, ctx = emb.lookup(batch, weights)
-                assert (ctx.table_batches[0].packed.dtype == np.int32) == (weights is None)
+                assert (ctx.table_batches[0].packed is None) == (weights is None)
                 acts.append(a)
                 emb.apply_gradients(grads, ctx)
             for k in batch:
@@ -852,3 +858,43 @@ def test_hash_grouping_takes_narrow_types_where_they_fit_and_wide_ones_elsewhere
             assert n_sorted == 0
             for e, g in zip(expected, (uniq, ptr, grouped)):
                 np.testing.assert_array_equal(g, e)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 2_000), st.integers(0, 25), st.integers(1, 5_000),
+                          st.sampled_from([1, 3, 40, 10 ** 6])), min_size=1, max_size=6),
+       st.integers(0, 2 ** 32), st.sampled_from([1, 2]))
+def test_grouping_without_payloads_writes_each_occurrences_activation_row(spec, seed, threads):
+    """A batch laid out without payloads (every gain 1) is grouped with each occurrence's activation row,
+    read from out_ptr, as its payload: the same result as the activation rows given as an int32 payload,
+    whichever path groups it (blocks hashed or sorted, the global sort; empty bags, empty features)."""
+    import numba
+    from embedcore.kernels import dedup
+    rng = np.random.default_rng(seed)
+    lengths, parts, starts, base = [], [], [0], 0
+    for bags, longest, vocabulary, distinct in spec:
+        bag_lengths = rng.integers(0, longest + 1, bags)
+        ids = rng.integers(0, min(vocabulary, distinct), bag_lengths.sum()) * max(1, vocabulary // distinct)
+        lengths.append(bag_lengths)
+        parts.append(base + ids % vocabulary)
+        starts.append(starts[-1] + int(bag_lengths.sum()))
+        base += vocabulary
+    rows = np.concatenate(parts).astype(np.int32)
+    out_ptr = np.concatenate(([0], np.cumsum(np.concatenate(lengths)))).astype(np.int64)
+    out_row = np.repeat(np.arange(out_ptr.shape[0] - 1), np.diff(out_ptr)).astype(np.int32)
+    blocks = np.array(starts, np.int64)
+    expected = dedup._sort(rows.astype(np.int64), base, out_row, False, Workspace())
+    before = numba.get_num_threads()
+    numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+    try:
+        results = [dedup.group_rows(rows, base, None, Workspace(), blocks, out_ptr),
+                   dedup.group_rows(rows, base, None, Workspace(), None, out_ptr),
+                   dedup._group_by_blocks(rows, base, None, blocks, Workspace(), out_ptr)[:3]]
+    finally:
+        numba.set_num_threads(before)
+    for got in results:
+        assert got[2].dtype == np.int32
+        for e, g in zip(expected, got):
+            np.testing.assert_array_equal(g, e)
+    with pytest.raises(ValueError, match="out_ptr must be"):
+        dedup.group_rows(rows, base, None, Workspace(), blocks, np.r_[out_ptr, out_ptr[-1] + 1])

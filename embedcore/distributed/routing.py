@@ -89,7 +89,8 @@ class Route:
             for key in self._VIEWS:
                 g[key] = g[key].copy()
             tb = g["tb"]
-            g["tb"] = dataclasses.replace(tb, rows=tb.rows.copy(), packed=tb.packed.copy(), out_ptr=tb.out_ptr.copy())
+            packed = None if tb.packed is None else tb.packed.copy()  # None: every gain 1
+            g["tb"] = dataclasses.replace(tb, rows=tb.rows.copy(), packed=packed, out_ptr=tb.out_ptr.copy())
         self.own_rows, self.own_offset = self.own_rows.copy(), self.own_offset.copy()
         self.detached = True
 

@@ -23,6 +23,8 @@ import numba
 import numpy as np
 from numba import njit, prange
 
+from .occurrences import activation_rows
+
 
 __all__ = ["unique_rows", "group_rows", "DIGIT_BITS", "PARALLEL_MIN"]
 
@@ -277,11 +279,12 @@ def _distinct_limit(n_occurrences):
 
 @njit(cache=True, inline="always")
 def _hash_block(rows, payload, lo, hi, limit, bits, t, keys, ids, sid, first, counts, n_bits, sort_a, perm_a,
-                sort_b, perm_b, uniq, ptr, out):
+                sort_b, perm_b, uniq, ptr, out, implied, out_ptr, a_lo, a_hi):
     """Group occurrences ``lo:hi`` by hashing: distinct rows to ``uniq[lo:]`` (ascending), their first
-    occurrence's position to ``ptr[lo:]``, payloads grouped to ``out[lo:hi]``; returns the number of
-    distinct rows, or -1 when there are more than ``limit`` or probing took more than ``PROBE_BUDGET`` extra
-    steps per occurrence."""
+    occurrence's position to ``ptr[lo:]``, payloads grouped to ``out[lo:hi]`` (``implied``: no payload array,
+    each occurrence's activation row instead, from ``out_ptr``: the block's activation rows are ``a_lo:a_hi``);
+    returns the number of distinct rows, or -1 when there are more than ``limit`` or probing took more than
+    ``PROBE_BUDGET`` extra steps per occurrence."""
     mask = (1 << bits) - 1
     keys[t:t + mask + 1] = _EMPTY  # a fresh table, which also brings it into the cache (a kept one came cold)
     n_unique = 0
@@ -325,6 +328,14 @@ def _hash_block(rows, payload, lo, hi, limit, bits, t, keys, ids, sid, first, co
         c = counts[lo + u]
         counts[lo + u] = at
         at += c
+    if implied:
+        for a in range(a_lo, a_hi):
+            for o in range(out_ptr[_U(a)], out_ptr[_U(a + 1)]):
+                cu = _U(lo + sid[_U(o)])
+                at = counts[cu]
+                out[_U(at)] = a
+                counts[cu] = at + 1
+        return n_unique
     for o in range(lo, hi):
         ou = _U(o)
         cu = _U(lo + sid[ou])
@@ -351,7 +362,7 @@ def _sort_block(rows, payload, lo, hi, n_bits, keys_a, payload_a, keys_b, payloa
 
 @njit(cache=True, parallel=True)
 def _group_blocks(rows, payload, blocks, schedule, schedule_ptr, limits, table_lo, table_bits, n_bits, keys, ids,
-                  sid, first, counts, sort_a, perm_a, sort_b, perm_b, out, uniq, ptr):
+                  sid, first, counts, sort_a, perm_a, sort_b, perm_b, out, uniq, ptr, implied, out_ptr, act_bounds):
     """Every block grouped on its own, in parallel, its distinct rows and offsets written to ``uniq`` and
     ``ptr`` at its first occurrence's position, then moved down to follow the previous blocks' (a block
     holds no more distinct rows than occurrences, so nothing is overwritten before it is moved). Returns
@@ -364,10 +375,16 @@ def _group_blocks(rows, payload, blocks, schedule, schedule_ptr, limits, table_l
         for i in range(schedule_ptr[p], schedule_ptr[p + 1]):
             b = schedule[i]
             lo, hi = blocks[b], blocks[b + 1]
+            a_lo, a_hi = (act_bounds[b], act_bounds[b + 1]) if implied else (0, 0)
             got = _hash_block(rows, payload, lo, hi, limits[b], table_bits[b], table_lo[b], keys, ids, sid, first,
-                              counts, n_bits, sort_a, perm_a, sort_b, perm_b, uniq, ptr, out)
+                              counts, n_bits, sort_a, perm_a, sort_b, perm_b, uniq, ptr, out, implied, out_ptr,
+                              a_lo, a_hi)
             if got < 0:
-                got = _sort_block(rows, payload, lo, hi, n_bits, sort_a, perm_a, sort_b, perm_b, uniq, ptr, out)
+                if implied:  # the activation rows as the payload, sorted in place (read before written)
+                    activation_rows(out_ptr, a_lo, a_hi, out)
+                    got = _sort_block(rows, out, lo, hi, n_bits, sort_a, perm_a, sort_b, perm_b, uniq, ptr, out)
+                else:
+                    got = _sort_block(rows, payload, lo, hi, n_bits, sort_a, perm_a, sort_b, perm_b, uniq, ptr, out)
                 sorted_blocks[b] = 1
             n_unique[b] = got
     total = 0
@@ -430,9 +447,15 @@ def hash_types(row_type, largest_limit):
     return row_type, (np.uint16 if largest_limit <= 1 << 16 else np.int32)
 
 
-def _group_by_blocks(rows, n_rows, payload, blocks, workspace):
+def _group_by_blocks(rows, n_rows, payload, blocks, workspace, out_ptr=None):
     """:func:`group_rows` block by block (``_group_blocks``); also returns how many blocks were sorted."""
     n = rows.shape[0]
+    implied = payload is None
+    if implied:  # each block's activation rows: its occurrences' range in out_ptr (empty rows anywhere)
+        act_bounds = np.searchsorted(out_ptr, blocks, "left")
+        payload = _NO_ROWS
+    else:
+        act_bounds = _NO_BOUNDS
     limits, table_bits, table_lo, n_slots, schedule, schedule_ptr = _block_layout(blocks, numba.get_num_threads(),
                                                                                   workspace)
     key_type, id_type = hash_types(rows.dtype, int(limits.max()))
@@ -446,7 +469,8 @@ def _group_by_blocks(rows, n_rows, payload, blocks, workspace):
     n_bits = max(1, int(n_rows - 1).bit_length())
     n_unique, n_sorted = _group_blocks(rows, payload, blocks, schedule, schedule_ptr, limits, table_lo, table_bits,
                                        n_bits, keys, workspace.array("hash_ids", n_slots, id_type),
-                                       workspace.array("hash_sid", n, id_type), *arrays, ptr)
+                                       workspace.array("hash_sid", n, id_type), *arrays, ptr, implied,
+                                       _NO_BOUNDS if out_ptr is None else out_ptr, act_bounds)
     return arrays[-1][:n_unique], ptr[:n_unique + 1], arrays[-2], int(n_sorted)
 
 
@@ -481,6 +505,8 @@ def _row_array(rows):
 
 
 _ROW_TYPES = (np.dtype(np.int32), np.dtype(np.int64))
+_NO_ROWS = np.zeros(0, np.int32)  # the payload of a batch laid out without one (activation rows from out_ptr)
+_NO_BOUNDS = np.zeros(0, np.int64)
 _PAYLOAD_TYPES = _ROW_TYPES
 # Workspace buffers of payloads, one set per payload type (so that batches of both kinds in turn do not
 # reallocate them): the sort's two payload buffers, and the payloads in grouped order.
@@ -497,18 +523,28 @@ def unique_rows(rows: np.ndarray, n_rows: int, workspace):
     return _sort(rows, n_rows, _NO_PAYLOAD, True, workspace)  # the indices are the payload
 
 
-def group_rows(rows: np.ndarray, n_rows: int, packed: np.ndarray, workspace, blocks=None):
+def group_rows(rows: np.ndarray, n_rows: int, packed, workspace, blocks=None, out_ptr=None):
     """``(uniq, ptr, sorted_packed)``: :func:`unique_rows`, with each occurrence's payload (its packed word,
     activation row and gain, or its int32 activation row when every gain is 1; see
     :mod:`embedcore.kernels.occurrences`) in grouped order, in the payload's type: the sort carries the
     payloads, so no pass gathers them through ``order`` (``payload_views(sorted_packed)`` reads them).
 
+    ``packed`` None (a batch whose gains are all 1, laid out without payloads): the payload of occurrence
+    ``o`` is its activation row ``a``, ``out_ptr[a] <= o < out_ptr[a + 1]`` (int64 CSR); the result is
+    int32 activation rows, which the hash grouping writes straight from ``out_ptr``.
+
     ``blocks`` (optional, int64 occurrence offsets ``[0, ..., n]``): every block's rows lie below the next
     block's, so the blocks can be grouped independently (see ``_group_blocks``); the result is the same."""
     rows = _row_array(rows)
-    packed = np.ascontiguousarray(packed)
-    if packed.dtype not in _PAYLOAD_TYPES:
-        raise ValueError(f"the payload must be int64 packed words or int32 activation rows, got {packed.dtype}")
+    if packed is None:
+        out_ptr = np.ascontiguousarray(out_ptr, np.int64)
+        if out_ptr.ndim != 1 or out_ptr.shape[0] < 1 or out_ptr[0] != 0 or out_ptr[-1] != rows.shape[0] or \
+                out_ptr.shape[0] - 1 >= 2 ** 31:
+            raise ValueError(f"without payloads, out_ptr must be int64 offsets from 0 to {rows.shape[0]}")
+    else:
+        packed = np.ascontiguousarray(packed)
+        if packed.dtype not in _PAYLOAD_TYPES:
+            raise ValueError(f"the payload must be int64 packed words or int32 activation rows, got {packed.dtype}")
     if blocks is not None:
         blocks = np.asarray(blocks)
         if blocks.dtype != np.int64 or blocks.ndim != 1 or blocks.shape[0] < 2 or blocks[0] != 0 or \
@@ -519,7 +555,10 @@ def group_rows(rows: np.ndarray, n_rows: int, packed: np.ndarray, workspace, blo
     if blocks is not None and wait > 0:
         workspace.state["blocks_wait"] = wait - 1
     elif _blocks_worth_it(blocks, rows.shape[0], numba.get_num_threads()):
-        uniq, ptr, sorted_packed, n_sorted = _group_by_blocks(rows, n_rows, packed, blocks, workspace)
+        uniq, ptr, sorted_packed, n_sorted = _group_by_blocks(rows, n_rows, packed, blocks, workspace, out_ptr)
         workspace.state["blocks_wait"] = RETRY_AFTER if n_sorted else 0
         return uniq, ptr, sorted_packed
+    if packed is None:  # the sort carries a payload: the activation rows, written out first
+        packed = workspace.array("activation_rows", rows.shape[0], np.int32)
+        activation_rows(out_ptr, 0, out_ptr.shape[0] - 1, packed)
     return _sort(rows, n_rows, packed, False, workspace)

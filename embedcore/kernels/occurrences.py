@@ -5,9 +5,10 @@ A physical table's batch is a list of occurrences (see :class:`embedcore.inputs.
 activation rows) lists the occurrences of each activation row. ``a`` and ``g`` travel together as one
 64-bit word, ``packed[o] = a << 32 | bits(g)`` (:func:`packed_views` reads them back without copying), so
 the sort that groups occurrences by row carries them in one payload. When every gain of a batch is 1 (no
-weights, ``sum`` or sequence features: the common case) the payload is ``a`` alone, int32: half the bytes
-to write, group and read back, and no gains for the lookup and the update to read (:func:`payload_views`
-reads either kind). :func:`fill_occurrences` writes one
+weights, ``sum`` or sequence features: the common case) no payload is written at all (``packed`` is empty):
+``out_ptr`` says which activation row each occurrence feeds, the grouping writes those rows, int32, in
+grouped order, and the lookup and the update read no gains (:func:`payload_views` reads either kind of
+grouped payload). :func:`fill_occurrences` writes one
 feature's part of those arrays in a single pass over its ids, range-checking them in the same pass (a
 separate check read every id once more, from memory: TBE shape, ids not in cache, 0.19 ms of 0.71):
 
@@ -27,7 +28,8 @@ from numba import njit, prange, types
 from numba.extending import intrinsic, overload
 
 __all__ = ["first_out_of_range", "first_non_finite", "splits_are_valid", "fill_occurrences", "pack_occurrences",
-           "packed_views", "payload_views", "occurrence_views", "unit_gains", "COMBINERS", "ROW_HALF", "GAIN_HALF"]
+           "packed_views", "payload_views", "occurrence_views", "holds_rows_alone",
+           "activation_rows", "COMBINERS", "ROW_HALF", "GAIN_HALF"]
 
 COMBINERS = {"sum": 0, "mean": 1, "sqrtn": 2}
 _U = np.uint64
@@ -96,19 +98,6 @@ def _pack(a, gain):
     return (np.int64(a) << 32) | np.int64(_float32_bits(np.float32(gain)))
 
 
-def _payload(packed, a, gain):
-    """The payload word of activation row ``a`` and ``gain`` for a payload array like ``packed``: packed
-    int64, or ``a`` alone for an int32 array (whose gains are all 1; the caller made sure)."""
-    raise NotImplementedError("only callable from jitted code")
-
-
-@overload(_payload, inline="always")
-def _payload_impl(packed, a, gain):
-    if packed.dtype == types.int32:
-        return lambda packed, a, gain: np.int32(a)
-    return lambda packed, a, gain: _pack(a, gain)
-
-
 @njit(cache=True, inline="always")
 def _fill_pooled(ids, splits, weights, combiner, row_offset, out_offset, start, rows, packed, out_ptr, b_lo, b_hi):
     """The occurrences of samples ``b_lo..b_hi`` of a pooled feature (every id kept: occurrence
@@ -129,8 +118,8 @@ def _fill_pooled(ids, splits, weights, combiner, row_offset, out_offset, start, 
             if weighted:
                 for i in range(lo, hi):
                     packed[_U(start + i)] = _pack(a, weights[_U(i)])
-            else:
-                one = _payload(packed, a, 1.0)
+            elif packed.shape[0] > 0:  # else no payload: every gain is 1
+                one = _pack(a, 1.0)
                 for i in range(lo, hi):
                     packed[_U(start + i)] = one
         else:
@@ -167,10 +156,11 @@ def fill_occurrences(ids, splits, weights, positions, combiner, seq_len, row_off
     ``(count, in_range)``: how many it wrote, and whether every id (dropped ones too) lies in
     ``[0, vocabulary_size)``, checked in the same pass (when not, the rows written are meaningless and must
     not be read). ``weights`` and ``positions`` may be empty: weights 1, positions ``i - splits[b]``.
-    ``packed`` is int64 (packed words) or, for a feature whose gains are all 1, int32 (activation rows).
+    ``packed`` may be empty (nothing written) for a feature whose gains are all 1.
     Pooled features of at least ``PARALLEL_MIN`` ids are laid out by all threads, each a range of samples."""
-    if packed.dtype == np.int32 and (weights.shape[0] or (seq_len == 0 and combiner != COMBINERS["sum"])):
-        raise ValueError("int32 payloads (activation rows alone) are for features whose gains are all 1")
+    if packed.shape[0] == 0 and ids.shape[0] and (weights.shape[0] or (seq_len == 0 and
+                                                                      combiner != COMBINERS["sum"])):
+        raise ValueError("only a feature whose gains are all 1 may be laid out without payloads")
     threads = numba.get_num_threads()
     if seq_len == 0 and ids.shape[0] >= PARALLEL_MIN and threads > 1:
         largest = _fill_pooled_parallel(ids, splits, weights, combiner, row_offset, out_offset, start, rows,
@@ -204,7 +194,8 @@ def _fill_serial(ids, splits, weights, positions, combiner, seq_len, row_offset,
             p = positions[iu] if explicit_positions else i - lo
             if p < seq_len:
                 rows[_U(at)] = ids[iu] + row_offset
-                packed[_U(at)] = _payload(packed, first + p, weights[iu] if weighted else 1.0)
+                if packed.shape[0] > 0:
+                    packed[_U(at)] = _pack(first + p, weights[iu] if weighted else 1.0)
                 out_ptr[_U(first + p + 1)] += 1  # a Sparse batch may repeat a position
                 at += 1
         count = out_ptr[_U(first)]
@@ -228,17 +219,26 @@ def packed_views(packed: np.ndarray):
     return packed.view(np.int32)[ROW_HALF::2], packed.view(np.float32)[GAIN_HALF::2]
 
 
-def unit_gains(payload) -> bool:
+def holds_rows_alone(payload) -> bool:
     """Whether a payload array (or its Numba type) holds activation rows alone, every gain 1 (int32), rather
     than packed words (int64)."""
     dtype = payload.dtype
     return dtype == types.int32 if isinstance(dtype, types.Type) else np.dtype(dtype) == np.int32
 
 
+@njit(cache=True)
+def activation_rows(out_ptr, a_lo, a_hi, out):
+    """``out[o] = a`` for every occurrence ``o`` of the activation rows ``a_lo <= a < a_hi`` (CSR ``out_ptr``):
+    the grouped payload of a batch laid out without one (every gain 1)."""
+    for a in range(a_lo, a_hi):
+        for o in range(out_ptr[_U(a)], out_ptr[_U(a + 1)]):
+            out[_U(o)] = a
+
+
 def payload_views(payload: np.ndarray):
     """``(out_row, gains)`` of a payload array: :func:`packed_views` of packed words, or ``(payload, None)``
     for activation rows alone (every gain 1; the sums take ``None`` for such gains)."""
-    return (payload, None) if unit_gains(payload) else packed_views(payload)
+    return (payload, None) if holds_rows_alone(payload) else packed_views(payload)
 
 
 def occurrence_views(payload):
@@ -248,7 +248,7 @@ def occurrence_views(payload):
 
 @overload(occurrence_views, inline="always")
 def _occurrence_views_impl(payload):
-    if unit_gains(payload):
+    if holds_rows_alone(payload):
         return lambda payload: (payload, None)
 
     def impl(payload):
