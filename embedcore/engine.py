@@ -160,7 +160,7 @@ class Embedding(TableLookup):
         """Whether a batch without weights gives every occurrence of ``group`` a gain of 1 (its features'
         tables sum, or the features are sequences), so that its occurrences carry activation rows alone."""
         tables = {id(t) for t in group.tables}
-        return all(f.table.combiner == "sum" or f.max_sequence_length for _, f in self._features
+        return all(inputs.gains_are_weights(f.table.combiner, f.max_sequence_length) for _, f in self._features
                    if id(f.table) in tables)
 
     def _fill_table(self, table, first_row: int, stride: int, vocabulary_size: int, n_rows: int | None = None):

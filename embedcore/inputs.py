@@ -428,9 +428,16 @@ def build_table_batch(parts, workspace=None) -> TableBatch:
 
 
 def unit_gains(parts) -> bool:
-    """Whether every occurrence of a table batch's ``parts`` has gain 1 (no weights; the features' tables
-    sum, or the features are sequences): then its occurrences carry their activation rows alone."""
-    return all(batch.weights is None and (combiner == "sum" or seq_len) for batch, combiner, seq_len, *_ in parts)
+    """Whether every occurrence of a table batch's ``parts`` has gain 1 (no weights, and
+    :func:`gains_are_weights`): then it is laid out without payloads."""
+    return all(batch.weights is None and gains_are_weights(combiner, seq_len)
+               for batch, combiner, seq_len, *_ in parts)
+
+
+def gains_are_weights(combiner: str, seq_len: int) -> bool:
+    """Whether a feature's gains are its weights as given (a table that sums, or a sequence feature), so
+    that without weights every gain is 1; mean and sqrtn divide by each bag's weights."""
+    return combiner == "sum" or bool(seq_len)
 
 
 def _array(workspace, name, shape, dtype):

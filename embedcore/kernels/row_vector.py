@@ -25,7 +25,7 @@ from numba.extending import intrinsic
 
 from .prefetch import CACHE_LINE_FLOATS, emit_prefetch
 
-__all__ = ["weighted_sum_registers", "sums_in_registers", "block_width"]
+__all__ = ["weighted_sum_registers", "sums_in_registers", "block_width", "no_gains"]
 
 _I32 = ir.IntType(32)
 
@@ -48,11 +48,12 @@ def sums_in_registers(dst, index, gain, src) -> bool:
     float32 ``gain`` of any layout, or ``None`` (every gain 1)."""
     return (_float32_rows(dst) and _float32_rows(src)
             and isinstance(index, types.Array) and index.ndim == 1 and isinstance(index.dtype, types.Integer)
-            and (_unit_gains(gain) or isinstance(gain, types.Array) and gain.ndim == 1
+            and (no_gains(gain) or isinstance(gain, types.Array) and gain.ndim == 1
                  and gain.dtype == types.float32))
 
 
-def _unit_gains(gain) -> bool:
+def no_gains(gain) -> bool:
+    """Whether a gains argument's Numba type is None: every gain 1, none read."""
     return isinstance(gain, types.NoneType)
 
 
@@ -90,7 +91,7 @@ def _block_sum(typingctx, dst, d, lo, hi, index, gain, src, ahead, col, width):
             and all(isinstance(t, types.Integer) for t in (d, lo, hi, ahead, col))):
         return None
     w = width.literal_value
-    unit = _unit_gains(gain)
+    unit = no_gains(gain)
 
     def codegen(context, builder, signature, args):
         arrays = _Arrays(context, builder, signature, args)

@@ -25,12 +25,12 @@ that vectorises, which the update kernels use.
 """
 
 import numpy as np
-from numba import njit, prange, types
+from numba import njit, prange
 from numba.extending import overload
 
 from ..compile_cache import jit_source
 from .prefetch import CACHE_LINE_FLOATS, prefetch_rows_ahead
-from .row_vector import block_width, sums_in_registers, weighted_sum_registers
+from .row_vector import block_width, no_gains, sums_in_registers, weighted_sum_registers
 
 __all__ = ["weighted_sum", "weighted_sum_fixed", "copy_row", "gather_combine", "gather_kernel", "fixed_length",
            "sum_gradients", "count_non_finite", "ROWS_AHEAD"]
@@ -47,7 +47,7 @@ def gain_at(gain, k):
 
 @overload(gain_at, inline="always")
 def _gain_at_impl(gain, k):
-    if isinstance(gain, types.NoneType):
+    if no_gains(gain):
         return lambda gain, k: np.float32(1.0)
     return lambda gain, k: gain[k]
 
@@ -207,8 +207,9 @@ def gather_kernel(dim: int, prefetch: bool = True):
 
 def gather_combine(table, rows, gains, out_ptr, act, prefetch: bool = True):
     """``act[a] = sum over o in out_ptr[a]:out_ptr[a + 1] of gains[o] * table[rows[o]]`` (:func:`weighted_sum`,
-    by the kernel for ``act``'s row length; ``gains`` None: every gain 1, none read). ``prefetch`` False skips the source rows' prefetch, for rows
-    that are in cache anyway (see :func:`embedcore.kernels.prefetch.rows_stay_cached`); the sums are the same."""
+    by the kernel for ``act``'s row length; ``gains`` None: every gain 1, none read). ``prefetch`` False skips
+    the source rows' prefetch, for rows that are in cache anyway (see
+    :func:`embedcore.kernels.prefetch.rows_stay_cached`); the sums are the same."""
     dim = act.shape[1]
     if fixed_length(dim):
         gather_kernel(dim, prefetch)(table, rows, gains, out_ptr, act)
