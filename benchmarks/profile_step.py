@@ -60,6 +60,7 @@ def instrument():
     engine._refuse_non_finite = _timed("apply: look for NaN/Inf in gradient rows", engine._refuse_non_finite)
     engine.Embedding._gradient_rows = staticmethod(_timed("apply: gather gradients into one array",
                                                           engine.Embedding._gradient_rows))
+    engine.sum_by_blocks = _timed("apply: sum gradients block by block (hash)", engine.sum_by_blocks)
     engine.group_rows = _timed("apply: group occurrences by row (sort)", engine.group_rows)
     fused = engine.fused_update_kernel
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import threading
 
+import numba
 import numpy as np
 
 from . import inputs
@@ -18,7 +19,7 @@ from .compiler import RowFunctionError, describe
 from .initializers import TruncatedNormal, fill_rows
 from .inputs import InputError
 from .kernels.aligned import aligned_empty
-from .kernels.dedup import group_rows
+from .kernels.dedup import group_rows, sum_by_blocks
 from .kernels.prefetch import rows_stay_cached
 from .kernels.rows import count_non_finite
 from .kernels.update import STATUS_GRADIENT, STATUS_LENGTH, STATUS_OUTPUT, compile_for, fused_update_kernel
@@ -146,7 +147,7 @@ class Embedding(TableLookup):
                             for d in opt.slot_dims)
         try:
             compile_for(group.row_function, opt.lazy, group.weights, group.slots, opt.n_hyperparameters,
-                        unit_gains=self._sums_rows(group))
+                        unit_gains=self._sums_rows(group) or self._summed_by_blocks(group))
         except Exception as exc:  # numba raises many error types; each becomes one clear message
             cause = "\n".join(str(exc).strip().splitlines()[:12])
             raise RowFunctionError(f"the update kernel of {describe(group.row_function.python_function)} for "
@@ -162,6 +163,12 @@ class Embedding(TableLookup):
         tables = {id(t) for t in group.tables}
         return all(inputs.gains_are_weights(f.table.combiner, f.max_sequence_length) for _, f in self._features
                    if id(f.table) in tables)
+
+    @staticmethod
+    def _summed_by_blocks(group: _PhysicalTable) -> bool:
+        """Whether ``group``'s batches are likely summed block by block (``dedup.sum_by_blocks``: stacked
+        tables, several threads), which hands the update activation rows alone, whatever the gains."""
+        return len(group.tables) > 1 and numba.get_num_threads() > 1
 
     def _fill_table(self, table, first_row: int, stride: int, vocabulary_size: int, n_rows: int | None = None):
         """Initial values of ``table`` and its slots: the rows ``first_row + i * stride`` of a table of
@@ -287,7 +294,11 @@ class Embedding(TableLookup):
         wrong_length = []
         for group, tb, d_act in work:
             ws = group.workspace
-            uniq, ptr, packed = group_rows(tb.rows, group.n_rows, tb.packed, ws, tb.blocks, tb.out_ptr)
+            summed = sum_by_blocks(tb.rows, group.n_rows, tb.packed, ws, tb.blocks, tb.out_ptr, d_act)
+            if summed is not None:  # the gradients summed already: one occurrence per row, gain 1
+                uniq, ptr, packed, d_act = summed
+            else:
+                uniq, ptr, packed = group_rows(tb.rows, group.n_rows, tb.packed, ws, tb.blocks, tb.out_ptr)
             group.prefetch_rows = not rows_stay_cached(tb.rows.shape[0], uniq.shape[0],
                                                      group.weights.itemsize * group.dim)
             lr, hyper = values[id(group.optimizer)]

@@ -597,7 +597,7 @@ def test_stacked_tables_train_the_same_whichever_way_occurrences_are_grouped(mon
                             {k: s["accumulators"].copy() for k, s in emb.slot_variables.items()}))
     finally:
         numba.set_num_threads(before)
-    assert calls == [True, True]  # the first engine took the block path, the second could have
+    assert calls and all(calls)  # the first engine took the block path (summed by blocks), the second could have
     for name in results[0][0]:
         np.testing.assert_array_equal(results[0][0][name], results[1][0][name])
     for name in results[0][1]:
@@ -901,3 +901,75 @@ def test_grouping_without_payloads_writes_each_occurrences_activation_row(spec, 
             np.testing.assert_array_equal(g, e)
     with pytest.raises(ValueError, match="out_ptr must be"):
         dedup.group_rows(rows, base, None, Workspace(), blocks, np.r_[out_ptr, out_ptr[-1] + 1])
+
+
+def _sequential_sums_reference(rows, gains, out_row, d_act):
+    """The update's documented order: each occurrence's gain * d_act row added to its row's sum one after the
+    other, in occurrence order, from -0.0 (the same as starting from the first); distinct rows ascending."""
+    uniq = np.unique(rows)
+    sums = np.full((uniq.shape[0], d_act.shape[1]), -0.0, np.float32)
+    np.add.at(sums, np.searchsorted(uniq, rows), gains[:, None] * d_act[out_row])
+    return uniq, sums
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(1, 400), min_size=2, max_size=6), st.integers(1, 60),
+       st.sampled_from([1, 5, 16, 64]), st.sampled_from(["none", "rows", "packed"]), st.integers(0, 2 ** 32))
+def test_gradients_summed_block_by_block_are_the_sequential_sums(vocabularies, per_bag, dim, payload_kind, seed):
+    """dedup.sum_by_blocks (stacked tables: blocks of disjoint row ranges, tiny and larger vocabularies,
+    many duplicates, empty bags) gives the distinct rows of the batch and, for each, the sum of its
+    occurrences' gain * gradient row in occurrence order, bit for bit as np.add.at from -0.0; it declines
+    (None) with one thread or a block of too many distinct rows, and its sums are those the update sums
+    from grouped occurrences (rows.sum_gradients)."""
+    import numba
+    from embedcore.kernels import dedup
+    from embedcore.kernels.dedup import sum_by_blocks
+    from embedcore.kernels.occurrences import pack_occurrences
+    from embedcore.kernels.rows import sum_gradients
+    rng = np.random.default_rng(seed)
+    rows, starts, offset, bag_lengths = [], [0], 0, []
+    for vocabulary in vocabularies:  # each table's bags within its block, as the lookup lays them out
+        lengths = rng.integers(0, 2 * per_bag, 300)
+        bag_lengths.append(lengths)
+        rows.append(offset + rng.integers(0, vocabulary, int(lengths.sum())))
+        starts.append(starts[-1] + int(lengths.sum()))
+        offset += vocabulary
+    rows = np.concatenate(rows).astype(np.int32)
+    n = rows.shape[0]
+    n_out = 300 * len(vocabularies)
+    bag_lengths = np.concatenate(bag_lengths)
+    out_ptr = np.concatenate(([0], np.cumsum(bag_lengths))).astype(np.int64)
+    out_row = np.repeat(np.arange(n_out), bag_lengths).astype(np.int32)
+    d_act = rng.standard_normal((n_out, dim)).astype(np.float32)
+    d_act[rng.random(d_act.shape) < 0.05] = -0.0
+    gains = np.ones(n, np.float32) if payload_kind != "packed" else \
+        rng.choice(np.array([0.5, -0.0, 1.0, -2.5], np.float32), n)
+    packed = {"none": None, "rows": out_row, "packed": pack_occurrences(out_row, gains)}[payload_kind]
+    blocks = np.array(starts, np.int64)
+    before, smallest = numba.get_num_threads(), dedup.PARALLEL_MIN
+    try:
+        dedup.PARALLEL_MIN = 0  # blocks for batches of any size
+        numba.set_num_threads(min(2, numba.config.NUMBA_NUM_THREADS))
+        got = sum_by_blocks(rows, offset, packed, Workspace(), blocks, out_ptr, d_act)
+        if numba.get_num_threads() < 2:
+            assert got is None
+            return
+        numba.set_num_threads(1)
+        assert sum_by_blocks(rows, offset, packed, Workspace(), blocks, out_ptr, d_act) is None
+    finally:
+        numba.set_num_threads(before)
+        dedup.PARALLEL_MIN = smallest
+    expected_uniq, expected = _sequential_sums_reference(rows, gains, out_row, d_act)
+    if got is None:  # blocks too uneven, or one with too many distinct rows to hash: the caller groups
+        assert not dedup._blocks_worth_it(blocks, n, 2) or any(len(np.unique(rows[lo:hi])) > max(16, (hi - lo) // 32) for lo, hi in zip(starts, starts[1:]))
+        return
+    uniq, ptr, index, sums = got
+    np.testing.assert_array_equal(uniq, expected_uniq)
+    np.testing.assert_array_equal(ptr, np.arange(uniq.shape[0] + 1))
+    np.testing.assert_array_equal(sums[index].view(np.int32), expected.view(np.int32))
+    counts = np.unique(rows, return_counts=True)[1]
+    grouped_ptr = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
+    order = np.argsort(rows, kind="stable")
+    grouped = np.empty_like(expected)
+    sum_gradients(grouped, grouped_ptr, order, out_row, None if payload_kind != "packed" else gains, d_act)
+    np.testing.assert_array_equal(grouped.view(np.int32), expected.view(np.int32))

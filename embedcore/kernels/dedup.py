@@ -23,10 +23,11 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-from .occurrences import activation_rows
+from .occurrences import activation_rows, occurrence_views
+from .rows import gain_at
 
 
-__all__ = ["unique_rows", "group_rows", "DIGIT_BITS", "PARALLEL_MIN"]
+__all__ = ["unique_rows", "group_rows", "sum_by_blocks", "DIGIT_BITS", "PARALLEL_MIN"]
 
 DIGIT_BITS = 11
 _RADIX = 1 << DIGIT_BITS
@@ -278,18 +279,15 @@ def _distinct_limit(n_occurrences):
 
 
 @njit(cache=True, inline="always")
-def _hash_block(rows, payload, lo, hi, limit, bits, t, keys, ids, sid, first, counts, n_bits, sort_a, perm_a,
-                sort_b, perm_b, uniq, ptr, out, implied, out_ptr, a_lo, a_hi):
-    """Group occurrences ``lo:hi`` by hashing: distinct rows to ``uniq[lo:]`` (ascending), their first
-    occurrence's position to ``ptr[lo:]``, payloads grouped to ``out[lo:hi]`` (``implied``: no payload array,
-    each occurrence's activation row instead, from ``out_ptr``: the block's activation rows are ``a_lo:a_hi``);
-    returns the number of distinct rows, or -1 when there are more than ``limit`` or probing took more than
-    ``PROBE_BUDGET`` extra steps per occurrence."""
+def _hash_count(rows, lo, hi, limit, bits, t, keys, ids, sid, first, counts):
+    """The hash pass of a block, occurrences ``lo:hi``: each distinct row, in order of first occurrence, to
+    ``first[lo:]`` with its number of occurrences in ``counts[lo:]``, and each occurrence's distinct-row id to
+    ``sid``; returns the number of distinct rows, or -1 when there are more than ``limit`` or probing took
+    more than ``PROBE_BUDGET`` extra steps per occurrence."""
     mask = (1 << bits) - 1
     keys[t:t + mask + 1] = _EMPTY  # a fresh table, which also brings it into the cache (a kept one came cold)
     n_unique = 0
     probes_left = PROBE_BUDGET * (hi - lo)  # rows whose hashes cluster would make probing quadratic
-    abort = False
     for o in range(lo, hi):
         ou = _U(o)  # unsigned subscripts: no negative-index wraparound code (see kernels/rows.py)
         r = rows[ou]
@@ -300,13 +298,11 @@ def _hash_block(rows, payload, lo, hi, limit, bits, t, keys, ids, sid, first, co
             k = keys[_U(h)]
             probes_left -= 1
         if probes_left < 0:
-            abort = True
-            break
+            return -1
         hu = _U(h)
         if k == _EMPTY:
             if n_unique == limit:
-                abort = True
-                break
+                return -1
             keys[hu] = r
             ids[hu] = n_unique
             first[_U(lo + n_unique)] = r
@@ -315,7 +311,18 @@ def _hash_block(rows, payload, lo, hi, limit, bits, t, keys, ids, sid, first, co
         u = ids[hu]
         sid[ou] = u
         counts[_U(lo + u)] += 1
-    if abort:
+    return n_unique
+
+
+@njit(cache=True, inline="always")
+def _hash_block(rows, payload, lo, hi, limit, bits, t, keys, ids, sid, first, counts, n_bits, sort_a, perm_a,
+                sort_b, perm_b, uniq, ptr, out, implied, out_ptr, a_lo, a_hi):
+    """Group occurrences ``lo:hi`` by hashing (:func:`_hash_count`): distinct rows to ``uniq[lo:]``
+    (ascending), their first occurrence's position to ``ptr[lo:]``, payloads grouped to ``out[lo:hi]``
+    (``implied``: no payload array, each occurrence's activation row instead, from ``out_ptr``: the block's
+    activation rows are ``a_lo:a_hi``); returns the number of distinct rows, or -1 (see :func:`_hash_count`)."""
+    n_unique = _hash_count(rows, lo, hi, limit, bits, t, keys, ids, sid, first, counts)
+    if n_unique < 0:
         return -1
     sorted_rows, perm = _sort_serial(first[lo:lo + n_unique], perm_a[lo:lo + n_unique], True, n_bits,
                                      sort_a[lo:lo + n_unique], perm_a[lo:lo + n_unique],
@@ -398,6 +405,77 @@ def _group_blocks(rows, payload, blocks, schedule, schedule_ptr, limits, table_l
     return total, sorted_blocks.sum()
 
 
+@njit(cache=True, inline="always")
+def _sum_block(rows, payload, lo, hi, limit, bits, t, keys, ids, sid, first, counts, n_bits, sort_a, perm_a,
+               sort_b, perm_b, uniq, implied, out_ptr, a_lo, a_hi, d_act, sums, s_lo):
+    """The gradient sums of block ``lo:hi``'s distinct rows: the rows to ``uniq[lo:]`` (ascending, as
+    :func:`_hash_block`), and the sum of distinct row ``uniq[lo + k]``'s gradient to ``sums[s_lo + k]``,
+    every occurrence's ``gain * d_act[activation row]`` added as the occurrences come (the order of
+    ``rows.sequential_sum`` over grouped occurrences, from -0.0, which adds exactly as starting from the
+    first); returns the number of distinct rows, or -1 (see :func:`_hash_count`)."""
+    n_unique = _hash_count(rows, lo, hi, limit, bits, t, keys, ids, sid, first, counts)
+    if n_unique < 0:
+        return -1
+    sorted_rows, perm = _sort_serial(first[lo:lo + n_unique], perm_a[lo:lo + n_unique], True, n_bits,
+                                     sort_a[lo:lo + n_unique], perm_a[lo:lo + n_unique],
+                                     sort_b[lo:lo + n_unique], perm_b[lo:lo + n_unique])
+    for k in range(n_unique):  # counts become each distinct row's row of sums
+        uniq[lo + k] = sorted_rows[k]
+        counts[lo + perm[k]] = s_lo + k
+    dim = sums.shape[1]
+    for k in range(s_lo, s_lo + n_unique):
+        for j in range(dim):
+            sums[_U(k), _U(j)] = -0.0
+    if implied:  # every gain 1: each activation row's gradient read once, added to its occurrences' rows
+        for a in range(a_lo, a_hi):
+            au = _U(a)
+            for o in range(out_ptr[au], out_ptr[au + _U(1)]):
+                su = _U(counts[_U(lo + sid[_U(o)])])
+                for j in range(dim):
+                    ju = _U(j)
+                    sums[su, ju] += d_act[au, ju]
+        return n_unique
+    src_row, src_gain = occurrence_views(payload)
+    for o in range(lo, hi):
+        ou = _U(o)
+        su = _U(counts[_U(lo + sid[ou])])
+        au = _U(src_row[ou])
+        w = gain_at(src_gain, ou)
+        for j in range(dim):
+            ju = _U(j)
+            sums[su, ju] += w * d_act[au, ju]
+    return n_unique
+
+
+@njit(cache=True, parallel=True)
+def _sum_blocks(rows, payload, blocks, schedule, schedule_ptr, limits, table_lo, table_bits, n_bits, keys, ids,
+                sid, first, counts, sort_a, perm_a, sort_b, perm_b, uniq, index, implied, out_ptr, act_bounds,
+                d_act, sums, sums_lo):
+    """:func:`_sum_block` for every block, in parallel (thread ``p`` takes the blocks
+    ``schedule[schedule_ptr[p]:schedule_ptr[p + 1]]``), then the distinct rows moved down to follow the
+    previous blocks' and ``index[u]``, the row of sums of ``uniq[u]``, written; returns the number of
+    distinct rows, or -1 when a block could not be hashed."""
+    n_blocks = blocks.shape[0] - 1
+    n_unique = np.empty(n_blocks, np.int64)
+    for p in prange(schedule_ptr.shape[0] - 1):
+        for i in range(schedule_ptr[p], schedule_ptr[p + 1]):
+            b = schedule[i]
+            a_lo, a_hi = (act_bounds[b], act_bounds[b + 1]) if implied else (0, 0)
+            n_unique[b] = _sum_block(rows, payload, blocks[b], blocks[b + 1], limits[b], table_bits[b],
+                                     table_lo[b], keys, ids, sid, first, counts, n_bits, sort_a, perm_a, sort_b,
+                                     perm_b, uniq, implied, out_ptr, a_lo, a_hi, d_act, sums, sums_lo[b])
+    if n_unique.min() < 0:
+        return -1
+    total = 0
+    for b in range(n_blocks):
+        lo = blocks[b]
+        for k in range(n_unique[b]):
+            uniq[total] = uniq[lo + k]
+            index[total] = sums_lo[b] + k
+            total += 1
+    return total
+
+
 def _blocks_worth_it(blocks, n, threads):
     """Whether grouping block by block keeps every thread busy: enough blocks, none over its thread's share."""
     if blocks is None or threads < 2 or n < PARALLEL_MIN or len(blocks) - 1 < threads:
@@ -472,6 +550,55 @@ def _group_by_blocks(rows, n_rows, payload, blocks, workspace, out_ptr=None):
                                        workspace.array("hash_sid", n, id_type), *arrays, ptr, implied,
                                        _NO_BOUNDS if out_ptr is None else out_ptr, act_bounds)
     return arrays[-1][:n_unique], ptr[:n_unique + 1], arrays[-2], int(n_sorted)
+
+
+def sum_by_blocks(rows, n_rows, packed, workspace, blocks, out_ptr, d_act):
+    """``(uniq, ptr, index, sums)``, the gradient of every distinct row summed, for a batch that
+    :func:`group_rows` would group block by block; else None (one thread, blocks too uneven, a block with
+    too many distinct rows, or a recent one: the caller groups with :func:`group_rows`, whose sums are the
+    same). ``packed`` and ``out_ptr`` as for :func:`group_rows` (every activation row's occurrences within one
+    block, as the lookup lays them out); ``d_act`` the ``[n_out, dim]`` float32
+    gradients of the activation rows.
+
+    ``uniq`` are the distinct rows (ascending), and the gradient of ``uniq[u]`` is ``sums[index[u]]``:
+    each occurrence's ``gain * d_act[activation row]`` added to its row's sum as the block's occurrences are
+    walked, in order, so a gradient row is read once per activation row (once per occurrence, at random,
+    when the update sums grouped occurrences), in the order of :func:`embedcore.kernels.rows.sequential_sum`.
+    ``ptr`` is ``0, 1, ..., len(uniq)`` and ``index`` int32: the update kernel takes them as grouped
+    occurrences of one occurrence per row (every gain 1), whose sums are the sums themselves."""
+    if blocks is None or workspace.state.get("blocks_wait", 0) > 0 or \
+            not _blocks_worth_it(blocks, rows.shape[0], numba.get_num_threads()):
+        return None
+    rows = _row_array(rows)
+    implied = packed is None
+    if implied:
+        out_ptr = np.ascontiguousarray(out_ptr, np.int64)
+        act_bounds = np.searchsorted(out_ptr, blocks, "left")
+        payload = _NO_ROWS
+    else:
+        payload = np.ascontiguousarray(packed)
+        act_bounds = out_ptr = _NO_BOUNDS
+    d_act = np.ascontiguousarray(d_act, np.float32)
+    n = rows.shape[0]
+    limits, table_bits, table_lo, n_slots, schedule, schedule_ptr = _block_layout(blocks, numba.get_num_threads(),
+                                                                                  workspace)
+    sums_lo = np.zeros(limits.shape[0], np.int64)
+    np.cumsum(limits[:-1], out=sums_lo[1:])
+    sums = workspace.array("block_sums", (int(limits.sum()), d_act.shape[1]), np.float32)
+    key_type, id_type = hash_types(rows.dtype, int(limits.max()))
+    names = _PAYLOAD_BUFFERS[np.dtype(np.int32)]  # the distinct rows' permutations, as in _group_by_blocks
+    arrays = [workspace.array(name, n, dtype) for name, dtype in (
+        ("hash_first", rows.dtype), ("sort_words_b", np.int64), ("sort_keys_a", rows.dtype),
+        (names[0], np.int32), ("sort_keys_b", rows.dtype), (names[1], np.int32), ("uniq", np.int64))]
+    index = workspace.array("block_sums_index", n, np.int32)
+    n_bits = max(1, int(n_rows - 1).bit_length())
+    total = _sum_blocks(rows, payload, blocks, schedule, schedule_ptr, limits, table_lo, table_bits, n_bits,
+                        workspace.array("hash_keys", n_slots, key_type), workspace.array("hash_ids", n_slots, id_type),
+                        workspace.array("hash_sid", n, id_type), *arrays, index, implied, out_ptr, act_bounds,
+                        d_act, sums, sums_lo)
+    if total < 0:
+        return None
+    return arrays[-1][:total], np.arange(total + 1, dtype=np.int64), index[:total], sums
 
 
 def _sort(rows, n_rows, payload, index_payload, workspace):

@@ -10,7 +10,8 @@ The arithmetic is the same IEEE float32 operations in the same order, lane by la
 occurrences is ``(w0 * s0 + w1 * s1) + (w2 * s2 + w3 * s3)``, added to the running sum, the remaining
 ``(hi - lo) % 4`` occurrences one by one; the first group (or occurrence) starts the sum, and no occurrence
 gives zeros. Every sum is bit-identical to ``weighted_sum``'s, whatever the machine's vector width (LLVM
-splits the vector into the registers it has).
+splits the vector into the registers it has). :func:`sequential_sum_registers` is the same with no groups,
+every occurrence added on its own, bit-identical to :func:`embedcore.kernels.rows.sequential_sum`.
 
 The block sum is one intrinsic (LLVM IR built here) rather than jitted Python: Numba inlines jitted
 helpers by copying their IR into the caller and typing it again, which for the loops below tripled the
@@ -25,7 +26,7 @@ from numba.extending import intrinsic
 
 from .prefetch import CACHE_LINE_FLOATS, emit_prefetch
 
-__all__ = ["weighted_sum_registers", "sums_in_registers", "block_width", "no_gains"]
+__all__ = ["weighted_sum_registers", "sequential_sum_registers", "sums_in_registers", "block_width", "no_gains"]
 
 _I32 = ir.IntType(32)
 
@@ -81,11 +82,20 @@ class _Arrays:
         return self.builder.extract_value(self.arrays[name][1].shape, 0)
 
 
-@intrinsic
-def _block_sum(typingctx, dst, d, lo, hi, index, gain, src, ahead, col, width):
+def _block_sum_intrinsic(group_size):
+    """The block sum adding occurrences in groups of ``group_size`` (4: ``(t0 + t1) + (t2 + t3)`` then the
+    rest one by one, the lookup's order; 1: one by one, the update's order)."""
+
+    @intrinsic
+    def block_sum(typingctx, dst, d, lo, hi, index, gain, src, ahead, col, width):
+        return _block_sum_signature(group_size, dst, d, lo, hi, index, gain, src, ahead, col, width)
+    return block_sum
+
+
+def _block_sum_signature(group_size, dst, d, lo, hi, index, gain, src, ahead, col, width):
     """``dst[d, col:col + width] = sum over k in [lo, hi) of gain[k] * src[index[k], col:col + width]`` (the
-    module docstring's order; ``gain`` None: every gain 1, no product, the same sums since ``1 * x == x``);
-    for ``ahead`` > 0 the block's lines of the rows ``ahead`` occurrences on are prefetched."""
+    module docstring's order for ``group_size``; ``gain`` None: every gain 1, no product, the same sums since
+    ``1 * x == x``); for ``ahead`` > 0 the block's lines of the rows ``ahead`` occurrences on are prefetched."""
     if not (isinstance(width, types.IntegerLiteral) and width.literal_value % CACHE_LINE_FLOATS == 0
             and sums_in_registers(dst, index, gain, src)
             and all(isinstance(t, types.Integer) for t in (d, lo, hi, ahead, col))):
@@ -142,7 +152,10 @@ def _block_sum(typingctx, dst, d, lo, hi, index, gain, src, ahead, col, width):
         ones_body = builder.append_basic_block("sum.ones_body")
         done = builder.append_basic_block("sum.done")
 
-        builder.cbranch(builder.icmp_signed(">=", builder.sub(hi_v, lo_v), intp(4)), first_group, not_group)
+        if group_size == 4:
+            builder.cbranch(builder.icmp_signed(">=", builder.sub(hi_v, lo_v), intp(4)), first_group, not_group)
+        else:  # no groups: the blocks for them are left unreachable
+            builder.branch(not_group)
 
         builder.position_at_end(not_group)
         builder.cbranch(builder.icmp_signed(">", hi_v, lo_v), first_one, done)
@@ -174,10 +187,16 @@ def _block_sum(typingctx, dst, d, lo, hi, index, gain, src, ahead, col, width):
             builder.branch(check)
             return k, acc
 
-        group_start = first(first_group, 4, group, groups_check)
         one_start = first(first_one, 1, term, ones_check)
-        k4, acc4 = loop(groups_check, groups_body, [group_start], 4, group, ones_check)
-        k1, acc1 = loop(ones_check, ones_body, [(k4, acc4, groups_check), one_start], 1, term, done)
+        if group_size == 4:
+            group_start = first(first_group, 4, group, groups_check)
+            k4, acc4 = loop(groups_check, groups_body, [group_start], 4, group, ones_check)
+            k1, acc1 = loop(ones_check, ones_body, [(k4, acc4, groups_check), one_start], 1, term, done)
+        else:
+            for block in (first_group, groups_check, groups_body):
+                builder.position_at_end(block)
+                builder.unreachable()
+            k1, acc1 = loop(ones_check, ones_body, [one_start], 1, term, done)
 
         builder.position_at_end(done)
         total = builder.phi(vector)
@@ -189,10 +208,22 @@ def _block_sum(typingctx, dst, d, lo, hi, index, gain, src, ahead, col, width):
     return types.void(dst, d, lo, hi, index, gain, src, ahead, col, width), codegen
 
 
+_grouped_block_sum = _block_sum_intrinsic(4)
+_sequential_block_sum = _block_sum_intrinsic(1)
+
+
 @njit(inline="always")
 def weighted_sum_registers(dst, d, lo, hi, index, gain, src, ahead, dim, width):
     """``dst[d] = sum over k in [lo, hi) of gain[k] * src[index[k]]`` exactly as
     :func:`~embedcore.kernels.rows.weighted_sum` sums it, ``width`` values at a time in registers (C-contiguous
     float32 rows; ``dim`` and ``width``, from :func:`block_width`, constants of the calling kernel)."""
     for col in range(0, dim, width):
-        _block_sum(dst, d, lo, hi, index, gain, src, ahead, col, width)
+        _grouped_block_sum(dst, d, lo, hi, index, gain, src, ahead, col, width)
+
+
+@njit(inline="always")
+def sequential_sum_registers(dst, d, lo, hi, index, gain, src, ahead, dim, width):
+    """:func:`weighted_sum_registers` in :func:`~embedcore.kernels.rows.sequential_sum`'s order: one
+    occurrence at a time."""
+    for col in range(0, dim, width):
+        _sequential_block_sum(dst, d, lo, hi, index, gain, src, ahead, col, width)

@@ -10,16 +10,19 @@ row, so ``out_ptr`` (CSR) lists the occurrences of each activation row.
 A batch whose gains are all 1 passes ``None`` for them: no gains are read and no products made (the same
 sums, as ``1 * x == x`` exactly).
 
-Both are :func:`weighted_sum`, which adds four occurrences per pass over the destination row (a pass per
-occurrence made every occurrence wait for the previous one's store: 1.6x slower). The order of additions
-is fixed by the occurrences' order alone, so results do not depend on the number of threads, and the
-lookup, the fused update and the sharded engine's reductions all compute the same sums.
+The lookup sums with :func:`weighted_sum`, which adds four occurrences per pass over the destination row (a
+pass per occurrence made every occurrence wait for the previous one's store: 1.6x slower). The gradient is
+summed with :func:`sequential_sum`, one occurrence after the other, the order in which the update can also
+add each occurrence's gradient into its row's sum as it walks the batch (``dedup.sum_by_blocks``: every
+gradient row read once, in order, instead of once per occurrence, at random). Either order is fixed by the
+occurrences' order alone, so results do not depend on the number of threads, and the fused update and the
+sharded engine's reductions compute the same sums.
 
 Rows that fill whole 64-byte lines (:func:`fixed_length`) get kernels compiled for their length, the lookup's
 here (:func:`gather_kernel`) and the update's in :mod:`embedcore.kernels.update`. They sum with
-:func:`weighted_sum_fixed`, which keeps the running sum in vector registers
-(:mod:`embedcore.kernels.row_vector`) instead of passing over the destination row for every four
-occurrences; the sums are the same, bit for bit.
+:func:`weighted_sum_fixed` and :func:`sequential_sum_fixed`, which keep the running sum in vector registers
+(:mod:`embedcore.kernels.row_vector`) instead of passing over the destination row in memory; the sums are
+the same, bit for bit.
 In such kernels a plain copy loop over a row compiles to scalar code; :func:`copy_row` is the row copy
 that vectorises, which the update kernels use.
 """
@@ -30,9 +33,9 @@ from numba.extending import overload
 
 from ..compile_cache import jit_source
 from .prefetch import CACHE_LINE_FLOATS, prefetch_rows_ahead
-from .row_vector import block_width, no_gains, sums_in_registers, weighted_sum_registers
+from .row_vector import block_width, no_gains, sequential_sum_registers, sums_in_registers, weighted_sum_registers
 
-__all__ = ["weighted_sum", "weighted_sum_fixed", "copy_row", "gather_combine", "gather_kernel", "fixed_length",
+__all__ = ["weighted_sum", "weighted_sum_fixed", "sequential_sum", "sequential_sum_fixed", "copy_row", "gather_combine", "gather_kernel", "fixed_length",
            "sum_gradients", "count_non_finite", "ROWS_AHEAD"]
 
 ROWS_AHEAD = 16  # occurrences whose source rows are prefetched ahead of the current one (8 -> 16: lookup of
@@ -133,6 +136,53 @@ def _weighted_sum_fixed_impl(dst, d, lo, hi, index, gain, src, ahead, dim, width
 
     def impl_memory(dst, d, lo, hi, index, gain, src, ahead, dim, width):
         weighted_sum(dst, d, lo, hi, index, gain, src, ahead, dim)
+    return impl_memory
+
+
+@njit(cache=True, inline="always")
+def sequential_sum(dst, d, lo, hi, index, gain, src, ahead, dim):
+    """``dst[d] = sum over k in [lo, hi) of gain[k] * src[index[k]]`` one occurrence after the other,
+    ``((t_lo + t_lo+1) + t_lo+2) + ...`` with ``t_k = gain[k] * src[index[k]]`` in float32, starting from the
+    first (the same sums as starting from -0.0; zeros when there is none); ``gain`` None: every gain 1, no
+    product. Source rows ``ahead`` occurrences on are prefetched (0: none)."""
+    n = index.shape[0]
+    du = _U(d)
+    if hi <= lo:
+        for j in range(dim):
+            dst[du, _U(j)] = 0.0
+        return
+    if ahead:
+        prefetch_rows_ahead(src, index, lo, n, ahead, 1)
+    w = gain_at(gain, _U(lo))
+    r = _U(index[_U(lo)])
+    for j in range(dim):
+        dst[du, _U(j)] = w * src[r, _U(j)]
+    for k in range(lo + 1, hi):
+        if ahead:
+            prefetch_rows_ahead(src, index, k, n, ahead, 1)
+        ku = _U(k)
+        w = gain_at(gain, ku)
+        r = _U(index[ku])
+        for j in range(dim):
+            ju = _U(j)
+            dst[du, ju] += w * src[r, ju]
+
+
+def sequential_sum_fixed(dst, d, lo, hi, index, gain, src, ahead, dim, width):
+    """:func:`sequential_sum` in a kernel compiled for rows of ``dim`` values, in registers when it can
+    (as :func:`weighted_sum_fixed`; jitted code only)."""
+    raise NotImplementedError("only callable from jitted code")
+
+
+@overload(sequential_sum_fixed, inline="always")
+def _sequential_sum_fixed_impl(dst, d, lo, hi, index, gain, src, ahead, dim, width):
+    if sums_in_registers(dst, index, gain, src):
+        def impl_registers(dst, d, lo, hi, index, gain, src, ahead, dim, width):
+            sequential_sum_registers(dst, d, lo, hi, index, gain, src, ahead, dim, width)
+        return impl_registers
+
+    def impl_memory(dst, d, lo, hi, index, gain, src, ahead, dim, width):
+        sequential_sum(dst, d, lo, hi, index, gain, src, ahead, dim)
     return impl_memory
 
 
@@ -248,13 +298,13 @@ def count_non_finite(values) -> int:
 def _sum_gradients(out, ptr, src_row, src_gain, d_act):
     dim = out.shape[1]
     for u in prange(out.shape[0]):
-        weighted_sum(out, u, ptr[u], ptr[u + 1], src_row, src_gain, d_act, ROWS_AHEAD, dim)
+        sequential_sum(out, u, ptr[u], ptr[u + 1], src_row, src_gain, d_act, ROWS_AHEAD, dim)
 
 
 def sum_gradients(out, ptr, order, out_row, gains, d_act):
     """``out[u] = sum over k in ptr[u]:ptr[u + 1] of gains[order[k]] * d_act[out_row[order[k]]]``: the
     per-row gradients a process sends to the rows' owners when tables are sharded, summed exactly as the
-    fused update sums them (:func:`weighted_sum`, occurrences in grouped order; ``gains`` None: all 1)."""
+    fused update sums them (:func:`sequential_sum`, occurrences in grouped order; ``gains`` None: all 1)."""
     order = np.ascontiguousarray(order, np.int64)
     src_row = np.ascontiguousarray(out_row, np.int64)[order]
     src_gain = None if gains is None else np.ascontiguousarray(gains, np.float32)[order]

@@ -13,8 +13,10 @@ For each unique row ``r`` (in parallel), its gradient ``g`` is summed into a scr
 
 The gradient of unique row ``u`` is ``sum over k in ptr[u]:ptr[u + 1] of src_gain[k] * d_act[src_row[k]]``
 (the occurrences in grouped order, see :func:`embedcore.kernels.dedup.group_rows`), summed by
-:func:`embedcore.kernels.rows.weighted_sum` in a fixed order, so results do not depend on the thread count
-(in a kernel compiled for the row length, the same sum in vector registers: ``rows.weighted_sum_fixed``).
+:func:`embedcore.kernels.rows.sequential_sum` in a fixed order, so results do not depend on the thread count
+(in a kernel compiled for the row length, the same sum in vector registers: ``rows.sequential_sum_fixed``).
+Batches grouped block by block arrive summed already (:func:`embedcore.kernels.dedup.sum_by_blocks`: the
+same sums), one occurrence per unique row.
 The rows are read at random, so the loop prefetches the table and slot rows ``ROWS_AHEAD`` unique rows
 ahead and, when the gradients outgrow the caches, the gradient rows ``OCCURRENCES_AHEAD`` occurrences ahead
 (:mod:`embedcore.kernels.prefetch`).
@@ -46,7 +48,7 @@ from ..compile_cache import jit_source
 from .occurrences import occurrence_views, pack_occurrences
 from .prefetch import prefetch_row
 from .row_vector import block_width
-from .rows import copy_row, fixed_length, weighted_sum, weighted_sum_fixed
+from .rows import copy_row, fixed_length, sequential_sum, sequential_sum_fixed
 
 __all__ = ["update_kernel", "fused_update_kernel", "compile_for", "all_finite", "balanced_chunks", "CHUNK_ROWS", "ROWS_AHEAD",
            "OCCURRENCES_AHEAD", "STATUS_GRADIENT", "STATUS_OUTPUT", "STATUS_LENGTH"]
@@ -266,7 +268,8 @@ def kernel_source(row_function, lazy=True, dim=None) -> str:
     slot_dims = row_function.slot_dims
     unpack = [f"s{k} = slots[{k}]" for k in range(len(slot_dims))] or ["pass"]
     # With a constant row length the gradient is summed in registers (kernels/row_vector.py).
-    row_sum, dim_args = ("weighted_sum", "dim") if dim is None else ("weighted_sum_fixed", f"dim, {block_width(dim)}")
+    row_sum, dim_args = (("sequential_sum", "dim") if dim is None
+                         else ("sequential_sum_fixed", f"dim, {block_width(dim)}"))
     loop = (_LAZY_LOOP if lazy else _DENSE_LOOP).format(
         row_sum=row_sum, dim_args=dim_args,
         scratch=_scratch(slot_dims, row_function.elementwise), prefetch=_prefetch(slot_dims),
@@ -277,8 +280,8 @@ def kernel_source(row_function, lazy=True, dim=None) -> str:
 def kernel_namespace(row_function) -> dict:
     """The globals the generated source refers to."""
     return {"np": np, "prange": prange, "fn": row_function.dispatcher, "into_row": into_row,
-            "all_finite": all_finite, "copy_row": copy_row, "weighted_sum": weighted_sum,
-            "weighted_sum_fixed": weighted_sum_fixed, "prefetch_row": prefetch_row, "_U": np.uint64,
+            "all_finite": all_finite, "copy_row": copy_row, "sequential_sum": sequential_sum,
+            "sequential_sum_fixed": sequential_sum_fixed, "prefetch_row": prefetch_row, "_U": np.uint64,
             "balanced_chunks": balanced_chunks,
             "CHUNK": CHUNK_ROWS, "ROWS_AHEAD": ROWS_AHEAD, "OCCURRENCES_AHEAD": OCCURRENCES_AHEAD,
             "PREFETCH_MIN_BYTES": PREFETCH_MIN_BYTES, "occurrence_views": occurrence_views,
