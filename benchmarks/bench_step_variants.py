@@ -2,7 +2,7 @@
 
 Run from the repository root::
 
-    python benchmarks/bench_step_variants.py --variant prefetch|range-check|row-type|payload|hash-types|row-sums
+    python benchmarks/bench_step_variants.py --variant prefetch|range-check|row-type|payload|hash-types|row-sums|block-sums
         [--workload tbe|update] [--optimizer rowwise_adagrad] [--rounds 30] [--steps 4]
 
 On this machine runs minutes apart differ by 30% or more, so a change is measured by running the shipped
@@ -26,8 +26,12 @@ Variants (the shipped one first):
 * ``hash-types``: the hash grouping's keys in the rows' type and distinct-row ids as uint16
   (``kernels.dedup.hash_types``), against int64 keys and int32 ids;
 * ``row-sums``: the kernels compiled for a row length sum rows in vector registers
-  (``kernels/row_vector.py``), against the in-memory sum of ``rows.weighted_sum``; both sets of kernels are
-  compiled in this process (the on-disk kernel cache is turned off: their sources are the same text).
+  (``kernels/row_vector.py``), against the in-memory sums of ``rows.weighted_sum`` (lookup) and
+  ``rows.sequential_sum`` (update); both sets of kernels are compiled in this process (the on-disk kernel
+  cache is turned off: their sources are the same text);
+* ``block-sums``: stacked tables' gradients summed block by block as the occurrences are walked
+  (``kernels.dedup.sum_by_blocks``), against occurrences grouped by row and summed by the update kernel
+  (``group_rows``; the same sums, bit for bit).
 """
 
 from __future__ import annotations
@@ -87,12 +91,16 @@ def _row_sums():
     def in_memory(dst, d, lo, hi, index, gain, src, ahead, dim, width):
         rows.weighted_sum(dst, d, lo, hi, index, gain, src, ahead, dim)
 
+    @njit(inline="always")
+    def sequential_in_memory(dst, d, lo, hi, index, gain, src, ahead, dim, width):
+        rows.sequential_sum(dst, d, lo, hi, index, gain, src, ahead, dim)
+
     os.environ["EMBEDCORE_CACHE_DIR"] = "off"
-    kernels = {"registers": ({}, {}, rows.weighted_sum_fixed), "in memory": ({}, {}, in_memory)}
+    kernels = {"registers": ({}, {}, rows.weighted_sum_fixed, rows.sequential_sum_fixed),
+               "in memory": ({}, {}, in_memory, sequential_in_memory)}
 
     def use(name):
-        rows._GATHERS, update._KERNELS, row_sum = kernels[name]
-        rows.weighted_sum_fixed = update.weighted_sum_fixed = row_sum
+        rows._GATHERS, update._KERNELS, rows.weighted_sum_fixed, update.sequential_sum_fixed = kernels[name]
     return {name: (lambda name=name: use(name)) for name in kernels}
 
 
@@ -109,8 +117,15 @@ def _hash_types():
             "int64 keys, int32 ids": lambda: setattr(dedup, "hash_types", lambda *a: (np.int64, np.int32))}
 
 
+def _block_sums():
+    from embedcore import engine
+    summed = engine.sum_by_blocks
+    return {"summed by blocks": lambda: setattr(engine, "sum_by_blocks", summed),
+            "grouped": lambda: setattr(engine, "sum_by_blocks", lambda *args: None)}
+
+
 VARIANTS = {"prefetch": _prefetch, "range-check": _range_check, "row-type": _row_type, "payload": _payload,
-            "hash-types": _hash_types, "row-sums": _row_sums}
+            "hash-types": _hash_types, "row-sums": _row_sums, "block-sums": _block_sums}
 
 
 def main(argv=None) -> int:
