@@ -315,6 +315,15 @@ def _hash_count(rows, lo, hi, limit, bits, t, keys, ids, sid, first, counts):
 
 
 @njit(cache=True, inline="always")
+def _sort_distinct(first, lo, n_unique, n_bits, sort_a, perm_a, sort_b, perm_b):
+    """The distinct rows ``first[lo:lo + n_unique]`` of a hashed block, ascending, and the permutation that
+    sorts them (the sort's buffers from ``lo`` on)."""
+    hi = lo + n_unique
+    return _sort_serial(first[lo:hi], perm_a[lo:hi], True, n_bits, sort_a[lo:hi], perm_a[lo:hi], sort_b[lo:hi],
+                        perm_b[lo:hi])
+
+
+@njit(cache=True, inline="always")
 def _hash_block(rows, payload, lo, hi, limit, bits, t, keys, ids, sid, first, counts, n_bits, sort_a, perm_a,
                 sort_b, perm_b, uniq, ptr, out, implied, out_ptr, a_lo, a_hi):
     """Group occurrences ``lo:hi`` by hashing (:func:`_hash_count`): distinct rows to ``uniq[lo:]``
@@ -324,9 +333,7 @@ def _hash_block(rows, payload, lo, hi, limit, bits, t, keys, ids, sid, first, co
     n_unique = _hash_count(rows, lo, hi, limit, bits, t, keys, ids, sid, first, counts)
     if n_unique < 0:
         return -1
-    sorted_rows, perm = _sort_serial(first[lo:lo + n_unique], perm_a[lo:lo + n_unique], True, n_bits,
-                                     sort_a[lo:lo + n_unique], perm_a[lo:lo + n_unique],
-                                     sort_b[lo:lo + n_unique], perm_b[lo:lo + n_unique])
+    sorted_rows, perm = _sort_distinct(first, lo, n_unique, n_bits, sort_a, perm_a, sort_b, perm_b)
     at = lo
     for k in range(n_unique):  # counts become each distinct row's next output position
         u = perm[k]
@@ -416,9 +423,7 @@ def _sum_block(rows, payload, lo, hi, limit, bits, t, keys, ids, sid, first, cou
     n_unique = _hash_count(rows, lo, hi, limit, bits, t, keys, ids, sid, first, counts)
     if n_unique < 0:
         return -1
-    sorted_rows, perm = _sort_serial(first[lo:lo + n_unique], perm_a[lo:lo + n_unique], True, n_bits,
-                                     sort_a[lo:lo + n_unique], perm_a[lo:lo + n_unique],
-                                     sort_b[lo:lo + n_unique], perm_b[lo:lo + n_unique])
+    sorted_rows, perm = _sort_distinct(first, lo, n_unique, n_bits, sort_a, perm_a, sort_b, perm_b)
     for k in range(n_unique):  # counts become each distinct row's row of sums
         uniq[lo + k] = sorted_rows[k]
         counts[lo + perm[k]] = s_lo + k

@@ -56,6 +56,21 @@ def _gain_at_impl(gain, k):
 
 
 @njit(cache=True, inline="always")
+def _add_one_by_one(dst, du, lo, hi, index, gain, src, ahead, dim):
+    """``dst[du] += gain[k] * src[index[k]]`` for k = lo, ..., hi - 1 in turn."""
+    n = index.shape[0]
+    for k in range(lo, hi):
+        if ahead:
+            prefetch_rows_ahead(src, index, k, n, ahead, 1)
+        ku = _U(k)
+        w = gain_at(gain, ku)
+        r = _U(index[ku])
+        for j in range(dim):
+            ju = _U(j)
+            dst[du, ju] += w * src[r, ju]
+
+
+@njit(cache=True, inline="always")
 def weighted_sum(dst, d, lo, hi, index, gain, src, ahead, dim):
     """``dst[d] = sum over k in [lo, hi) of gain[k] * src[index[k]]`` (``gain`` None: every gain 1, the same
     sums as gains of 1, without their products): each group of four occurrences added
@@ -107,16 +122,7 @@ def weighted_sum(dst, d, lo, hi, index, gain, src, ahead, dim):
             ju = _U(j)
             dst[du, ju] += (w0 * src[r0, ju] + w1 * src[r1, ju]) + (w2 * src[r2, ju] + w3 * src[r3, ju])
         k += 4
-    while k < hi:
-        if ahead:
-            prefetch_rows_ahead(src, index, k, n, ahead, 1)
-        ku = _U(k)
-        w = gain_at(gain, ku)
-        r = _U(index[ku])
-        for j in range(dim):
-            ju = _U(j)
-            dst[du, ju] += w * src[r, ju]
-        k += 1
+    _add_one_by_one(dst, du, k, hi, index, gain, src, ahead, dim)
 
 
 def weighted_sum_fixed(dst, d, lo, hi, index, gain, src, ahead, dim, width):
@@ -127,16 +133,21 @@ def weighted_sum_fixed(dst, d, lo, hi, index, gain, src, ahead, dim, width):
     raise NotImplementedError("only callable from jitted code")
 
 
-@overload(weighted_sum_fixed, inline="always")
-def _weighted_sum_fixed_impl(dst, d, lo, hi, index, gain, src, ahead, dim, width):
-    if sums_in_registers(dst, index, gain, src):
-        def impl_registers(dst, d, lo, hi, index, gain, src, ahead, dim, width):
-            weighted_sum_registers(dst, d, lo, hi, index, gain, src, ahead, dim, width)
-        return impl_registers
+def _overload_fixed(fixed, in_registers, in_memory):
+    """Give ``fixed`` (jitted code only) the sum ``in_registers`` for arguments it takes, else ``in_memory``."""
+    @overload(fixed, inline="always")
+    def impl(dst, d, lo, hi, index, gain, src, ahead, dim, width):
+        if sums_in_registers(dst, index, gain, src):
+            def impl_registers(dst, d, lo, hi, index, gain, src, ahead, dim, width):
+                in_registers(dst, d, lo, hi, index, gain, src, ahead, dim, width)
+            return impl_registers
 
-    def impl_memory(dst, d, lo, hi, index, gain, src, ahead, dim, width):
-        weighted_sum(dst, d, lo, hi, index, gain, src, ahead, dim)
-    return impl_memory
+        def impl_memory(dst, d, lo, hi, index, gain, src, ahead, dim, width):
+            in_memory(dst, d, lo, hi, index, gain, src, ahead, dim)
+        return impl_memory
+
+
+_overload_fixed(weighted_sum_fixed, weighted_sum_registers, weighted_sum)
 
 
 @njit(cache=True, inline="always")
@@ -157,15 +168,7 @@ def sequential_sum(dst, d, lo, hi, index, gain, src, ahead, dim):
     r = _U(index[_U(lo)])
     for j in range(dim):
         dst[du, _U(j)] = w * src[r, _U(j)]
-    for k in range(lo + 1, hi):
-        if ahead:
-            prefetch_rows_ahead(src, index, k, n, ahead, 1)
-        ku = _U(k)
-        w = gain_at(gain, ku)
-        r = _U(index[ku])
-        for j in range(dim):
-            ju = _U(j)
-            dst[du, ju] += w * src[r, ju]
+    _add_one_by_one(dst, du, lo + 1, hi, index, gain, src, ahead, dim)
 
 
 def sequential_sum_fixed(dst, d, lo, hi, index, gain, src, ahead, dim, width):
@@ -174,16 +177,7 @@ def sequential_sum_fixed(dst, d, lo, hi, index, gain, src, ahead, dim, width):
     raise NotImplementedError("only callable from jitted code")
 
 
-@overload(sequential_sum_fixed, inline="always")
-def _sequential_sum_fixed_impl(dst, d, lo, hi, index, gain, src, ahead, dim, width):
-    if sums_in_registers(dst, index, gain, src):
-        def impl_registers(dst, d, lo, hi, index, gain, src, ahead, dim, width):
-            sequential_sum_registers(dst, d, lo, hi, index, gain, src, ahead, dim, width)
-        return impl_registers
-
-    def impl_memory(dst, d, lo, hi, index, gain, src, ahead, dim, width):
-        sequential_sum(dst, d, lo, hi, index, gain, src, ahead, dim)
-    return impl_memory
+_overload_fixed(sequential_sum_fixed, sequential_sum_registers, sequential_sum)
 
 
 # copy_row: dst[j] = src[j] for every j (converted to dst's dtype), one 64-byte line of float32 at a time,
