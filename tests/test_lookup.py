@@ -214,12 +214,13 @@ def test_a_context_collected_during_a_lookup_does_not_deadlock_the_pool():
 
 
 @pytest.mark.parametrize("combiner,weighted", [("sum", False), ("sum", True), ("mean", True), ("sqrtn", False)])
-def test_large_pooled_features_are_laid_out_in_parallel_exactly_as_serially(combiner, weighted):
+def test_large_pooled_features_are_laid_out_in_parallel_exactly_as_serially(combiner, weighted, monkeypatch):
     """Features of at least PARALLEL_MIN ids are laid out by all threads; the occurrences (rows, packed
     activation rows and gains, out_ptr) are bit-identical to the serial layout's, and lookups match the
     oracle."""
     import numba
     from embedcore.kernels import occurrences as occ
+    monkeypatch.setattr(occ, "PARALLEL_MIN", 1 << 15)  # this batch's 45,000 ids take the parallel layout
     rng = np.random.default_rng(7)
     lengths = rng.integers(0, 16, 6_000)
     lengths[:50] = 0  # empty samples, among them the first
@@ -282,8 +283,9 @@ def test_layout_range_checks_every_id_in_its_one_pass(n_bad, vocabulary, kind, d
     expected = bool(((ids >= 0) & (ids < vocabulary)).all())
     n, n_out = ids.shape[0], n_samples * (3 if kind == "sequence" else 1)
     rows, packed, out_ptr = np.empty(n, np.int64), np.empty(n, np.int64), np.zeros(n_out + 1, np.int64)
-    before = numba.get_num_threads()
+    before, smallest = numba.get_num_threads(), occ.PARALLEL_MIN
     numba.set_num_threads(min(2, numba.config.NUMBA_NUM_THREADS))
+    occ.PARALLEL_MIN = 1 << 15  # this batch's ~52,000 ids take the parallel layout
     try:
         if kind == "parallel":
             assert n >= occ.PARALLEL_MIN
@@ -292,6 +294,7 @@ def test_layout_range_checks_every_id_in_its_one_pass(n_bad, vocabulary, kind, d
                                                vocabulary)
     finally:
         numba.set_num_threads(before)
+        occ.PARALLEL_MIN = smallest
     assert in_range == expected
     if kind != "sequence":
         assert count == n
