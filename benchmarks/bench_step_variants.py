@@ -2,7 +2,8 @@
 
 Run from the repository root::
 
-    python benchmarks/bench_step_variants.py --variant prefetch|range-check|row-type|payload|hash-types|row-sums|block-sums
+    python benchmarks/bench_step_variants.py --variant prefetch|range-check|row-type|payload|hash-types|row-sums|block-sums|
+        layout-threads
         [--workload tbe|update] [--optimizer rowwise_adagrad] [--rounds 30] [--steps 4]
 
 On this machine runs minutes apart differ by 30% or more, so a change is measured by running the shipped
@@ -31,7 +32,9 @@ Variants (the shipped one first):
   cache is turned off: their sources are the same text);
 * ``block-sums``: stacked tables' gradients summed block by block as the occurrences are walked
   (``kernels.dedup.sum_by_blocks``), against occurrences grouped by row and summed by the update kernel
-  (``group_rows``; the same sums, bit for bit).
+  (``group_rows``; the same sums, bit for bit);
+* ``layout-threads``: pooled features laid out by all threads from ``kernels.occurrences.PARALLEL_MIN``
+  ids (262,144), against from 32,768 (every TBE feature in parallel, one parallel region each).
 """
 
 from __future__ import annotations
@@ -124,8 +127,16 @@ def _block_sums():
             "grouped": lambda: setattr(engine, "sum_by_blocks", lambda *args: None)}
 
 
+def _layout_threads():
+    from embedcore.kernels import occurrences
+    shipped = occurrences.PARALLEL_MIN
+    return {f"from {shipped:,} ids": lambda: setattr(occurrences, "PARALLEL_MIN", shipped),
+            "from 32,768 ids": lambda: setattr(occurrences, "PARALLEL_MIN", 1 << 15)}
+
+
 VARIANTS = {"prefetch": _prefetch, "range-check": _range_check, "row-type": _row_type, "payload": _payload,
-            "hash-types": _hash_types, "row-sums": _row_sums, "block-sums": _block_sums}
+            "hash-types": _hash_types, "row-sums": _row_sums, "block-sums": _block_sums,
+            "layout-threads": _layout_threads}
 
 
 def main(argv=None) -> int:
