@@ -566,21 +566,22 @@ def test_table_batch_rows_are_int32_below_2_31_rows_and_int64_from_there():
         assert tb.rows.dtype == (np.int64 if vocabulary == 2 ** 31 else np.int32)
 
 
-def test_stacked_tables_train_the_same_whichever_way_occurrences_are_grouped(monkeypatch):
-    """An engine step over stacked tables large enough for the block path equals, bit for bit, the same
-    step grouped by the global sort (and both match the dense oracle)."""
+def _train_both_ways(monkeypatch, features, steps):
+    """Train one engine with the block path allowed and one with it refused, on the same ``steps`` (a list
+    of ``(ids, weights or None, gradients)``), with 2 threads; returns each engine's tables and
+    accumulators after every step, whether the block path was open on every call, and what each call of
+    ``sum_by_blocks`` gave (True: sums, False: None, the batch grouped instead)."""
     import numba
+    from embedcore import engine
     from embedcore.kernels import dedup
-    from . import reference as ref
-    rng = np.random.default_rng(11)
-    vocabularies = [5_000, 300, 20_000, 7]
-    features = {f"f{t}": ec.FeatureConfig(ec.TableConfig(v, 8, combiner="sum", name=f"t{t}",
-                                                        initializer=ec.RandomUniform(-1, 1, seed=t)))
-                for t, v in enumerate(vocabularies)}
-    batch = {f"f{t}": ec.Ragged(rng.integers(0, v, 20_000) if t != 2 else rng.zipf(1.3, 20_000) % v,
-                                np.arange(0, 20_001, 10)) for t, v in enumerate(vocabularies)}
-    grads = {f"f{t}": rng.standard_normal((2_000, 8)).astype(np.float32) for t in range(4)}
-    results, calls = [], []
+    results, calls, summed = [], [], []
+    sum_by_blocks = engine.sum_by_blocks
+
+    def recorded(*args):
+        got = sum_by_blocks(*args)
+        summed.append(got is not None)
+        return got
+    monkeypatch.setattr(engine, "sum_by_blocks", recorded)
     before = numba.get_num_threads()
     numba.set_num_threads(min(2, numba.config.NUMBA_NUM_THREADS))
     try:
@@ -590,25 +591,116 @@ def test_stacked_tables_train_the_same_whichever_way_occurrences_are_grouped(mon
                                 lambda *a, blocks=blocks: calls.append(original(*a)) or (blocks and calls[-1]))
             emb = ec.Embedding(features, ec.Adagrad(0.1))
             assert emb.num_physical_tables == 1
-            start = {k: v.copy() for k, v in emb.embedding_tables.items()}
-            _, ctx = emb.lookup(batch)
-            emb.apply_gradients(grads, ctx)
-            results.append(({k: v.copy() for k, v in emb.embedding_tables.items()},
-                            {k: s["accumulators"].copy() for k, s in emb.slot_variables.items()}))
+            states = [({k: v.copy() for k, v in emb.embedding_tables.items()},
+                       {k: s["accumulators"].copy() for k, s in emb.slot_variables.items()})]
+            for ids, weights, grads in steps:
+                _, ctx = emb.lookup(ids, weights)
+                emb.apply_gradients(grads, ctx)
+                states.append(({k: v.copy() for k, v in emb.embedding_tables.items()},
+                               {k: s["accumulators"].copy() for k, s in emb.slot_variables.items()}))
+            results.append(states)
     finally:
         numba.set_num_threads(before)
-    assert calls and all(calls)  # the first engine took the block path (summed by blocks), the second could have
-    for name in results[0][0]:
-        np.testing.assert_array_equal(results[0][0][name], results[1][0][name])
-    for name in results[0][1]:
-        np.testing.assert_array_equal(results[0][1][name], results[1][1][name])
+    for blocks_state, sort_state in zip(results[0][1:], results[1][1:]):
+        for by_blocks, by_sort in zip(blocks_state, sort_state):
+            for name in by_blocks:
+                np.testing.assert_array_equal(by_blocks[name], by_sort[name], err_msg=name)
+    return results[0], bool(calls) and all(calls), summed[:len(steps)]
+
+
+def test_stacked_tables_train_the_same_whichever_way_occurrences_are_grouped(monkeypatch):
+    """An engine step over stacked tables large enough for the block path equals, bit for bit, the same
+    step grouped by the global sort (and both match the dense oracle)."""
+    rng = np.random.default_rng(11)
+    vocabularies = [5_000, 300, 20_000, 7]
+    features = {f"f{t}": ec.FeatureConfig(ec.TableConfig(v, 8, combiner="sum", name=f"t{t}",
+                                                        initializer=ec.RandomUniform(-1, 1, seed=t)))
+                for t, v in enumerate(vocabularies)}
+    # few enough distinct rows per table for every block to be hashed (at most 1/32 of its occurrences)
+    batch = {f"f{t}": ec.Ragged(rng.zipf(1.8, 20_000) % v if v > 1_000 else rng.integers(0, v, 20_000),
+                                np.arange(0, 20_001, 10)) for t, v in enumerate(vocabularies)}
+    grads = {f"f{t}": rng.standard_normal((2_000, 8)).astype(np.float32) for t in range(4)}
+    states, blocks_open, summed = _train_both_ways(monkeypatch, features, [(batch, None, grads)])
+    assert blocks_open and summed == [True]  # the first engine summed by blocks, the second could have
+    (start, _), (tables, _) = states
     for t, v in enumerate(vocabularies):  # the dense oracle: Adagrad on the summed gradient of every row
         ids = batch[f"f{t}"].values
         grad = np.zeros((v, 8))
         np.add.at(grad, ids, np.repeat(grads[f"f{t}"].astype(np.float64), 10, axis=0))
         acc = 0.1 + grad ** 2
         expected = start[f"t{t}"] - 0.1 * grad / np.sqrt(acc)
-        np.testing.assert_allclose(results[0][0][f"t{t}"], expected, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(tables[f"t{t}"], expected, rtol=1e-4, atol=1e-5)
+
+
+def test_stacked_tables_with_gains_and_sequences_train_the_same_whichever_way_grouped(monkeypatch):
+    """The block path with packed payloads: weighted mean and sqrtn tables (zero weights among them), a
+    sequence feature, and two features sharing one table's block, over three steps, one of which holds a
+    block of too many distinct rows (it is grouped instead, and later calls wait): bit for bit the
+    global sort's tables and accumulators."""
+    from embedcore.kernels import dedup
+    rng = np.random.default_rng(3)
+    tables = [ec.TableConfig(v, 6, combiner=c, name=f"t{t}", initializer=ec.RandomUniform(-1, 1, seed=t))
+              for t, (v, c) in enumerate([(400, "mean"), (9, "sqrtn"), (3_000, "sum"), (60_000, "sum")])]
+    features = {"mean": ec.FeatureConfig(tables[0]), "sqrtn": ec.FeatureConfig(tables[1]),
+                "seq": ec.FeatureConfig(tables[2], max_sequence_length=4),
+                "shared_a": ec.FeatureConfig(tables[3]), "shared_b": ec.FeatureConfig(tables[3])}
+    n_bags = 2_500
+
+    def step(spread):
+        """Zipf ids (few enough distinct rows to hash each block), but ``spread``: uniform ids over the
+        shared table for "shared_b", more distinct rows than its block may hash."""
+        ids, weights, grads = {}, {}, {}
+        for name, feature in features.items():
+            lengths = rng.integers(0, 12, n_bags)
+            splits = np.concatenate(([0], np.cumsum(lengths)))
+            vocabulary = feature.table.vocabulary_size
+            values = rng.integers(0, vocabulary, splits[-1]) if spread and name == "shared_b" else \
+                rng.zipf(1.8, splits[-1]) % vocabulary
+            ids[name] = ec.Ragged(values, splits)
+            w = rng.choice(np.array([0.0, 0.5, 1.0, 2.0], np.float32), splits[-1])
+            weights[name] = ec.Ragged(w, splits)
+            shape = (n_bags, feature.max_sequence_length, 6) if feature.max_sequence_length else (n_bags, 6)
+            grads[name] = rng.standard_normal(shape).astype(np.float32)
+        return ids, weights, grads
+    steps = [step(False), step(True), step(False)]
+    monkeypatch.setattr(dedup, "PARALLEL_MIN", 0)
+    states, blocks_open, summed = _train_both_ways(monkeypatch, features, steps)
+    assert blocks_open and summed == [True, False, False]  # after the refused block, the next calls wait
+    for (before, _), (after, _) in zip(states, states[1:]):
+        assert any(not np.array_equal(before[k], after[k]) for k in after)  # every step trained
+
+
+def test_malformed_batches_are_refused_before_any_block_is_summed():
+    """sum_by_blocks (whose kernels subscript without bounds checks) refuses, as group_rows does, blocks that
+    do not end at the last occurrence, out_ptr that does not, a payload of another length, gradients that do
+    not hold out_ptr's activation rows, and a bag that straddles two blocks; a well-formed batch sums."""
+    import numba
+    from embedcore.kernels import dedup
+    n = 40_000
+    rows = np.concatenate([np.arange(n) % 10, 100 + np.arange(n) % 10]).astype(np.int32)
+    out_ptr = np.arange(2 * n + 1, dtype=np.int64)
+    d_act = np.ones((2 * n, 1), np.float32)
+    blocks = np.array([0, n, 2 * n], np.int64)
+    before = numba.get_num_threads()
+    numba.set_num_threads(min(2, numba.config.NUMBA_NUM_THREADS))
+    try:
+        if numba.get_num_threads() < 2:
+            assert dedup.sum_by_blocks(rows, 110, None, Workspace(), blocks, out_ptr, d_act) is None
+            return
+        cases = [(None, np.array([0, n, 2 * n - 1000]), out_ptr, d_act, "blocks must be"),
+                 (None, blocks, out_ptr[:-1], d_act, "out_ptr must be"),
+                 (np.zeros(2 * n - 1, np.int32), blocks, out_ptr, d_act, "payload must be"),
+                 (None, blocks, out_ptr, d_act[:-1], "d_act must hold"),
+                 (None, blocks, np.r_[np.arange(0, n - 1), np.arange(n + 1, 2 * n + 1)], d_act[:-1],
+                  "within one block")]
+        for packed, bad_blocks, bad_out_ptr, bad_d_act, message in cases:
+            with pytest.raises(ValueError, match=message):
+                dedup.sum_by_blocks(rows, 110, packed, Workspace(), bad_blocks, bad_out_ptr, bad_d_act)
+        uniq, _, index, sums = dedup.sum_by_blocks(rows, 110, None, Workspace(), blocks, out_ptr, d_act)
+    finally:
+        numba.set_num_threads(before)
+    np.testing.assert_array_equal(uniq, np.r_[np.arange(10), 100 + np.arange(10)])
+    np.testing.assert_array_equal(sums[index][:, 0], np.full(20, n // 10, np.float32))
 
 
 def test_clustered_hashes_and_many_distinct_rows_fall_back_to_sorting_and_later_calls_sort(monkeypatch):
@@ -914,13 +1006,16 @@ def _sequential_sums_reference(rows, gains, out_row, d_act):
 
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.integers(1, 400), min_size=2, max_size=6), st.integers(1, 60),
-       st.sampled_from([1, 5, 16, 64]), st.sampled_from(["none", "rows", "packed"]), st.integers(0, 2 ** 32))
-def test_gradients_summed_block_by_block_are_the_sequential_sums(vocabularies, per_bag, dim, payload_kind, seed):
+       st.sampled_from([1, 5, 16, 64]), st.sampled_from(["none", "rows", "packed"]), st.integers(0, 2 ** 32),
+       st.integers(-1, 5))
+def test_gradients_summed_block_by_block_are_the_sequential_sums(vocabularies, per_bag, dim, payload_kind, seed,
+                                                                 empty_table):
     """dedup.sum_by_blocks (stacked tables: blocks of disjoint row ranges, tiny and larger vocabularies,
-    many duplicates, empty bags) gives the distinct rows of the batch and, for each, the sum of its
-    occurrences' gain * gradient row in occurrence order, bit for bit as np.add.at from -0.0; it declines
-    (None) with one thread or a block of too many distinct rows, and its sums are those the update sums
-    from grouped occurrences (rows.sum_gradients)."""
+    many duplicates, empty bags, a table without occurrences) gives the distinct rows of the batch and, for
+    each, the sum of its occurrences' gain * gradient row in occurrence order, bit for bit as np.add.at from
+    -0.0, also in a workspace that summed a narrower batch before; it declines (None) with one thread or a
+    block of too many distinct rows, and its sums are those the update sums from grouped occurrences
+    (rows.sum_gradients)."""
     import numba
     from embedcore.kernels import dedup
     from embedcore.kernels.dedup import sum_by_blocks
@@ -928,8 +1023,8 @@ def test_gradients_summed_block_by_block_are_the_sequential_sums(vocabularies, p
     from embedcore.kernels.rows import sum_gradients
     rng = np.random.default_rng(seed)
     rows, starts, offset, bag_lengths = [], [0], 0, []
-    for vocabulary in vocabularies:  # each table's bags within its block, as the lookup lays them out
-        lengths = rng.integers(0, 2 * per_bag, 300)
+    for t, vocabulary in enumerate(vocabularies):  # each table's bags within its block, as the lookup lays out
+        lengths = rng.integers(0, 2 * per_bag, 300) * (t != empty_table)
         bag_lengths.append(lengths)
         rows.append(offset + rng.integers(0, vocabulary, int(lengths.sum())))
         starts.append(starts[-1] + int(lengths.sum()))
@@ -950,7 +1045,9 @@ def test_gradients_summed_block_by_block_are_the_sequential_sums(vocabularies, p
     try:
         dedup.PARALLEL_MIN = 0  # blocks for batches of any size
         numba.set_num_threads(min(2, numba.config.NUMBA_NUM_THREADS))
-        got = sum_by_blocks(rows, offset, packed, Workspace(), blocks, out_ptr, d_act)
+        workspace = Workspace()
+        sum_by_blocks(rows, offset, packed, workspace, blocks, out_ptr, np.ascontiguousarray(d_act[:, :1]))
+        got = sum_by_blocks(rows, offset, packed, workspace, blocks, out_ptr, d_act)
         if numba.get_num_threads() < 2:
             assert got is None
             return

@@ -562,8 +562,9 @@ def sum_by_blocks(rows, n_rows, packed, workspace, blocks, out_ptr, d_act):
     :func:`group_rows` would group block by block; else None (one thread, blocks too uneven, a block with
     too many distinct rows, or a recent one: the caller groups with :func:`group_rows`, whose sums are the
     same). ``packed`` and ``out_ptr`` as for :func:`group_rows` (every activation row's occurrences within one
-    block, as the lookup lays them out); ``d_act`` the ``[n_out, dim]`` float32
-    gradients of the activation rows.
+    block, as the lookup lays them out); ``d_act`` the ``[n_out, dim]`` float32 gradients of the
+    activation rows (a payload's activation rows must lie below ``n_out``: they are not checked). A batch
+    that is not so raises ValueError before anything is summed.
 
     ``uniq`` are the distinct rows (ascending), and the gradient of ``uniq[u]`` is ``sums[index[u]]``:
     each occurrence's ``gain * d_act[activation row]`` added to its row's sum as the block's occurrences are
@@ -574,16 +575,20 @@ def sum_by_blocks(rows, n_rows, packed, workspace, blocks, out_ptr, d_act):
     if blocks is None or workspace.state.get("blocks_wait", 0) > 0 or \
             not _blocks_worth_it(blocks, rows.shape[0], numba.get_num_threads()):
         return None
-    rows = _row_array(rows)
+    rows, packed, blocks, out_ptr = _checked_batch(rows, packed, blocks, out_ptr)
+    d_act = np.ascontiguousarray(d_act, np.float32)
     implied = packed is None
     if implied:
-        out_ptr = np.ascontiguousarray(out_ptr, np.int64)
         act_bounds = np.searchsorted(out_ptr, blocks, "left")
+        if d_act.ndim != 2 or d_act.shape[0] != out_ptr.shape[0] - 1 or np.any(out_ptr[act_bounds] != blocks):
+            raise ValueError(f"d_act must hold the {out_ptr.shape[0] - 1} activation rows of out_ptr, and "
+                             f"every activation row's occurrences must lie within one block")
         payload = _NO_ROWS
     else:
-        payload = np.ascontiguousarray(packed)
+        if d_act.ndim != 2:
+            raise ValueError(f"d_act must be [activation rows, dim], got shape {d_act.shape}")
+        payload = packed
         act_bounds = out_ptr = _NO_BOUNDS
-    d_act = np.ascontiguousarray(d_act, np.float32)
     n = rows.shape[0]
     limits, table_bits, table_lo, n_slots, schedule, schedule_ptr = _block_layout(blocks, numba.get_num_threads(),
                                                                                   workspace)
@@ -655,6 +660,29 @@ def unique_rows(rows: np.ndarray, n_rows: int, workspace):
     return _sort(rows, n_rows, _NO_PAYLOAD, True, workspace)  # the indices are the payload
 
 
+def _checked_batch(rows, packed, blocks, out_ptr):
+    """``(rows, packed, blocks, out_ptr)`` as the kernels take them, after the structural checks that keep
+    their unchecked subscripts in bounds; raises ValueError for a malformed batch."""
+    rows = _row_array(rows)
+    n = rows.shape[0]
+    if packed is None:
+        out_ptr = np.ascontiguousarray(out_ptr, np.int64)
+        if out_ptr.ndim != 1 or out_ptr.shape[0] < 1 or out_ptr[0] != 0 or out_ptr[-1] != n or \
+                out_ptr.shape[0] - 1 >= 2 ** 31:
+            raise ValueError(f"without payloads, out_ptr must be int64 offsets from 0 to {n}")
+    else:
+        packed = np.ascontiguousarray(packed)
+        if packed.dtype not in _PAYLOAD_TYPES or packed.shape != (n,):
+            raise ValueError(f"the payload must be {n} int64 packed words or int32 activation rows, got "
+                             f"{packed.shape} {packed.dtype}")
+    if blocks is not None:
+        blocks = np.asarray(blocks)
+        if blocks.dtype != np.int64 or blocks.ndim != 1 or blocks.shape[0] < 2 or blocks[0] != 0 or \
+                blocks[-1] != n or np.any(blocks[1:] < blocks[:-1]):
+            raise ValueError(f"blocks must be int64 offsets from 0 to {n}, never decreasing")
+    return rows, packed, blocks, out_ptr
+
+
 def group_rows(rows: np.ndarray, n_rows: int, packed, workspace, blocks=None, out_ptr=None):
     """``(uniq, ptr, sorted_packed)``: :func:`unique_rows`, with each occurrence's payload (its packed word,
     activation row and gain, or its int32 activation row when every gain is 1; see
@@ -667,21 +695,7 @@ def group_rows(rows: np.ndarray, n_rows: int, packed, workspace, blocks=None, ou
 
     ``blocks`` (optional, int64 occurrence offsets ``[0, ..., n]``): every block's rows lie below the next
     block's, so the blocks can be grouped independently (see ``_group_blocks``); the result is the same."""
-    rows = _row_array(rows)
-    if packed is None:
-        out_ptr = np.ascontiguousarray(out_ptr, np.int64)
-        if out_ptr.ndim != 1 or out_ptr.shape[0] < 1 or out_ptr[0] != 0 or out_ptr[-1] != rows.shape[0] or \
-                out_ptr.shape[0] - 1 >= 2 ** 31:
-            raise ValueError(f"without payloads, out_ptr must be int64 offsets from 0 to {rows.shape[0]}")
-    else:
-        packed = np.ascontiguousarray(packed)
-        if packed.dtype not in _PAYLOAD_TYPES:
-            raise ValueError(f"the payload must be int64 packed words or int32 activation rows, got {packed.dtype}")
-    if blocks is not None:
-        blocks = np.asarray(blocks)
-        if blocks.dtype != np.int64 or blocks.ndim != 1 or blocks.shape[0] < 2 or blocks[0] != 0 or \
-                blocks[-1] != rows.shape[0] or np.any(blocks[1:] < blocks[:-1]):
-            raise ValueError(f"blocks must be int64 offsets from 0 to {rows.shape[0]}, never decreasing")
+    rows, packed, blocks, out_ptr = _checked_batch(rows, packed, blocks, out_ptr)
     # After a call in which a block held too many distinct rows to hash, the next RETRY_AFTER calls sort.
     wait = workspace.state.get("blocks_wait", 0)
     if blocks is not None and wait > 0:
