@@ -4,7 +4,7 @@ Run from the repository root::
 
     python benchmarks/bench_step_variants.py --variant prefetch|range-check|row-type|payload|hash-types|row-sums|block-sums|
         layout-threads
-        [--workload tbe|update] [--optimizer rowwise_adagrad] [--rounds 30] [--steps 4]
+        [--workload tbe|update] [--optimizer rowwise_adagrad] [--rounds 30] [--steps 4] [--evict-mb 64] [--weighted]
 
 On this machine runs minutes apart differ by 30% or more, so a change is measured by running the shipped
 choice and the one it replaced in the same process, round by round (the order flipped every round), on the
@@ -147,11 +147,18 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--weighted", action="store_true", help="TBE with per-id weights (packed gains)")
+    parser.add_argument("--evict-mb", type=int, default=0,
+                        help="MB of other memory written before each timed step, as a model's dense layers would "
+                             "(0: steps back to back, their rows and workspaces warm in the caches)")
     args = parser.parse_args(argv)
     variants = VARIANTS[args.variant]()
+    other_memory = np.zeros(args.evict_mb << 20, np.uint8)
 
-    make = tbe_workload if args.workload == "tbe" else update_workload
-    w = make(optim=make_optim(args.optimizer), n_batches=3)
+    if args.workload == "tbe":
+        w = tbe_workload(optim=make_optim(args.optimizer), weighted=args.weighted, n_batches=3)
+    else:
+        w = update_workload(optim=make_optim(args.optimizer), n_batches=3)
     batches = make_batches(w)
     contender = EmbedcoreContender.on_workload(w, args.threads)
     for switch in variants.values():  # compile every kernel either variant takes, and warm up
@@ -166,13 +173,15 @@ def main(argv=None) -> int:
             contender.run(contender.prepare(batches[0]))
             for s in range(args.steps):
                 prepared = contender.prepare(batches[(s + 1) % len(batches)])
+                other_memory += 1
                 t0 = time.perf_counter()
                 phases = contender.run(prepared)
                 times[name]["step"].append(time.perf_counter() - t0)
                 for phase in ("lookup", "apply_gradients"):
                     times[name][phase].append(phases.get(phase, 0.0))
     print(f"{w.label}: {args.variant}, {args.rounds} rounds x {args.steps} steps per variant, alternating, "
-          f"Numba {numba.get_num_threads()} threads, GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT')}")
+          f"Numba {numba.get_num_threads()} threads, GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT')}, "
+          f"{args.evict_mb} MB written before each step")
     for name in names:
         medians = {phase: 1e3 * statistics.median(values) for phase, values in times[name].items()}
         print(f"  {name:17s} step median {medians['step']:.3f} ms, lookup {medians['lookup']:.3f} ms, "
