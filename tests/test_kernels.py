@@ -582,6 +582,10 @@ def _train_both_ways(monkeypatch, features, steps):
         summed.append(got is not None)
         return got
     monkeypatch.setattr(engine, "sum_by_blocks", recorded)
+
+    def state(emb):
+        return ({k: v.copy() for k, v in emb.embedding_tables.items()},
+                {k: s["accumulators"].copy() for k, s in emb.slot_variables.items()})
     before = numba.get_num_threads()
     numba.set_num_threads(min(2, numba.config.NUMBA_NUM_THREADS))
     try:
@@ -591,13 +595,11 @@ def _train_both_ways(monkeypatch, features, steps):
                                 lambda *a, blocks=blocks: calls.append(original(*a)) or (blocks and calls[-1]))
             emb = ec.Embedding(features, ec.Adagrad(0.1))
             assert emb.num_physical_tables == 1
-            states = [({k: v.copy() for k, v in emb.embedding_tables.items()},
-                       {k: s["accumulators"].copy() for k, s in emb.slot_variables.items()})]
+            states = [state(emb)]
             for ids, weights, grads in steps:
                 _, ctx = emb.lookup(ids, weights)
                 emb.apply_gradients(grads, ctx)
-                states.append(({k: v.copy() for k, v in emb.embedding_tables.items()},
-                               {k: s["accumulators"].copy() for k, s in emb.slot_variables.items()}))
+                states.append(state(emb))
             results.append(states)
     finally:
         numba.set_num_threads(before)
