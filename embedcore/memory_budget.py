@@ -1,0 +1,66 @@
+"""Refusing allocations that cannot fit, before they are attempted.
+
+A table of ``TableConfig(10**12, 16)``, a layer of 10^9 units or a sparse batch of ``dense_shape=(2**39, 1)``
+would otherwise reach NumPy and fail with a bare ``MemoryError`` (or, worse, succeed lazily and be killed by
+the kernel once its pages are touched). Every large allocation whose size comes from a user's configuration,
+input or file is checked here first, so the error names what would be allocated, how many bytes it takes and
+what the machine has.
+"""
+
+from __future__ import annotations
+
+import os
+
+__all__ = ["check_fits", "available_bytes", "format_bytes"]
+
+
+def available_bytes() -> int:
+    """Memory a new allocation can use: ``MemAvailable`` from ``/proc/meminfo`` where it exists (free memory
+    plus reclaimable caches), else the machine's physical memory. ``EMBEDCORE_MEMORY_LIMIT`` (bytes) caps it."""
+    limit = None
+    try:
+        with open("/proc/meminfo", "rb") as f:
+            for line in f.read(1 << 16).decode("ascii", "replace").splitlines():
+                if line.startswith("MemAvailable:"):
+                    limit = int(line.split()[1]) * 1024
+                    break
+    except (OSError, ValueError, IndexError):
+        limit = None
+    if limit is None:
+        try:
+            limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (AttributeError, ValueError, OSError):
+            limit = 1 << 62
+    cap = os.environ.get("EMBEDCORE_MEMORY_LIMIT")
+    if cap:
+        try:
+            limit = min(limit, int(cap))
+        except ValueError:
+            pass
+    return limit
+
+
+def format_bytes(n: int) -> str:
+    """``n`` bytes for a message: ``12.0 GiB (12,884,901,888 bytes)``."""
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"):
+        if size < 1024 or unit == "EiB":
+            break
+        size /= 1024
+    return f"{size:.1f} {unit} ({int(n):,} bytes)" if unit != "B" else f"{int(n):,} bytes"
+
+
+def check_fits(nbytes: int, what: str, error: type[Exception] = ValueError) -> None:
+    """Raise ``error`` naming ``what`` when ``nbytes`` exceeds :func:`available_bytes`; nothing is allocated.
+
+    Args:
+        nbytes: the size of the allocation (an exact Python int: no overflow for absurd shapes).
+        what: what would be allocated, e.g. ``"table 'user' (10^12 rows x 16 float32 values + 1 slot)"``.
+        error: the exception class to raise (``InputError`` for a batch, ``ValueError`` for a configuration,
+            ``CheckpointError`` for a file).
+    """
+    nbytes = int(nbytes)
+    have = available_bytes()
+    if nbytes > have:
+        raise error(f"{what} would take {format_bytes(nbytes)}, more than the {format_bytes(have)} of memory "
+                    f"available on this machine; nothing was allocated")
