@@ -8,6 +8,8 @@ the whole array, as TensorFlow's ``TableConfig(initializer=...)`` expects.
 
 from __future__ import annotations
 
+import math
+import numbers
 import zlib
 
 import numpy as np
@@ -15,9 +17,46 @@ import numpy as np
 from .kernels import random as _random
 
 __all__ = ["Initializer", "Constant", "Zeros", "TruncatedNormal", "RandomUniform", "RowId", "fill_rows",
-           "stream_key"]
+           "stream_key", "finite_float32", "FLOAT32_MAX"]
 
 _MASK64 = (1 << 64) - 1
+
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def finite_float32(value, what: str) -> float:
+    """``value`` as a Python float, provided it is a real number (not a bool) that stays finite when stored
+    as float32; else ``ValueError`` naming ``what`` and the value.
+
+    Every number a user declares that ends up in a table, a slot or a row function's arguments (initial
+    values, initial accumulators, learning rates, hyperparameters) passes through this one check: ``1e39``
+    is finite in Python but ``inf`` in float32, and one such value would make every update non-finite.
+    """
+    if isinstance(value, np.ndarray) and value.ndim == 0 and value.dtype.kind in "iuf":
+        value = value[()]
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{what} must be a float, got {_short(value)}")
+    try:
+        as_float = float(value)
+    except (OverflowError, ValueError, TypeError):  # an int beyond float64, a broken __float__
+        raise ValueError(f"{what} must be a finite float32 value, got {_short(value)}") from None
+    with np.errstate(over="ignore", invalid="ignore"):
+        stored = np.float32(as_float)  # values within half an ulp beyond FLOAT32_MAX round to it; beyond: inf
+    if not np.isfinite(stored):
+        raise ValueError(f"{what} must be a finite float32 value (|x| <= {FLOAT32_MAX:.7g}), got {_short(value)}")
+    return as_float
+
+
+def _short(value, limit: int = 80) -> str:
+    """``repr(value)``, cut to ``limit`` characters for a message (an int of 400 digits, say)."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit - 20]}...({len(text):,} characters)"
+
+
+def _seed(value, owner):
+    if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
+        raise ValueError(f"{owner}: seed must be an int or None, got {value!r}")
+    return None if value is None else int(value)
 
 
 def stream_key(seed: int, *names: str) -> int:
@@ -63,7 +102,7 @@ class Constant(Initializer):
     """Every value equals ``value``."""
 
     def __init__(self, value=0.0):
-        self.value = float(value)
+        self.value = finite_float32(value, f"{type(self).__name__}: value")
 
     def fill(self, out, first_row, key, stride=1):
         out.fill(self.value)
@@ -83,9 +122,14 @@ class TruncatedNormal(Initializer):
     """Normal(mean, stddev), values beyond two standard deviations redrawn (as TensorFlow's)."""
 
     def __init__(self, mean=0.0, stddev=0.05, seed=None):
-        if not stddev >= 0:
+        mean = finite_float32(mean, "TruncatedNormal: mean")
+        if not (isinstance(stddev, numbers.Real) and not isinstance(stddev, bool) and stddev >= 0):
             raise ValueError(f"TruncatedNormal: stddev must be >= 0, got {stddev!r}")
-        self.mean, self.stddev, self.seed = float(mean), float(stddev), seed
+        stddev = finite_float32(stddev, "TruncatedNormal: stddev")
+        # Values lie within two standard deviations of the mean: all of that range must be finite in float32.
+        finite_float32(abs(mean) + 2.0 * stddev, f"TruncatedNormal: |mean| + 2 stddev (mean={mean!r}, "
+                                                 f"stddev={stddev!r})")
+        self.mean, self.stddev, self.seed = mean, stddev, _seed(seed, "TruncatedNormal")
 
     def fill(self, out, first_row, key, stride=1):
         _random.fill_truncated_normal(out, first_row, np.uint64(key), self.mean, self.stddev, stride)
@@ -95,9 +139,11 @@ class RandomUniform(Initializer):
     """Uniform on ``[minval, maxval)``."""
 
     def __init__(self, minval=-0.05, maxval=0.05, seed=None):
+        minval = finite_float32(minval, "RandomUniform: minval")
+        maxval = finite_float32(maxval, "RandomUniform: maxval")
         if not minval <= maxval:
             raise ValueError(f"RandomUniform: minval must be <= maxval, got {minval!r} > {maxval!r}")
-        self.minval, self.maxval, self.seed = float(minval), float(maxval), seed
+        self.minval, self.maxval, self.seed = minval, maxval, _seed(seed, "RandomUniform")
 
     def fill(self, out, first_row, key, stride=1):
         _random.fill_uniform(out, first_row, np.uint64(key), self.minval, self.maxval, stride)
@@ -107,7 +153,7 @@ class RowId(Initializer):
     """Row ``r`` holds ``r + offset`` in every column: makes lookups easy to read in tests."""
 
     def __init__(self, offset=0.0):
-        self.offset = float(offset)
+        self.offset = finite_float32(offset, "RowId: offset")
 
     def fill(self, out, first_row, key, stride=1):
         _random.fill_row_id(out, first_row, self.offset, stride)
@@ -116,24 +162,48 @@ class RowId(Initializer):
 def fill_rows(initializer, out: np.ndarray, first_row: int, vocabulary_size: int, seed: int, *names: str,
               stride: int = 1):
     """Fill ``out`` (rows ``first_row, first_row + stride, ...`` of a ``[vocabulary_size, out.shape[1]]``
-    table) in place.
+    table) in place, with finite float32 values only.
 
     ``initializer`` is an :class:`Initializer`, a float constant, or any callable ``(shape, dtype)``;
     a plain callable is asked for the whole table and sliced (it must itself be deterministic).
     The random stream is keyed by the initializer's own seed if it has one, else the engine's ``seed``,
     and by ``names`` (table, slot), so two tables never share a stream.
+
+    Raises:
+        ValueError: naming the table, the slot and the first row, when what was written holds NaN or a value
+            beyond float32 range (a user's callable or :class:`Initializer` subclass; the built-in ones
+            refuse such parameters when constructed), or a callable returned no array of numbers of the
+            table's shape. ``out`` is then not to be used.
     """
+    where = _where(names)
     if isinstance(initializer, (int, float, np.floating, np.integer)) and not isinstance(initializer, bool):
-        out.fill(float(initializer))
+        out.fill(finite_float32(initializer, f"the initial value of {where}"))
         return
     if isinstance(initializer, Initializer):
         own_seed = getattr(initializer, "seed", None)
         initializer.fill(out, first_row, stream_key(seed if own_seed is None else own_seed, *names), stride)
-        return
-    full_shape = (vocabulary_size, out.shape[1])
-    values = np.asarray(initializer(full_shape, np.float32))
-    if values.shape != full_shape and values.shape != (vocabulary_size,):
-        raise ValueError(f"initializer {initializer!r} for {'/'.join(names)} returned shape {values.shape}, "
-                         f"expected {full_shape}")
-    values = values.reshape(vocabulary_size, -1)
-    out[:] = values[first_row::stride][:out.shape[0]]
+    else:
+        full_shape = (vocabulary_size, out.shape[1])
+        values = np.asarray(initializer(full_shape, np.float32))
+        if values.dtype == np.bool_ or values.dtype.kind not in "iuf":
+            raise ValueError(f"initializer {initializer!r} for {'/'.join(names)} returned an array of dtype "
+                             f"{values.dtype}, expected real numbers")
+        if values.shape != full_shape and values.shape != (vocabulary_size,):
+            raise ValueError(f"initializer {initializer!r} for {'/'.join(names)} returned shape {values.shape}, "
+                             f"expected {full_shape}")
+        values = values.reshape(vocabulary_size, -1)
+        with np.errstate(over="ignore", invalid="ignore"):  # beyond float32 range: inf, refused just below
+            out[:] = values[first_row::stride][:out.shape[0]]
+    bad = _random.first_non_finite_row(out)
+    if bad >= 0:
+        row = first_row + bad * stride
+        values = out[bad]
+        value = values[~np.isfinite(values)][0]
+        raise ValueError(f"initializer {initializer!r} for {where} wrote {value} to row {row}: initial values "
+                         f"must be finite in float32 (|x| <= {FLOAT32_MAX:.7g}); nothing was built")
+
+
+def _where(names) -> str:
+    if len(names) >= 2:
+        return f"slot '{names[1]}' of table '{names[0]}'"
+    return f"table '{names[0]}'" if names else "the table"

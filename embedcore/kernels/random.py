@@ -73,3 +73,16 @@ def fill_row_id(out, first_row, offset, stride=1):
         value = np.float64(first_row + i * stride) + offset
         for c in range(dim):
             out[i, c] = value
+
+
+@njit(cache=True)
+def first_non_finite_row(out):
+    """Index of the first row of the 2-D ``out`` that holds NaN or +-Inf, or -1 (one read, no temporaries)."""
+    rows, dim = out.shape
+    for i in range(rows):
+        ok = True
+        for c in range(dim):
+            ok = ok & np.isfinite(out[i, c])
+        if not ok:
+            return i
+    return -1
