@@ -84,7 +84,9 @@ class BinaryMetrics:
     """Streaming, exact log loss and AUC over many batches.
 
     ``update(labels, probs)`` adds a batch; ``result()`` returns ``{"log_loss", "auc", "n", "click_rate"}``
-    over everything added (AUC raises ``ValueError`` while only one class has been seen). The metrics are
+    over everything added. ``result()`` raises ``ValueError`` before any sample and while only one class has
+    been seen (AUC is undefined); ``result(allow_undefined=True)`` instead reports what is undefined as NaN:
+    the AUC with one class, every metric but ``n == 0`` with no samples. The metrics are
     exact and do not depend on how the samples were split into batches: the scores are kept, 9 bytes per
     sample (a float64 score and a bool label), e.g. 90 MB for 10M samples.
     """
@@ -115,10 +117,15 @@ class BinaryMetrics:
     def n(self) -> int:
         return self._n
 
-    def result(self) -> dict:
+    def result(self, allow_undefined: bool = False) -> dict:
+        nan = float("nan")
         if self._n == 0:
+            if allow_undefined:
+                return {"log_loss": nan, "auc": nan, "n": 0, "click_rate": nan}
             raise ValueError("BinaryMetrics.result() before any update")
         y, s = np.concatenate(self._labels), np.concatenate(self._scores)
         self._labels, self._scores = [y], [s]
-        return {"log_loss": float(np.mean(_losses(y, s, self.eps))), "auc": auc(y, s), "n": self._n,
+        one_class = self._n_pos in (0, self._n)
+        return {"log_loss": float(np.mean(_losses(y, s, self.eps))),
+                "auc": nan if one_class and allow_undefined else auc(y, s), "n": self._n,
                 "click_rate": self._n_pos / self._n}

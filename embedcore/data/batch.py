@@ -9,17 +9,29 @@ configuration from :func:`feature_configs`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from ..inputs import Ragged
 
 __all__ = ["FeatureSpec", "Batch", "DataFormatError", "feature_configs", "rebatch", "hash_uniform",
-           "eval_mask", "SPLITS"]
+           "eval_mask", "SPLITS", "excerpt", "EXCERPT_CHARS"]
 
 SPLITS = ("train", "eval")
 _COMBINERS = ("sum", "mean", "sqrtn")
+
+
+EXCERPT_CHARS = 80
+
+
+def excerpt(text, limit: int = EXCERPT_CHARS) -> str:
+    """``repr(text)`` for an error message, bounded: text longer than ``limit`` characters shows its first
+    ``limit`` characters and its length, so a 10 MB garbage line gives a short message."""
+    text = str(text)
+    if len(text) <= limit:
+        return repr(text)
+    return f"{text[:limit]!r}... ({len(text):,} characters)"
 
 
 class DataFormatError(ValueError):
@@ -47,6 +59,8 @@ class FeatureSpec:
         bag: whether ``Batch.ids[name]`` is a :class:`~embedcore.Ragged` (else an int64 ``[B]`` array);
             defaults to ``max_ids > 1 or weighted``. A reader sets it for a feature whose samples hold at
             most one id but may hold none (an empty cell).
+        source: where ``vocabulary_size`` comes from, for messages (e.g. ``"hash_buckets"`` or ``"its
+            largest id 10 at log.csv:3"``); not compared.
     """
 
     name: str
@@ -55,6 +69,7 @@ class FeatureSpec:
     weighted: bool = False
     combiner: str = "sum"
     bag: bool | None = None
+    source: str = field(default="", compare=False)
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name:

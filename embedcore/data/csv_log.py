@@ -8,10 +8,11 @@ delimiter; UTF-8, an optional byte-order mark is ignored; blank lines are skippe
     0,,1,3,
 
 * ``label``: 0 or 1 (any number equal to 0 or 1, e.g. ``1.0``).
-* dense columns: decimal numbers (``-1.5``, ``2e3``); an empty cell reads as 0; NaN/Inf are refused.
-  Values are stored as float32.
+* dense columns: decimal numbers (``-1.5``, ``2e3``); an empty cell reads as 0; NaN/Inf, and numbers
+  beyond float32's range (magnitude above 3.4028235e38, e.g. ``1e39``), are refused. Values are stored as
+  float32.
 * categorical columns: a cell lists the ids of one sample separated by ``|``, each optionally ``id:weight``
-  (a decimal number, default 1); an empty cell is an empty bag. An id is a non-negative decimal integer
+  (a decimal number within float32's range, default 1); an empty cell is an empty bag. An id is a non-negative decimal integer
   (below 10^18), or, when the column is hashed (``hash_buckets``), any string: its id is
   ``zlib.crc32(utf8(string)) mod buckets``. Spaces and tabs around fields, ids and weights are ignored;
   ``|`` and ``:`` are reserved.
@@ -24,14 +25,18 @@ are ignored.
 Features: a categorical column is one-hot (``Batch.ids[name]`` an int64 ``[B]`` array) when every cell holds
 exactly one id without a weight, else a bag (``Ragged``; ``max_ids`` its longest cell; weighted when any
 cell gives a weight, the others weighing 1). Vocabulary: ``vocabulary_sizes[name]`` when given (ids must be
-below it), the bucket count of a hashed column, else the largest id + 1.
+below it), the bucket count of a hashed column, else the largest id + 1; a largest id whose vocabulary
+could not fit in memory even at 4 bytes a row (e.g. one id of 10^17) is refused, naming its line and column
+(see :func:`embedcore.memory_budget.check_fits`).
 
 Reading: the constructor makes one pass over the file (validating every line, finding the features'
 shapes, vocabularies and split sizes); each ``batches`` call makes another. Only a chunk of the file
 (``chunk_bytes``) is in memory at a time; a Numba kernel parses the bytes. Split: data row ``i`` (0-based,
 blank lines skipped) is in eval when ``hash_uniform(i, seed) < eval_fraction``; batches follow the file
 order. Errors raise :class:`DataFormatError` naming the file, the line (the header is line 1) and the
-column.
+column, and quote at most :data:`~embedcore.data.batch.EXCERPT_CHARS` characters of a bad cell or line.
+A file without data rows, a path that is not a regular file (a FIFO, a device) and a line longer than
+64 MiB are refused the same way; nothing is read without bound.
 """
 
 from __future__ import annotations
@@ -39,14 +44,16 @@ from __future__ import annotations
 import math
 import os
 import re
+import stat
 from dataclasses import dataclass
 
 import numpy as np
 from numba import njit
 
 from ..inputs import Ragged
+from ..memory_budget import check_fits
 from .batch import (Batch, DataFormatError, FeatureSpec, check_batch_size, check_fraction, check_split, eval_mask,
-                    rebatch)
+                    EXCERPT_CHARS, excerpt, rebatch)
 
 __all__ = ["CsvClickLog", "crc32"]
 
@@ -55,6 +62,8 @@ _CATEGORICAL_NAME = re.compile(r"C\d+|cat_.+")
 _INT = re.compile(r"\+?[0-9]+")
 _FLOAT = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")
 _MAX_ID_DIGITS = 18
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+MAX_LINE_BYTES = 1 << 26
 _SPACE, _TAB, _LF, _CR, _BAR, _COLON, _DOT, _PLUS, _MINUS = 32, 9, 10, 13, 124, 58, 46, 43, 45
 
 
@@ -108,7 +117,7 @@ def _trim(buf, s, e):
 @njit(cache=True)
 def _parse_float(buf, s, e):
     """``(status, value)`` of the decimal number in ``buf[s:e]`` (trimmed): status 0 ok, 1 malformed or not
-    finite, 2 empty. Exact (one rounding) for up to 18 significant digits and exponents within +-22."""
+    finite in float32 (magnitude above ``_FLOAT32_MAX``), 2 empty. Exact (one rounding) for up to 18 significant digits and exponents within +-22."""
     s, e = _trim(buf, s, e)
     if s == e:
         return 2, 0.0
@@ -159,7 +168,7 @@ def _parse_float(buf, s, e):
         x = x * 10.0 ** exponent
     elif exponent < 0:
         x = x / 10.0 ** (-exponent) if exponent >= -300 else (x / 1e300) / 10.0 ** (-exponent - 300)
-    if not math.isfinite(x):
+    if not math.isfinite(x) or x > _FLOAT32_MAX:
         return 1, 0.0
     return 0, -x if negative else x
 
@@ -277,34 +286,42 @@ def _parse_ids(buf, starts, ends, column, splits, buckets, vocabulary, table, id
 def _float_problem(text):
     t = text.strip(" \t")
     if not _FLOAT.fullmatch(t):
-        return f"expected a decimal number, got {text!r}"
+        return f"expected a decimal number, got {excerpt(text)}"
     if not math.isfinite(float(t)):
-        return f"expected a finite number, got {text!r}"
+        return f"expected a finite number, got {excerpt(text)}"
+    if abs(float(t)) > _FLOAT32_MAX:
+        return f"expected a number within float32's range (magnitude at most {_FLOAT32_MAX:.8g}), got {excerpt(text)}"
     return None
+
+
+def _plain(text):
+    """``text`` unquoted when short, else its bounded excerpt."""
+    return text if len(text) <= EXCERPT_CHARS else excerpt(text)
 
 
 def _cell_problem(cell, col):
     cell = cell.strip(" \t")
+    shown = excerpt(cell)
     for token in cell.split("|"):
         key, colon, weight = token.rpartition(":")
         if not colon:
             key = token
         elif _float_problem(weight):
-            return f"bad weight in cell {cell!r}: {_float_problem(weight)}"
+            return f"bad weight in cell {shown}: {_float_problem(weight)}"
         key = key.strip(" \t")
         if not key:
-            return f"empty id in cell {cell!r}"
+            return f"empty id in cell {shown}"
         if col.buckets is not None:
             continue
         if not _INT.fullmatch(key):
             if key.startswith("-") and _INT.fullmatch(key[1:]):
-                return f"negative id {key} in cell {cell!r}"
-            return f"id {key!r} in cell {cell!r} is not a non-negative integer (pass hash_buckets to hash strings)"
+                return f"negative id {_plain(key)} in cell {shown}"
+            return f"id {excerpt(key)} in cell {shown} is not a non-negative integer (pass hash_buckets to hash strings)"
         if len(key.lstrip("+")) > _MAX_ID_DIGITS:
-            return f"id {key} in cell {cell!r} has more than {_MAX_ID_DIGITS} digits"
+            return f"id {_plain(key)} in cell {shown} has more than {_MAX_ID_DIGITS} digits"
         if col.vocabulary is not None and int(key) >= col.vocabulary:
-            return f"id {int(key)} in cell {cell!r} is not below the vocabulary size {col.vocabulary}"
-    return f"cannot parse cell {cell!r}"
+            return f"id {int(key)} in cell {shown} is not below the vocabulary size {col.vocabulary}"
+    return f"cannot parse cell {shown}"
 
 
 @dataclass
@@ -319,6 +336,7 @@ class _Column:
     weighted: bool = False
     max_ids: int = 0
     max_id: int = -1
+    max_id_line: int = 0       # the file line of the largest id
 
 
 @dataclass
@@ -366,9 +384,30 @@ class CsvClickLog:
         self._scan()
 
     # -- configuration -------------------------------------------------------------------------------------
+    def _open(self):
+        """The file, opened without blocking (a FIFO would block ``open``) and only if it is a regular file."""
+        try:
+            fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+        except OSError as e:
+            raise DataFormatError(self.path, None, f"cannot open the file ({e.strerror})") from None
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise DataFormatError(self.path, None, "not a regular file (a FIFO, device or directory cannot be "
+                                                       "read twice)")
+            return os.fdopen(fd, "rb")
+        except BaseException:
+            os.close(fd)
+            raise
+
+    @staticmethod
+    def _line_too_long(path, line):
+        return DataFormatError(path, line, f"the line is longer than {MAX_LINE_BYTES >> 20} MiB")
+
     def _read_header(self):
-        with open(self.path, "rb") as f:
-            raw = f.readline()
+        with self._open() as f:
+            raw = f.readline(MAX_LINE_BYTES + 1)
+        if len(raw) > MAX_LINE_BYTES:
+            raise self._line_too_long(self.path, 1)
         try:
             header = raw.decode("utf-8-sig")
         except UnicodeDecodeError as e:
@@ -379,15 +418,17 @@ class CsvClickLog:
         seen = set()
         for n in names:
             if not n:
-                raise DataFormatError(self.path, 1, f"the header has an empty column name: {header.rstrip()!r}")
+                raise DataFormatError(self.path, 1, f"the header has an empty column name: {excerpt(header.rstrip())}")
             if n in seen:
-                raise DataFormatError(self.path, 1, f"the header names column '{n}' twice")
+                raise DataFormatError(self.path, 1, f"the header names column {excerpt(n)} twice")
             seen.add(n)
         return names
 
     def _column_index(self, name, role):
         if name not in self._columns:
-            raise DataFormatError(self.path, 1, f"{role} column '{name}' is not in the header {self._columns}")
+            shown = excerpt(", ".join(self._columns), 4 * EXCERPT_CHARS)
+            raise DataFormatError(self.path, 1, f"{role} column {excerpt(str(name))} is not in the header "
+                                                f"({len(self._columns)} columns: {shown})")
         return self._columns.index(name)
 
     def _roles(self, categorical, dense, label):
@@ -440,17 +481,21 @@ class CsvClickLog:
         """``(buf, starts, ends, line_numbers, first_row_index)`` per chunk of whole lines."""
         n_columns = len(self._columns)
         delimiter = ord(self.delimiter)
-        with open(self.path, "rb") as f:
-            f.readline()
-            line, row_index, rest = 2, 0, b""
+        with self._open() as f:
+            f.readline(MAX_LINE_BYTES + 1)
+            line, row_index = 2, 0
+            pieces, pending = [], 0                 # the start of an unfinished line, and its length
             while True:
                 data = f.read(self.chunk_bytes)
-                buf = rest + data
-                cut = buf.rfind(b"\n") + 1 if data else len(buf)
-                if data and cut == 0:
-                    rest = buf                      # a line longer than a chunk: read on
+                cut = data.rfind(b"\n") + 1
+                if data and cut == 0:               # a line longer than a chunk: read on, within bounds
+                    pieces.append(data)
+                    pending += len(data)
+                    if pending > MAX_LINE_BYTES:
+                        raise self._line_too_long(self.path, line)
                     continue
-                chunk, rest = buf[:cut], buf[cut:]
+                chunk = b"".join(pieces + [data[:cut] if data else b""])
+                pieces, pending = ([data[cut:]], len(data) - cut) if data else ([], 0)
                 if chunk:
                     arr = np.frombuffer(chunk, np.uint8)
                     n_lines = chunk.count(b"\n") + 1
@@ -471,7 +516,7 @@ class CsvClickLog:
 
     def _error(self, arr, starts, ends, numbers, row, column, message):
         text = arr[starts[row, column]:ends[row, column]].tobytes().decode("utf-8", errors="replace")
-        return DataFormatError(self.path, int(numbers[row]), message(text) or f"cannot parse {text!r}",
+        return DataFormatError(self.path, int(numbers[row]), message(text) or f"cannot parse {excerpt(text)}",
                                column=self._columns[column])
 
     def _parse(self, arr, starts, ends, numbers):
@@ -482,7 +527,7 @@ class CsvClickLog:
             bad = int(np.flatnonzero((y != 0) & (y != 1))[0])
         if bad >= 0:
             raise self._error(arr, starts, ends, numbers, bad, self._label,
-                              lambda t: f"the label must be 0 or 1, got {t!r}")
+                              lambda t: f"the label must be 0 or 1, got {excerpt(t)}")
         dense = np.empty((n, len(self._dense)), np.float32)
         x = np.empty(n)
         for j, column in enumerate(self._dense):
@@ -523,13 +568,28 @@ class CsvClickLog:
                 col.one_hot = col.one_hot and p.weights is None and bool(np.all(lengths == 1))
                 col.weighted = col.weighted or p.weights is not None
                 if p.values.shape[0]:
-                    col.max_id = max(col.max_id, int(p.values.max()))
+                    k = int(np.argmax(p.values))
+                    if int(p.values[k]) > col.max_id:
+                        col.max_id = int(p.values[k])
+                        col.max_id_line = int(numbers[np.searchsorted(p.splits, k, side="right") - 1])
+        if n["train"] + n["eval"] == 0:
+            raise DataFormatError(self.path, None, "no data rows after the header")
         self._n, self._positives = n, positives
         self.features = []
         for col in self._cats:
-            size = col.vocabulary or col.buckets or max(col.max_id + 1, 1)
+            if col.vocabulary:
+                size, source = col.vocabulary, f"vocabulary_sizes['{col.name}']"
+            elif col.buckets:
+                size, source = col.buckets, f"hash_buckets of column '{col.name}'"
+            else:
+                size = max(col.max_id + 1, 1)
+                source = f"its largest id {col.max_id} at {self.path}:{col.max_id_line}, column '{col.name}'"
+                check_fits(4 * size, f"its largest id {col.max_id} makes a vocabulary of "
+                                     f"{size:,} rows, whose table (at least 4 bytes a row)",
+                           error=lambda m, col=col: DataFormatError(self.path, col.max_id_line, m, column=col.name))
             self.features.append(FeatureSpec(col.name, size, 1 if col.one_hot else col.max_ids, col.weighted,
-                                             "sum" if col.one_hot else self.combiner, bag=not col.one_hot))
+                                             "sum" if col.one_hot else self.combiner, bag=not col.one_hot,
+                                             source=source))
 
     @property
     def n_dense(self) -> int:

@@ -17,7 +17,10 @@ Split (deterministic): ``split="hash"`` puts rating ``i`` (0-based data row of t
 ratings (by timestamp, then row) in eval. Train batches are shuffled per epoch (``seed``, ``epoch``); eval
 batches follow the file order.
 
-The whole file is held in memory (about 33 bytes per rating, more while parsing). Parsing is vectorised
+The whole file is held in memory (about 33 bytes per rating, more while parsing): a file that could not fit
+(four times its size, see :func:`embedcore.memory_budget.check_fits`) or that is not a regular file (a
+FIFO, a device) is refused before it is read. Error messages quote at most
+:data:`~embedcore.data.batch.EXCERPT_CHARS` characters of a bad line. Parsing is vectorised
 per chunk of lines (``np.loadtxt``); a chunk that does not parse cleanly is re-read line by line to report
 the first bad line.
 """
@@ -27,10 +30,13 @@ from __future__ import annotations
 import io
 import math
 import os
+import stat
 
 import numpy as np
 
-from .batch import Batch, DataFormatError, FeatureSpec, check_batch_size, check_fraction, check_split, eval_mask
+from ..memory_budget import check_fits
+from .batch import (Batch, DataFormatError, FeatureSpec, check_batch_size, check_fraction, check_split, eval_mask,
+                    excerpt)
 
 __all__ = ["MovieLens"]
 
@@ -51,12 +57,31 @@ def _find_file(path):
     return path
 
 
+def _open_regular(path):
+    """``path`` opened as UTF-8 text without blocking (a FIFO would block ``open``), if it is a regular file
+    whose contents fit in memory."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        raise DataFormatError(path, None, f"cannot open the file ({e.strerror})") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise DataFormatError(path, None, "not a regular file (a FIFO, device or directory)")
+        check_fits(4 * info.st_size, f"the ratings of {info.st_size:,} bytes, held in memory",
+                   error=lambda m: DataFormatError(path, None, m))
+        return os.fdopen(fd, encoding="utf-8", newline="")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def _parse_line(text, delimiter, path, line):
     """``(user, movie, rating, timestamp)`` of one line, or :class:`DataFormatError`."""
     fields = text.rstrip("\r\n").split(delimiter)
     if len(fields) != 4:
         raise DataFormatError(path, line, f"expected 4 fields separated by {delimiter!r} (user, movie, rating, "
-                                          f"timestamp), got {len(fields)}: {text.rstrip()!r}")
+                                          f"timestamp), got {len(fields)}: {excerpt(text.rstrip())}")
     values = []
     for k, (field, column) in enumerate(zip(fields, _COLUMNS)):
         field = field.strip()
@@ -66,13 +91,13 @@ def _parse_line(text, delimiter, path, line):
             value = None
         if value is None or not math.isfinite(value):
             kind = "a finite number" if k == 2 else "an integer"
-            raise DataFormatError(path, line, f"{column} must be {kind}, got {field!r}")
+            raise DataFormatError(path, line, f"{column} must be {kind}, got {excerpt(field)}")
         if k != 2:
             try:
                 value = int(field)
             except ValueError:
                 if value != math.floor(value):
-                    raise DataFormatError(path, line, f"{column} must be an integer, got {field!r}") from None
+                    raise DataFormatError(path, line, f"{column} must be an integer, got {excerpt(field)}") from None
                 value = int(value)
         if k in (0, 1) and value < 0:
             raise DataFormatError(path, line, f"{column} must be >= 0, got {value}")
@@ -112,8 +137,8 @@ def read_ratings(path):
     """``(users, movies, ratings, timestamps, file)`` of a MovieLens ratings file or directory, original ids."""
     path = _find_file(os.fspath(path))
     parts = []
-    with open(path, encoding="utf-8", newline="") as f:
-        first = f.readline()
+    with _open_regular(path) as f:
+        first = f.readline(1 << 20)
         if not first.strip():
             raise DataFormatError(path, 1, "the first line is empty: expected a 'userId,movieId,rating,timestamp' "
                                            "header (ratings.csv) or a 'user::movie::rating::timestamp' rating "
@@ -125,7 +150,7 @@ def read_ratings(path):
             if header != _CSV_HEADER:
                 raise DataFormatError(path, 1, f"expected the header {','.join(_CSV_HEADER)!r} (ratings.csv) or a "
                                                f"'user::movie::rating::timestamp' line (ratings.dat), got "
-                                               f"{first.rstrip()!r}")
+                                               f"{excerpt(first.rstrip())}")
             delimiter, pending, line_no = ",", [], 2
         while True:
             lines = pending + f.readlines(_CHUNK_LINES * 24)

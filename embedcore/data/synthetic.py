@@ -31,6 +31,7 @@ import numpy as np
 from numba import njit
 
 from ..inputs import Ragged
+from ..memory_budget import check_fits
 from ..metrics import BinaryMetrics
 from .batch import Batch, FeatureSpec, check_batch_size, check_split, rebatch
 
@@ -160,6 +161,9 @@ class SyntheticClickLog:
         self.seed, self.n_dense = int(seed), int(n_dense)
         self._n = {"train": int(n_train), "eval": int(n_eval)}
         self.features = self._make_specs(vocabulary_sizes, multi_hot)
+        # The dense features of the calibration sample (float32) and a block's temporaries.
+        check_fits((_CALIBRATION_BLOCKS * 4 + 16) * BLOCK * self.n_dense,
+                   f"n_dense={self.n_dense}: the dense features of the synthetic data's calibration sample")
         self._make_teacher(zipf_exponent, int(n_interactions), int(interaction_dim), scatter_ids)
         self._calibrate(float(logit_std), float(click_rate), shares)
         self._stats = {}
@@ -189,9 +193,10 @@ class SyntheticClickLog:
                 max_ids, weighted = (entry, False) if isinstance(entry, (int, np.integer)) else entry
                 if isinstance(max_ids, bool) or not isinstance(max_ids, (int, np.integer)) or max_ids < 1:
                     raise ValueError(f"multi_hot['{name}']: max_ids must be a positive int, got {max_ids!r}")
-                specs.append(FeatureSpec(name, int(v), int(max_ids), bool(weighted), "mean", bag=True))
+                specs.append(FeatureSpec(name, int(v), int(max_ids), bool(weighted), "mean", bag=True,
+                                         source="vocabulary_sizes"))
             else:
-                specs.append(FeatureSpec(name, int(v), 1, False, "sum"))
+                specs.append(FeatureSpec(name, int(v), 1, False, "sum", source="vocabulary_sizes"))
         return specs
 
     def _make_teacher(self, zipf_exponent, n_interactions, dim, scatter_ids):
@@ -201,6 +206,17 @@ class SyntheticClickLog:
             lo, hi = (float(x) for x in zipf_exponent)
         if not 1.0 < lo <= hi:
             raise ValueError(f"zipf_exponent must be > 1 (or a range 1 < lo <= hi), got {zipf_exponent!r}")
+        rng = np.random.default_rng([self.seed, _TAG_PAIRS])
+        pairs = list(itertools.combinations(range(len(self.features)), 2))
+        chosen = rng.choice(len(pairs), size=min(n_interactions, len(pairs)), replace=False) if pairs else []
+        self._pairs = sorted(pairs[k] for k in chosen)
+        factored = sorted({i for pair in self._pairs for i in pair})
+        if self.features:
+            largest = max(self.features, key=lambda f: f.vocabulary_size)
+            ids = sum(f.vocabulary_size for f in self.features)
+            check_fits(4 * ids + 4 * dim * sum(self.features[i].vocabulary_size for i in factored),
+                       f"the synthetic teacher's per-id values ({len(self.features)} features, {ids:,} ids; largest: "
+                       f"feature '{largest.name}' with vocabulary size {largest.vocabulary_size:,})")
         self._exponent, self._affine, self._effects, importance = [], [], [], []
         for i, spec in enumerate(self.features):
             rng = np.random.default_rng([self.seed, _TAG_FEATURE, i])
@@ -218,12 +234,8 @@ class SyntheticClickLog:
         importance = np.array(importance)
         self._main_scale = np.sqrt(importance / importance.sum()) if len(importance) else importance
 
-        rng = np.random.default_rng([self.seed, _TAG_PAIRS])
-        pairs = list(itertools.combinations(range(len(self.features)), 2))
-        chosen = rng.choice(len(pairs), size=min(n_interactions, len(pairs)), replace=False) if pairs else []
-        self._pairs = sorted(pairs[k] for k in chosen)
         self._factors = {}
-        for i in sorted({i for pair in self._pairs for i in pair}):
+        for i in factored:
             rng = np.random.default_rng([self.seed, _TAG_FACTORS, i])
             self._factors[i] = rng.standard_normal((self.features[i].vocabulary_size, dim), dtype=np.float32) \
                 / np.float32(math.sqrt(dim))
@@ -398,13 +410,13 @@ class SyntheticClickLog:
             metrics = BinaryMetrics()
             for batch in self._blocks(split, 0, self._n[split]):
                 metrics.update(batch.labels, batch.teacher_prob)
-            self._stats[split] = metrics.result() if metrics.n else {"n": 0}
+            self._stats[split] = metrics.result(allow_undefined=True) if metrics.n else {"n": 0}
         return self._stats[split]
 
     def optimum(self, split="eval") -> dict:
         """Metrics of the teacher's own probabilities on exactly this split's samples:
         ``{"log_loss", "auc", "n", "click_rate"}`` (one streaming pass, cached; exact AUC keeps 9 bytes per
-        sample)."""
+        sample; ``auc`` is NaN when the split holds one class only)."""
         stats = self._split_stats(split)
         if stats["n"] == 0:
             raise ValueError(f"split '{split}' is empty")

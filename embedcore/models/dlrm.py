@@ -21,6 +21,7 @@ from typing import Mapping, NamedTuple, Optional, Sequence
 
 import numpy as np
 
+from ..memory_budget import check_fits
 from .dense_optimizers import Adam, DenseOptimizer
 from .layers import MLP, _check_float_dtype
 
@@ -77,7 +78,9 @@ class DLRM:
     when ``n_dense == 0``; the top MLP ``(dim if n_dense else 0) + n(n-1)/2 -> *top -> 1``). Weights come
     from ``numpy.random.default_rng(seed)``, bottom first. ``dense_optimizer`` defaults to
     ``Adam(0.001)``; it is bound to this model's parameters. ``dtype`` (float32; float64 for gradient
-    checks) is the dtype of every parameter, activation and gradient.
+    checks) is the dtype of every parameter, activation and gradient. Layers that could not fit in memory
+    with their gradients and optimizer slots are refused with ``ValueError`` (naming the largest) before
+    anything is allocated.
 
     Parameters are named ``"bottom.{k}.weight"``, ``"bottom.{k}.bias"``, ``"top.{k}.weight"``, ...
     """
@@ -103,6 +106,11 @@ class DLRM:
         if top_in == 0:
             raise ValueError("DLRM: without dense features at least two embedding features are needed "
                              f"(got feature_names={names!r})")
+        self.optimizer = Adam(0.001) if dense_optimizer is None else dense_optimizer
+        if not isinstance(self.optimizer, DenseOptimizer):
+            raise TypeError(f"DLRM: dense_optimizer must be an embedcore.models DenseOptimizer, got "
+                            f"{type(self.optimizer).__name__}")
+        self._check_fits(top_in)
         rng = np.random.default_rng(seed)
         self.bottom = (MLP((self.n_dense, *self.bottom_sizes, self.dim), "relu", rng=rng, dtype=self.dtype)
                        if self.n_dense else None)
@@ -110,13 +118,24 @@ class DLRM:
         rows, cols = np.triu_indices(self.n_vectors, k=1)
         self._upper = rows * self.n_vectors + cols           # flat indices of G_ij, i < j, row-major
         self._lower = cols * self.n_vectors + rows           # their mirror images
-        self.optimizer = Adam(0.001) if dense_optimizer is None else dense_optimizer
-        if not isinstance(self.optimizer, DenseOptimizer):
-            raise TypeError(f"DLRM: dense_optimizer must be an embedcore.models DenseOptimizer, got "
-                            f"{type(self.optimizer).__name__}")
         self.optimizer.initialize(self.parameters())
         self._has_gradients = False
         self._scratch: dict[str, np.ndarray] = {}
+
+    def _check_fits(self, top_in: int) -> None:
+        """Refuse (``ValueError`` naming the largest layer) dense layers that could not fit in memory with
+        their gradients and the optimizer's slots, before any is allocated."""
+        layers = [("top", k, a, b) for k, (a, b) in enumerate(zip((top_in, *self.top_sizes),
+                                                                   (*self.top_sizes, 1)))]
+        if self.n_dense:
+            sizes = (self.n_dense, *self.bottom_sizes, self.dim)
+            layers = [("bottom", k, a, b) for k, (a, b) in enumerate(zip(sizes, sizes[1:]))] + layers
+        values = sum(a * b + b for _, _, a, b in layers)
+        copies = 2 + len(self.optimizer.slot_names)           # parameters, gradients, slots
+        part, k, a, b = max(layers, key=lambda layer: layer[2] * layer[3])
+        check_fits(values * self.dtype.itemsize * copies + 8 * a * b,  # + the float64 draws of one layer
+                   f"DLRM: the dense layers ({values:,} {self.dtype.name} parameters with their gradients and "
+                   f"{len(self.optimizer.slot_names)} optimizer slots; largest: {part} layer {k}, {a:,} x {b:,})")
 
     def _buffer(self, name: str, batch: int) -> np.ndarray:
         """A reused ``[batch, n * n]`` work array (the Gram matrices, their gradient): allocating it anew on

@@ -14,6 +14,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from ..memory_budget import check_fits
+
 _INITS = ("he", "glorot")
 _ACTIVATIONS = (None, "relu")
 
@@ -42,7 +44,8 @@ class Linear:
     Initialisation (``b = 0``):
       * ``"he"``:     ``W_ij ~ Normal(0, 2 / in_features)``  (for layers followed by a ReLU);
       * ``"glorot"``: ``W_ij ~ Uniform(-a, a)``, ``a = sqrt(6 / (in_features + out_features))``.
-    Draws are made in float64 from ``rng`` and rounded to ``dtype``.
+    Draws are made in float64 from ``rng`` and rounded to ``dtype``. A layer that could not fit in memory
+    is refused with ``ValueError`` before anything is allocated.
 
     Backward, given ``dy = d loss / d y``:
       ``dW = x^T dy``,  ``db = sum over the batch of dy``,  ``dx = dy W^T``.
@@ -57,6 +60,9 @@ class Linear:
             raise ValueError(f"Linear: init must be one of {_INITS}, got {init!r}")
         self.dtype = _check_float_dtype(dtype)
         self.in_features, self.out_features = int(in_features), int(out_features)
+        check_fits(self.in_features * self.out_features * (8 + 2 * self.dtype.itemsize),
+                   f"Linear layer {self.in_features:,} x {self.out_features:,} ({self.dtype.name} weights, their "
+                   f"gradient and float64 draws)")
         rng = as_generator(rng)
         if init == "he":
             w = rng.standard_normal((self.in_features, self.out_features)) * math.sqrt(2.0 / self.in_features)
