@@ -14,15 +14,18 @@ length and JSON, dtypes, shapes against byte ranges, ranges inside the file and 
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import math
 import os
+import stat
 import struct
 
 import numpy as np
 
-__all__ = ["TensorFileError", "write_tensors", "read_header", "open_tensors", "sha256_of"]
+__all__ = ["TensorFileError", "write_tensors", "read_header", "open_tensors", "sha256_of", "open_regular",
+           "read_capped"]
 
 _DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "I64": np.int64, "I32": np.int32,
            "I16": np.int16, "I8": np.int8, "U64": np.uint64, "U32": np.uint32, "U16": np.uint16, "U8": np.uint8,
@@ -31,10 +34,64 @@ _NAMES = {np.dtype(v): k for k, v in _DTYPES.items()}
 STORABLE_DTYPES = frozenset(_NAMES)
 _ALIGN = 64
 _MAX_HEADER = 100 * 2 ** 20
+_MAX_DIMENSION = 2 ** 62
+_OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 
 
 class TensorFileError(ValueError):
     """A tensor file that is truncated, corrupt or not a safetensors file."""
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISLNK, "a symbolic link")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def open_regular(path: str) -> tuple[int, int]:
+    """``(fd, size)`` of ``path`` opened read-only, refused unless it is a regular file.
+
+    Never blocks (a FIFO opens at once with ``O_NONBLOCK`` and is then refused) and never follows a symbolic
+    link in the last component (a link to ``/dev/zero`` is refused). Raises :class:`TensorFileError` for
+    anything but a regular file, ``FileNotFoundError`` for a missing one and ``OSError`` otherwise.
+    """
+    try:
+        fd = os.open(path, _OPEN_FLAGS)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise TensorFileError(f"{path} is a symbolic link; checkpoint files must be regular files") from None
+        raise
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise TensorFileError(f"{path} is {_kind(info.st_mode)}, not a regular file")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, info.st_size
+
+
+def read_capped(path: str, limit: int) -> bytes:
+    """The whole regular file ``path`` (see :func:`open_regular`), refused if it holds more than ``limit`` bytes
+    (also if it grows past ``limit`` while being read): nothing larger is ever read into memory."""
+    fd, size = open_regular(path)
+    try:
+        if size > limit:
+            raise TensorFileError(f"{path} is {size:,} bytes; at most {limit:,} are allowed")
+        chunks, total = [], 0
+        while total <= limit:
+            chunk = os.read(fd, min(limit + 1 - total, 1 << 20))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            total += len(chunk)
+        if total > limit:
+            raise TensorFileError(f"{path} grew past {limit:,} bytes while being read")
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
 
 
 def sha256_of(array: np.ndarray) -> str:
@@ -76,10 +133,14 @@ def write_tensors(path: str, tensors: dict, metadata: dict | None = None) -> dic
 
 
 def read_header(path: str) -> tuple[dict, dict, int]:
-    """``(tensors, metadata, data_start)`` of a safetensors file, every entry checked against the file."""
+    """``(tensors, metadata, data_start)`` of a safetensors file, every entry checked against the file.
+
+    Only a regular file is read (:func:`open_regular`), at most 8 bytes plus the header's declared length,
+    which must fit in the file and in 100 MiB.
+    """
     try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
+        fd, size = open_regular(path)
+        with os.fdopen(fd, "rb") as f:
             head = f.read(8)
             if len(head) < 8:
                 raise TensorFileError(f"{path}: {size} bytes is too short for a safetensors file")
@@ -88,6 +149,8 @@ def read_header(path: str) -> tuple[dict, dict, int]:
                 raise TensorFileError(f"{path}: header length {n} does not fit in the file ({size} bytes); the "
                                       f"file is truncated or not a safetensors file")
             raw = f.read(n)
+            if len(raw) < n:
+                raise TensorFileError(f"{path}: the file ended inside its header")
     except OSError as e:
         raise TensorFileError(f"{path}: cannot read ({e.strerror})") from None
     try:
@@ -103,7 +166,7 @@ def read_header(path: str) -> tuple[dict, dict, int]:
         try:
             dtype = np.dtype(_DTYPES[entry["dtype"]]).newbyteorder("<")
             shape, (begin, end) = tuple(entry["shape"]), entry["data_offsets"]
-            if not all(type(x) is int and x >= 0 for x in shape + (begin, end)):
+            if not all(type(x) is int and 0 <= x <= _MAX_DIMENSION for x in shape + (begin, end)):
                 raise ValueError
         except (KeyError, TypeError, ValueError):
             raise TensorFileError(f"{path}: tensor '{name}' has a malformed header entry {entry!r}") from None
@@ -125,15 +188,27 @@ def open_tensors(path: str, names=None, header=None) -> dict:
     ``header`` is :func:`read_header`'s result when the caller already read it.
     """
     header, _, data_start = header or read_header(path)
-    out = {}
-    for name in header if names is None else names:
+    names = list(header if names is None else names)
+    for name in names:
         if name not in header:
             raise TensorFileError(f"{path}: has no tensor '{name}' (it holds {sorted(header)})")
-        entry = header[name]
-        if entry["end"] == entry["begin"]:
-            out[name] = np.zeros(entry["shape"], entry["dtype"])
-            continue
-        mapped = np.memmap(path, dtype=entry["dtype"], mode="r",
-                           offset=data_start + entry["begin"], shape=entry["shape"], order="C")
-        out[name] = mapped.view(np.ndarray)  # a plain array (kernels take it), still backed by the mapping
+    out = {}
+    try:
+        # Reopened as a regular file (never a FIFO or a link swapped in since the header was read) and
+        # checked to still hold every mapped byte: touching a mapping past the end of a file is SIGBUS.
+        fd, size = open_regular(path)
+        with os.fdopen(fd, "rb") as f:
+            for name in names:
+                entry = header[name]
+                if data_start + entry["end"] > size:
+                    raise TensorFileError(f"{path}: tensor '{name}' ends at byte {data_start + entry['end']}, past "
+                                          f"the end of the file ({size} bytes)")
+                if entry["end"] == entry["begin"]:
+                    out[name] = np.zeros(entry["shape"], entry["dtype"])
+                    continue
+                mapped = np.memmap(f, dtype=entry["dtype"], mode="r",
+                                   offset=data_start + entry["begin"], shape=entry["shape"], order="C")
+                out[name] = mapped.view(np.ndarray)  # a plain array (kernels take it), still backed by the mapping
+    except OSError as e:
+        raise TensorFileError(f"{path}: cannot read ({e.strerror})") from None
     return out
