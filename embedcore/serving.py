@@ -5,11 +5,17 @@ checkpoint written by :meth:`embedcore.Embedding.save`. The tables stay on disk 
 lookups touch them (the operating system's page cache is shared between serving processes); slots are never
 read and no code named by the checkpoint is imported. Lookups run the training engine's own code, so they
 return bit-identical activations.
+
+Opening checks the manifest whole (:func:`embedcore.checkpoint.store.check_manifest`), each table's SHA-256
+and that it holds no NaN or Inf (unless ``verify=False``, which reads no table data at all). A server
+opening a checkpoint while another process saves to it opens the new checkpoint instead of reporting the
+old one, pruned under it, as corrupt (:func:`embedcore.checkpoint.read_current`); what it serves is always
+one committed snapshot, whole.
 """
 
 from __future__ import annotations
 
-from .checkpoint import open_snapshot, table_tensors
+from .checkpoint import CheckpointError, read_current, table_tensors
 from .checkpoint.config_codec import decode_engine_config
 from .lookup import TableLookup, _PhysicalTable
 
@@ -21,17 +27,28 @@ class ServingEmbedding(TableLookup):
 
     Args:
         path: a checkpoint directory written by ``Embedding.save``.
-        verify: check each table's SHA-256 while loading (reads every table once).
+        verify: check each table's SHA-256 and that it is finite while loading (reads every table once).
+
+    Raises:
+        CheckpointError: the checkpoint is missing, corrupt, malformed, holds NaN/Inf or does not fit.
     """
 
     def __init__(self, path, verify: bool = True):
-        snap = open_snapshot(path)
-        features, _, _ = decode_engine_config(snap.manifest["config"], with_optimizers=False)
+        def read(snap):
+            features, _, _ = decode_engine_config(snap.manifest["config"], with_optimizers=False)
+            try:
+                tables = self._init_features(features)
+            except ValueError as e:
+                raise CheckpointError(f"{snap.dir}: the checkpoint's features do not configure lookups: {e}") from None
+            weights = {t.name: table_tensors(snap, t.name, {"weights": (t.vocabulary_size, t.dim)},
+                                             verify=verify)["weights"] for t in tables}
+            return snap, tables, weights
+
+        snap, tables, weights = read_current(path, read)
         groups = []
-        for table in self._init_features(features):
+        for table in tables:
             group = _PhysicalTable([table], [0], table.dim, None)
-            shape = (table.vocabulary_size, table.dim)
-            group.weights = table_tensors(snap, table.name, {"weights": shape}, verify=verify)["weights"]
+            group.weights = weights[table.name]
             groups.append(group)
         self._index_groups(groups)
         self.step = snap.step

@@ -7,22 +7,30 @@ and is imported only when the caller allows it (:mod:`.config_codec`).
 
 Use it through the engine: ``emb.save(path)``, ``emb.load(path)``, ``Embedding.restore(path)``; serving
 reads the same files (:mod:`embedcore.serving`).
+
+Reading trusts nothing in the directory: the manifest is checked whole against its schema and the files'
+sizes (:func:`.store.check_manifest`) before anything is allocated or changed, every size that memory is
+allocated for is checked against the machine (:func:`embedcore.memory_budget.check_fits`), every tensor
+against its SHA-256, and tables and slots holding NaN or Inf are refused. Every refusal is a
+:class:`CheckpointError` and leaves the engine as it was.
 """
 
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 
+from ..memory_budget import check_fits
 from .config_codec import FunctionResolver, decode_engine_config, encode_engine_config
 from .errors import CheckpointError
-from .store import Snapshot, SnapshotWriter, open_snapshot
+from .store import Snapshot, SnapshotWriter, open_snapshot, read_current
 from .tensor_file import STORABLE_DTYPES
 
-__all__ = ["CheckpointError", "save", "load_into", "restore", "read_extra", "open_snapshot", "engine_config",
-           "table_tensors", "table_rows", "write_table_shards", "check_save_inputs", "manifest_of",
-           "check_compatible"]
+__all__ = ["CheckpointError", "save", "load_into", "restore", "read_extra", "open_snapshot", "read_current",
+           "engine_config", "table_tensors", "table_rows", "write_table_shards", "check_save_inputs", "manifest_of",
+           "check_compatible", "check_finite", "stored_shapes"]
 
 _EXTRA = "extra.safetensors"
 
@@ -128,103 +136,192 @@ def check_compatible(snap: Snapshot, config: dict, slots: dict, strict: bool) ->
 
 
 def load_into(emb, path_or_snapshot, strict: bool = True) -> None:
-    """Copy a checkpoint's tables, slots and step into ``emb`` after verifying all of it."""
-    snap = path_or_snapshot if isinstance(path_or_snapshot, Snapshot) else open_snapshot(path_or_snapshot)
-    tables, slots = emb.embedding_tables, emb.slot_variables
-    check_compatible(snap, engine_config(emb) if strict else {}, {n: list(v) for n, v in slots.items()}, strict)
-    staged = []
-    for name in snap.manifest["tables"]:
-        targets = {"weights": tables[name]}
-        targets.update({f"slot/{s}": v for s, v in slots[name].items()})
-        arrays = table_tensors(snap, name, {key: t.shape for key, t in targets.items()})
-        staged += [(targets[key], arrays[key]) for key in targets]
+    """Copy a checkpoint's tables, slots and step into ``emb`` after verifying all of it.
+
+    Nothing in ``emb`` changes unless every check passed; a save by another process while this reads
+    makes it read the new checkpoint instead (:func:`.store.read_current`).
+    """
+    def stage(snap):
+        tables, slots = emb.embedding_tables, emb.slot_variables
+        check_compatible(snap, engine_config(emb) if strict else {}, {n: list(v) for n, v in slots.items()}, strict)
+        staged = []
+        for name in snap.manifest["tables"]:
+            targets = {"weights": tables[name]}
+            targets.update({f"slot/{s}": v for s, v in slots[name].items()})
+            arrays = table_tensors(snap, name, {key: t.shape for key, t in targets.items()})
+            staged += [(targets[key], arrays[key]) for key in targets]
+        return staged, snap.step
+
+    if isinstance(path_or_snapshot, Snapshot):
+        staged, step = stage(path_or_snapshot)
+    else:
+        staged, step = read_current(path_or_snapshot, stage)
     # Everything is verified; from here on the engine changes.
     for target, source in staged:
         target[...] = source
-    emb.step = snap.step
+    emb.step = step
 
 
 def _shards(snap: Snapshot, table: str, keys) -> list:
-    """The table's shards, checked to partition its rows exactly and to hold ``keys`` as float32."""
+    """The table's shards (checked by :func:`.store.check_manifest` to partition its rows exactly and to
+    hold ``weights`` and every slot as float32), once ``keys`` are known to be among its tensors."""
     entry = snap.manifest["tables"].get(table)
     if entry is None:
         raise CheckpointError(f"{snap.dir} holds no table '{table}' (it holds {sorted(snap.manifest['tables'])})")
-    try:
-        vocabulary, dim, shards = int(entry["vocabulary_size"]), int(entry["dim"]), list(entry["shards"])
-        stride = int(shards[0]["stride"])
-        firsts = sorted(int(sh["first_row"]) for sh in shards)
-        ok = stride >= 1 and all(int(sh["stride"]) == stride for sh in shards) and \
-            firsts == list(range(stride)) and \
-            all(int(sh["rows"]) == len(range(int(sh["first_row"]), vocabulary, stride)) for sh in shards)
-    except (KeyError, TypeError, ValueError, IndexError):
-        ok = False
-    if not ok:
-        raise CheckpointError(f"corrupt checkpoint: {snap.dir}: the shards of table '{table}' do not partition "
-                              f"its rows")
-    for shard in shards:
-        stored = snap.manifest["files"].get(shard["file"], {})
-        for key in keys:
-            if key not in stored:
-                raise CheckpointError(f"{snap.dir}: table '{table}' has no tensor '{key}' (its optimizer's slots "
-                                      f"are {entry.get('slots')}); the engine needs it")
-            shape = tuple(stored[key]["shape"])
-            if stored[key]["dtype"] != "float32" or shape[:1] != (shard["rows"],) or \
-                    (key == "weights" and shape != (shard["rows"], dim)):
-                raise CheckpointError(f"corrupt checkpoint: {snap.dir}: table '{table}' tensor '{key}' in "
-                                      f"{shard['file']} is {stored[key]['dtype']} of shape {shape}")
-    return shards
+    for key in keys:
+        if key != "weights" and key[len("slot/"):] not in entry["slots"]:
+            raise CheckpointError(f"{snap.dir}: table '{table}' has no tensor '{key}' (its optimizer's slots "
+                                  f"are {entry['slots']}); the engine needs it")
+    return entry["shards"]
+
+
+def _what(key: str) -> str:
+    return "weights" if key == "weights" else f"slot '{key[len('slot/'):]}'"
+
+
+def check_finite(array: np.ndarray, where: str, rows=None) -> None:
+    """Refuse (``CheckpointError`` naming ``where`` and the first rows) an array holding NaN or Inf.
+
+    ``rows`` maps the array's row positions to the table's row ids (default: the positions). One pass
+    over the data and no allocation when all is finite (a float32 sum is finite only if every term is).
+    """
+    if array.size == 0:
+        return
+    flat = array.reshape(-1)
+    with np.errstate(over="ignore", invalid="ignore"):
+        if np.isfinite(np.add.reduce(flat, dtype=np.float32)):
+            return
+    matrix = array.reshape(array.shape[0], -1)
+    bad = []
+    for begin in range(0, matrix.shape[0], 1 << 16):
+        chunk = matrix[begin:begin + (1 << 16)]
+        bad.extend((begin + np.flatnonzero(~np.isfinite(chunk).all(axis=1))).tolist())
+    if not bad:
+        return  # the sum overflowed, every value is finite
+    ids = bad if rows is None else np.asarray(rows)[bad].tolist()
+    raise CheckpointError(f"{where} holds NaN or Inf in {len(ids)} row(s), e.g. rows {ids[:5]}; tables and slots "
+                          f"must be finite, so the checkpoint is not loaded")
 
 
 def table_rows(snap: Snapshot, table: str, key: str, first: int, stride: int, n: int, verify: bool = True):
-    """Rows ``first + i * stride`` (``i < n``) of tensor ``key`` of ``table``, gathered from its shards."""
+    """Rows ``first + i * stride`` (``i < n``) of tensor ``key`` of ``table``, gathered from its shards.
+
+    With ``verify`` each shard's tensor is checked against its SHA-256 and the rows for being finite.
+    """
     shards = _shards(snap, table, [key])
+    entry = snap.manifest["tables"][table]
+    stored = snap.manifest["files"][shards[0]["file"]][key]["shape"]
+    check_fits(4 * int(n) * (entry["dim"] if len(stored) == 2 else 1),
+               f"{snap.dir}: table '{table}' {_what(key)} ({n} rows)", error=CheckpointError)
     wanted = first + stride * np.arange(n, dtype=np.int64)
-    out = None
+    out = np.empty((n,) + tuple(stored[1:]), np.float32)
     k = int(shards[0]["stride"])
     for shard in shards:
         array = snap.tensors(shard["file"], [key], verify=verify)[key]
-        if out is None:
-            out = np.empty((n,) + array.shape[1:], np.float32)
         mine = (wanted % k) == int(shard["first_row"])
         out[mine] = array[(wanted[mine] - int(shard["first_row"])) // k]
+    if verify:
+        check_finite(out, f"{snap.dir}: table '{table}' {_what(key)}", wanted)
     return out
 
 
 def table_tensors(snap: Snapshot, table: str, shapes: dict, verify: bool = True) -> dict:
     """The whole tensors of ``table`` named in ``shapes`` (``{"weights": (V, dim), "slot/<name>": ...}``),
-    each checked to be float32 of exactly that shape and, if ``verify``, to match its SHA-256. A table stored
-    whole is memory-mapped; one stored in shards (by several processes) is assembled in memory."""
+    each checked to be float32 of exactly that shape and, if ``verify``, to match its SHA-256 and to be
+    finite. A table stored whole is memory-mapped; one stored in shards (by several processes) is
+    assembled in memory."""
     shards = _shards(snap, table, list(shapes))
     entry = snap.manifest["tables"][table]
     for key, shape in shapes.items():
         stored = snap.manifest["files"][shards[0]["file"]][key]["shape"]
-        if (int(entry["vocabulary_size"]),) + tuple(stored[1:]) != tuple(shape):
+        if (entry["vocabulary_size"],) + tuple(stored[1:]) != tuple(shape):
             raise CheckpointError(f"{snap.dir}: table '{table}' tensor '{key}' is float32 of shape "
-                                  f"{(int(entry['vocabulary_size']),) + tuple(stored[1:])}; the engine needs float32 "
+                                  f"{(entry['vocabulary_size'],) + tuple(stored[1:])}; the engine needs float32 "
                                   f"of shape {tuple(shape)}")
-    if len(shards) == 1:
-        return snap.tensors(shards[0]["file"], list(shapes), verify=verify)
-    vocabulary = int(entry["vocabulary_size"])
-    return {key: table_rows(snap, table, key, 0, 1, vocabulary, verify) for key in shapes}
+    if len(shards) > 1:
+        return {key: table_rows(snap, table, key, 0, 1, entry["vocabulary_size"], verify) for key in shapes}
+    arrays = snap.tensors(shards[0]["file"], list(shapes), verify=verify)
+    if verify:
+        for key, array in arrays.items():
+            check_finite(array, f"{snap.dir}: table '{table}' {_what(key)}")
+    return arrays
+
+
+def stored_shapes(snap: Snapshot) -> dict:
+    """Table name -> {tensor key: its whole shape ``(vocabulary_size, ...)``} as the manifest declares them."""
+    out = {}
+    for name, entry in snap.manifest["tables"].items():
+        stored = snap.manifest["files"][entry["shards"][0]["file"]]
+        out[name] = {key: (entry["vocabulary_size"],) + tuple(stored[key]["shape"][1:])
+                     for key in ["weights"] + [f"slot/{s}" for s in entry["slots"]]}
+    return out
+
+
+def check_restore_fits(snap: Snapshot, shapes: dict) -> None:
+    """Refuse, before anything is allocated, a checkpoint whose tables and slots (``shapes``, as from
+    :func:`stored_shapes`) would not fit in this machine's memory, counting the copies that tables stored
+    in several shards need while they are assembled."""
+    total = 0
+    for name, tensors in shapes.items():
+        copies = 2 if len(snap.manifest["tables"][name]["shards"]) > 1 else 1
+        total += copies * sum(4 * math.prod(shape) for shape in tensors.values())
+    tables = ", ".join(f"'{n}' {t['weights'][0]} x {t['weights'][1]}" for n, t in list(shapes.items())[:5])
+    check_fits(total, f"restoring {snap.dir} (tables {tables}{', ...' if len(shapes) > 5 else ''} with their "
+               f"slots)", error=CheckpointError)
 
 
 def restore(cls, path, functions=None, allow_import: bool = False, stack_tables: bool = True):
-    """A new ``cls`` engine from a checkpoint (see :meth:`embedcore.Embedding.restore`)."""
-    snap = open_snapshot(path)
-    features, optimizer, seed = decode_engine_config(snap.manifest["config"],
-                                                     FunctionResolver(functions, allow_import))
+    """A new ``cls`` engine from a checkpoint (see :meth:`embedcore.Embedding.restore`).
+
+    The manifest is checked whole, the memory the engine needs is checked against the machine, the
+    configuration is decoded (importing only what is allowed, calling only embedcore classes) and every
+    tensor is verified before the engine is built.
+    """
+    resolver = FunctionResolver(functions, allow_import)
+
+    def read(snap):
+        shapes = stored_shapes(snap)
+        check_restore_fits(snap, shapes)
+        features, optimizer, seed = decode_engine_config(snap.manifest["config"], resolver)
+        arrays = {name: table_tensors(snap, name, tensors) for name, tensors in shapes.items()}
+        return snap, features, optimizer, seed, arrays
+
+    snap, features, optimizer, seed, arrays = read_current(path, read)
     emb = cls.__new__(cls)
-    emb._setup(features, optimizer, seed, stack_tables, fill=False,
-               non_finite=snap.manifest["config"].get("non_finite", "raise"))
+    try:
+        emb._setup(features, optimizer, seed, stack_tables, fill=False,
+                   non_finite=snap.manifest["config"].get("non_finite", "raise"))
+    except (ValueError, TypeError) as e:
+        raise CheckpointError(f"{snap.dir}: the checkpoint's configuration does not build an engine: "
+                              f"{type(e).__name__}: {e}") from None
     # The configuration is the checkpoint's own (functions possibly replaced by the caller's): only the
     # tables, slots and shapes need checking.
-    load_into(emb, snap, strict=False)
+    slots = emb.slot_variables
+    check_compatible(snap, {}, {n: list(v) for n, v in slots.items()}, strict=False)
+    staged = []
+    for name, table in emb.embedding_tables.items():
+        for key, target in [("weights", table)] + [(f"slot/{s}", v) for s, v in slots[name].items()]:
+            if target.shape != arrays[name][key].shape:
+                raise CheckpointError(f"{snap.dir}: table '{name}' tensor '{key}' is float32 of shape "
+                                      f"{arrays[name][key].shape}; the engine needs float32 of shape {target.shape}")
+            staged.append((target, arrays[name][key]))
+    for target, source in staged:
+        target[...] = source
+    emb.step = snap.step
     return emb
 
 
 def read_extra(path_or_snapshot) -> tuple[dict, object]:
     """``(arrays, metadata)`` stored with ``save(extra=..., metadata=...)``; arrays are verified in-memory copies."""
-    snap = path_or_snapshot if isinstance(path_or_snapshot, Snapshot) else open_snapshot(path_or_snapshot)
-    name = snap.manifest.get("extra")
-    arrays = {k: np.array(v) for k, v in snap.tensors(name).items()} if name else {}
-    return arrays, snap.manifest.get("metadata")
+    def read(snap):
+        name = snap.manifest["extra"]
+        if name:
+            tensors = snap.manifest["files"][name]
+            check_fits(sum(math.prod(t["shape"]) * np.dtype(t["dtype"]).itemsize
+                           for t in tensors.values()), f"{snap.dir}: the extra arrays", error=CheckpointError)
+        arrays = {k: np.array(v) for k, v in snap.tensors(name).items()} if name else {}
+        return arrays, snap.manifest.get("metadata")
+
+    if isinstance(path_or_snapshot, Snapshot):
+        return read(path_or_snapshot)
+    return read_current(path_or_snapshot, read)

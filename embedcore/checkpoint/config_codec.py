@@ -5,19 +5,33 @@ and constructor arguments; a user function (a custom computation, a callable lea
 is stored as its import path ``module:qualified.name``. Decoding imports such a path only when the caller
 allows it (``allow_import=True``) or hands the function over (``functions={"module:name": f}``); otherwise
 it raises :class:`CheckpointError` saying how.
+
+Importing is all a checkpoint can make happen. What an imported path names is checked before it is used:
+a stored optimizer or initializer class must be a subclass of embedcore's :class:`~embedcore.Optimizer` or
+:class:`~embedcore.initializers.Initializer` (only those are ever called, with the stored arguments, and
+only with keyword arguments their constructor declares); a stored function must be a plain Python function
+(``def``), which decoding never calls: it becomes a row function, a learning-rate or initializer callable
+that the engine runs when training. Anything else (``os:system``, ``builtins:eval``, ``subprocess:Popen``,
+another library's class) is refused with :class:`CheckpointError` naming the manifest entry.
+
+:func:`check_config` is the configuration's schema: every field's type and range, checked before anything
+is decoded, so a malformed configuration is always a :class:`CheckpointError`.
 """
 
 from __future__ import annotations
 
 import importlib
 import inspect
+import types
 
 from .. import initializers as _initializers
 from .. import optimizers as _optimizers
 from ..config import FeatureConfig, TableConfig
+from ..engine import NON_FINITE_POLICIES
 from .errors import CheckpointError
 
-__all__ = ["encode_engine_config", "decode_engine_config", "function_path", "import_function", "FunctionResolver"]
+__all__ = ["encode_engine_config", "decode_engine_config", "check_config", "function_path", "import_function",
+           "FunctionResolver"]
 
 _OPTIMIZERS = {name: getattr(_optimizers, name) for name in _optimizers.__all__ if name != "Optimizer"}
 _INITIALIZERS = {name: getattr(_initializers, name) for name in
@@ -110,7 +124,11 @@ def _encode_object(obj, kind: str, registry: dict, where: str):
 
 
 class FunctionResolver:
-    """Turns stored import paths back into functions, importing only what the caller allowed."""
+    """Turns stored import paths back into functions and classes, importing only what the caller allowed.
+
+    Calling a resolver gives a function (``base=None``) or a class (``base`` the class it must derive
+    from); an imported object of any other kind is refused before anything uses it.
+    """
 
     def __init__(self, functions=None, allow_import: bool = False):
         self.allow_import = bool(allow_import)
@@ -125,9 +143,12 @@ class FunctionResolver:
                                           f"entry by; pass functions={{'module:name': fn}} instead")
                 self.functions[path] = fn
 
-    def __call__(self, path: str | None, where: str, shown: str):
+    def __call__(self, path: str | None, where: str, shown: str, base: type | None = None):
         if path is not None and path in self.functions:
-            return self.functions[path]
+            found = self.functions[path]
+            if base is not None:
+                _check_class(found, base, where, path, "functions=")
+            return found
         if path is None:
             raise CheckpointError(f"{where} was {shown}, which has no import path (a lambda, a local function or "
                                   f"one from __main__), so the checkpoint cannot name it; rebuild the engine in your "
@@ -136,9 +157,30 @@ class FunctionResolver:
             raise CheckpointError(f"{where} is the function '{path}'; loading a checkpoint never imports code on its "
                                   f"own: pass functions={{'{path}': <the function>}} or allow_import=True")
         try:
-            return import_function(path)
+            found = import_function(path)
         except (ImportError, AttributeError) as e:
             raise CheckpointError(f"{where}: cannot import '{path}': {e}") from None
+        except Exception as e:  # importing runs the module's code, which may fail in any way
+            raise CheckpointError(f"{where}: importing '{path}' failed: {type(e).__name__}: {e}") from None
+        if base is not None:
+            _check_class(found, base, where, path, "the checkpoint")
+        elif not isinstance(found, types.FunctionType):
+            raise CheckpointError(f"{where}: '{path}' is {_describe(found)}, not a Python function; a checkpoint may "
+                                  f"name only Python functions (row functions, learning-rate and initializer "
+                                  f"callables) and embedcore Optimizer/Initializer classes, so it is not used")
+        return found
+
+
+def _describe(obj) -> str:
+    kind = "a class" if isinstance(obj, type) else f"a {type(obj).__name__}"
+    return f"{kind} ({obj!r:.80})"
+
+
+def _check_class(found, base: type, where: str, path: str, source: str) -> None:
+    if not (isinstance(found, type) and issubclass(found, base)):
+        raise CheckpointError(f"{where}: '{path}' (from {source}) is {_describe(found)}, not a subclass of "
+                              f"embedcore's {base.__name__}; a checkpoint only ever calls embedcore {base.__name__} "
+                              f"classes, so it is not used")
 
 
 def _decode(value, where: str, resolve: FunctionResolver):
@@ -150,7 +192,8 @@ def _decode(value, where: str, resolve: FunctionResolver):
         return tuple(_decode(v, f"{where}[{i}]", resolve) for i, v in enumerate(value["tuple"]))
     if "function" in value:
         return resolve(value["function"], where, value.get("repr", "a function"))
-    for kind, registry in (("optimizer", _OPTIMIZERS), ("initializer", _INITIALIZERS)):
+    for kind, registry, base in (("optimizer", _OPTIMIZERS, _optimizers.Optimizer),
+                                 ("initializer", _INITIALIZERS, _initializers.Initializer)):
         if kind in value:
             name = value[kind]
             cls = registry.get(name)
@@ -158,13 +201,24 @@ def _decode(value, where: str, resolve: FunctionResolver):
                 if not isinstance(name, str) or ":" not in name:
                     raise CheckpointError(f"{where}: unknown {kind} class {name!r}; this embedcore knows "
                                           f"{sorted(registry)}")
-                cls = resolve(name, f"{where} ({kind} class)", name)
+                cls = resolve(name, f"{where} ({kind} class)", name, base=base)
+            try:
+                accepted = constructor_parameters(cls)
+            except (TypeError, ValueError):
+                accepted = []
+            unknown = sorted(set(value["args"]) - set(accepted))
+            if unknown:
+                raise CheckpointError(f"{where}: the stored {kind} {name} has arguments {unknown} that its "
+                                      f"constructor does not take (it takes {accepted})")
             args = {k: _decode(v, f"{where}.{k}", resolve) for k, v in value["args"].items()}
             try:
                 return cls(**args)
-            except (TypeError, ValueError) as e:
-                raise CheckpointError(f"{where}: the stored {kind} {name} does not rebuild: {e}") from None
-    raise CheckpointError(f"{where}: unrecognised stored value {value!r}")
+            except CheckpointError:
+                raise
+            except Exception as e:  # a constructor refusing the stored values (NaN, out of range, ...)
+                raise CheckpointError(f"{where}: the stored {kind} {name} does not rebuild: "
+                                      f"{type(e).__name__}: {e}") from None
+    raise CheckpointError(f"{where}: unrecognised stored value {value!r:.200}")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -201,8 +255,10 @@ def decode_engine_config(config: dict, resolve: FunctionResolver | None = None, 
     """``(feature_config, optimizer, seed)`` from :func:`encode_engine_config`'s output.
 
     ``with_optimizers=False`` leaves optimizers and initializers out (serving needs neither), so nothing is
-    ever imported.
+    ever imported. ``config`` is checked with :func:`check_config` first; every failure is a
+    :class:`CheckpointError`.
     """
+    check_config(config)
     resolve = resolve or FunctionResolver()
     try:
         tables = {}
@@ -230,5 +286,158 @@ def decode_engine_config(config: dict, resolve: FunctionResolver | None = None, 
         return features, optimizer, int(config["seed"])
     except CheckpointError:
         raise
-    except (KeyError, TypeError, ValueError) as e:
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError, OverflowError, RecursionError) as e:
         raise CheckpointError(f"the checkpoint's configuration is malformed: {type(e).__name__}: {e}") from None
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The configuration's schema
+
+_MAX_NESTING = 32
+_SEED_RANGE = (-2 ** 63, 2 ** 64 - 1)
+_MAX_ROWS = 2 ** 62
+_MAX_DIM = 2 ** 31 - 1
+
+
+def _fail(where: str, what: str, value) -> CheckpointError:
+    return CheckpointError(f"the checkpoint's configuration is malformed: {where} must be {what}, "
+                           f"got {value!r:.120}")
+
+
+def _need_dict(value, where: str, keys=None, optional=()) -> dict:
+    if not isinstance(value, dict):
+        raise _fail(where, "a JSON object", value)
+    if keys is not None:
+        missing = [k for k in keys if k not in value]
+        unknown = [k for k in value if k not in keys and k not in optional]
+        if missing or unknown:
+            raise _fail(where, f"an object with the keys {list(keys)}" +
+                        (f" (optionally {list(optional)})" if optional else ""), sorted(value, key=str))
+    return value
+
+
+def _need_list(value, where: str) -> list:
+    if not isinstance(value, list):
+        raise _fail(where, "a JSON list", value)
+    return value
+
+
+def need_int(value, where: str, low: int, high: int, fail=_fail) -> int:
+    """``value`` if it is an int (not a bool) in ``[low, high]``, else the error ``fail(where, what, value)``."""
+    if type(value) is not int or not low <= value <= high:
+        raise fail(where, f"an integer from {low} to {high}", value)
+    return value
+
+
+def _need_str(value, where: str, allow_none: bool = False, non_empty: bool = True):
+    if value is None and allow_none:
+        return value
+    if not isinstance(value, str) or (non_empty and not value):
+        raise _fail(where, "a non-empty string" + (" or null" if allow_none else ""), value)
+    return value
+
+
+def _check_value(value, where: str, depth: int = 0) -> None:
+    """A stored value (see :func:`_encode`): JSON scalars, lists, tuples, functions, optimizers, initializers."""
+    if depth > _MAX_NESTING:
+        raise _fail(where, f"nested at most {_MAX_NESTING} levels deep", "...")
+    if value is None or isinstance(value, (bool, int, str)):
+        return
+    if isinstance(value, float):
+        return  # the constructor that receives it decides whether it may be non-finite
+    if isinstance(value, list):
+        for i, v in enumerate(value):
+            _check_value(v, f"{where}[{i}]", depth + 1)
+        return
+    if not isinstance(value, dict):
+        raise _fail(where, "a stored value", value)
+    if "tuple" in value:
+        _need_dict(value, where, ["tuple"])
+        for i, v in enumerate(_need_list(value["tuple"], f"{where}.tuple")):
+            _check_value(v, f"{where}[{i}]", depth + 1)
+    elif "function" in value:
+        _need_dict(value, where, ["function"], optional=["repr"])
+        _need_str(value["function"], f"{where}.function", allow_none=True)
+        if "repr" in value:
+            _need_str(value["repr"], f"{where}.repr", allow_none=True, non_empty=False)
+    elif "optimizer" in value or "initializer" in value:
+        kind = "optimizer" if "optimizer" in value else "initializer"
+        _need_dict(value, where, [kind, "args"])
+        _need_str(value[kind], f"{where}.{kind}")
+        for k, v in _need_dict(value["args"], f"{where}.args").items():
+            _check_value(v, f"{where}.{k}", depth + 1)
+    else:
+        raise _fail(where, "a stored value (a number, string, list, tuple, function, optimizer or initializer)",
+                    value)
+
+
+def _check_stored_object(value, kind: str, where: str) -> None:
+    if value is None:
+        return
+    if not isinstance(value, dict) or kind not in value:
+        raise _fail(where, f"null or a stored {kind}", value)
+    _check_value(value, where)
+
+
+def _check_features(node, where: str, tables: set, depth: int = 0) -> None:
+    if depth > _MAX_NESTING:
+        raise _fail(where, f"nested at most {_MAX_NESTING} levels deep", "...")
+    if not isinstance(node, dict) or len(node) != 1:
+        raise _fail(where, 'an object with one key: "dict", "list", "tuple" or "feature"', node)
+    (kind, body), = node.items()
+    if kind == "dict":
+        keys = set()
+        for i, item in enumerate(_need_list(body, f"{where}.dict")):
+            if not isinstance(item, list) or len(item) != 2 or isinstance(item[0], bool) or \
+                    not isinstance(item[0], (str, int)) or item[0] in keys:
+                raise _fail(f"{where}.dict[{i}]", "a [key, node] pair with a new str or int key", item)
+            keys.add(item[0])
+            _check_features(item[1], f"{where}/{item[0]}", tables, depth + 1)
+    elif kind in ("list", "tuple"):
+        for i, item in enumerate(_need_list(body, f"{where}.{kind}")):
+            _check_features(item, f"{where}/{i}", tables, depth + 1)
+    elif kind == "feature":
+        f = _need_dict(body, f"{where}.feature", ["table", "max_sequence_length", "validate_weights_and_indices",
+                                                  "output_shape", "name"])
+        if f["table"] not in tables:
+            raise _fail(f"{where}.feature.table", f"one of the configured tables {sorted(tables)}", f["table"])
+        need_int(f["max_sequence_length"], f"{where}.feature.max_sequence_length", 0, 2 ** 31 - 1)
+        if not isinstance(f["validate_weights_and_indices"], bool):
+            raise _fail(f"{where}.feature.validate_weights_and_indices", "true or false",
+                        f["validate_weights_and_indices"])
+        if f["output_shape"] is not None:
+            for i, d in enumerate(_need_list(f["output_shape"], f"{where}.feature.output_shape")):
+                need_int(d, f"{where}.feature.output_shape[{i}]", 1, 2 ** 48)
+        _need_str(f["name"], f"{where}.feature.name", allow_none=True, non_empty=False)
+    else:
+        raise _fail(where, 'an object with one key: "dict", "list", "tuple" or "feature"', node)
+
+
+def check_config(config) -> dict:
+    """``config`` (a checkpoint's ``"config"``) if it is what :func:`encode_engine_config` writes: every field
+    present, of its type and in its range; else :class:`CheckpointError` naming the field and its value.
+
+    Decoding may still refuse values that only a constructor can judge (a learning rate of NaN), also with
+    :class:`CheckpointError`.
+    """
+    _need_dict(config, "config", ["features", "tables", "optimizer", "seed"], optional=["non_finite"])
+    need_int(config["seed"], "config.seed", *_SEED_RANGE)
+    if "non_finite" in config and config["non_finite"] not in NON_FINITE_POLICIES:
+        raise _fail("config.non_finite", f"one of {list(NON_FINITE_POLICIES)}", config["non_finite"])
+    names = set()
+    for i, t in enumerate(_need_list(config["tables"], "config.tables")):
+        where = f"config.tables[{i}]"
+        _need_dict(t, where, ["name", "vocabulary_size", "dim", "combiner", "initializer", "optimizer"])
+        name = _need_str(t["name"], f"{where}.name")
+        if name in names:
+            raise _fail(f"{where}.name", "a name no other table has", name)
+        names.add(name)
+        where = f"config table '{name}'"
+        need_int(t["vocabulary_size"], f"{where}.vocabulary_size", 1, _MAX_ROWS)
+        need_int(t["dim"], f"{where}.dim", 1, _MAX_DIM)
+        _need_str(t["combiner"], f"{where}.combiner")
+        _check_value(t["initializer"], f"{where}.initializer")
+        _check_stored_object(t["optimizer"], "optimizer", f"{where}.optimizer")
+    _check_features(config["features"], "config.features", names)
+    _check_stored_object(config["optimizer"], "optimizer", "config.optimizer")
+    return config

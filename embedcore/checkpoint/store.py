@@ -13,6 +13,13 @@ snapshot that is whole: the previous one or the new one. Readers trust nothing: 
 manifest's hash, the manifest carries each tensor's shape and hash, every tensor file's header is checked
 against it, and file names must be plain names inside the snapshot. Two processes saving to one path at the
 same time are not supported.
+
+Readers also trust no file to be what its name says: only regular files are opened (never through a
+symbolic link, never blocking on a FIFO), ``CURRENT`` is read up to 4 KiB and a manifest up to 64 MiB, and
+the whole manifest is checked against its schema (:func:`check_manifest`) and the files' real sizes before
+any caller sees it. A reader racing a save in another process (which prunes the snapshot being read)
+starts again on the new ``CURRENT`` (:func:`read_current`), a bounded number of times; an error is reported
+as corruption only if ``CURRENT`` still names the snapshot that failed.
 """
 
 from __future__ import annotations
@@ -20,21 +27,32 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import os
 import re
 import secrets
 import shutil
+import stat
 
+from .config_codec import check_config, need_int
 from .errors import CheckpointError
-from .tensor_file import TensorFileError, read_header, sha256_of, open_tensors, write_tensors
+from .tensor_file import (STORABLE_DTYPES, TensorFileError, read_capped, read_header, sha256_of, open_tensors,
+                          write_tensors)
 
-__all__ = ["FORMAT", "SnapshotWriter", "Snapshot", "open_snapshot"]
+__all__ = ["FORMAT", "SnapshotWriter", "Snapshot", "open_snapshot", "check_manifest", "read_current"]
 
 FORMAT = "embedcore-checkpoint"
 VERSION = 1
 _CURRENT = "CURRENT"
 _FILE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*\.safetensors")
-_SNAPSHOT_NAME = re.compile(r"snapshot-[0-9]+-[0-9a-f]+")
+_SNAPSHOT_NAME = re.compile(r"snapshot-[0-9]{1,20}-[0-9a-f]{1,64}")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+_MAX_CURRENT = 4096
+_MAX_MANIFEST = 64 * 2 ** 20
+_MAX_STEP = 2 ** 63 - 1
+_MAX_ROWS = 2 ** 62
+_DTYPE_SIZES = {str(d): d.itemsize for d in STORABLE_DTYPES}
+_RETRIES = 8
 
 
 def _fsync_dir(path: str) -> None:
@@ -156,47 +174,248 @@ class Snapshot:
         return arrays
 
 
-def open_snapshot(path) -> Snapshot:
-    """The snapshot ``path/CURRENT`` names, with its manifest verified against the hash in ``CURRENT``."""
-    path = os.fspath(path)
-    if not os.path.isdir(path):
-        raise CheckpointError(f"{path}: no such checkpoint directory")
+def _current_name(path: str) -> str:
+    """The snapshot name ``path/CURRENT`` holds; CheckpointError if unreadable."""
+    return _read_pointer(path)[0]
+
+
+def _read_pointer(path: str) -> tuple[str, str]:
+    """``(snapshot name, manifest SHA-256)`` from ``path/CURRENT``, a regular file of at most 4 KiB."""
+    current = os.path.join(path, _CURRENT)
     try:
-        with open(os.path.join(path, _CURRENT)) as f:
-            pointer = json.loads(f.read())
+        pointer = json.loads(read_capped(current, _MAX_CURRENT).decode("utf-8"))
         if not isinstance(pointer, dict):
             raise ValueError("not a JSON object")
         name, digest = pointer.get("snapshot"), pointer.get("manifest_sha256")
         if not isinstance(name, str) or not _SNAPSHOT_NAME.fullmatch(name):
-            raise ValueError(f"bad snapshot name {name!r}")
+            raise ValueError(f"bad snapshot name {name!r:.100}")
         if not isinstance(digest, str):
             raise ValueError("no manifest_sha256")
     except FileNotFoundError:
         raise CheckpointError(f"{path}: not a checkpoint (no {_CURRENT} file)") from None
-    except (OSError, ValueError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"corrupt checkpoint: {path}/{_CURRENT} is unreadable ({e})") from None
+    except (OSError, ValueError, UnicodeDecodeError, RecursionError) as e:
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else e
+        raise CheckpointError(f"corrupt checkpoint: {path}/{_CURRENT} is unreadable ({reason})") from None
+    return name, digest
+
+
+def _moved_on(path: str, name: str) -> bool:
+    """Whether ``path/CURRENT`` now names another snapshot than ``name`` (a save committed meanwhile)."""
+    try:
+        return _current_name(path) != name
+    except CheckpointError:
+        return False
+
+
+def read_current(path, use, attempts: int = _RETRIES):
+    """``use(snapshot)`` on the current snapshot of ``path``, consistently although other processes may save.
+
+    A save in another process deletes the previous snapshot once its new ``CURRENT`` is in place, so a
+    reader can find files vanishing under it. When ``use`` (or opening the snapshot) fails and ``CURRENT``
+    meanwhile names another snapshot, the read starts again on that one, up to ``attempts`` times; the
+    failure is reported only if ``CURRENT`` still names the snapshot it happened on (then it is real).
+    ``use`` must not change anything until it has read all it needs: a retried call starts from scratch.
+    Files already opened stay valid (a deleted file's data lives while it is mapped), so data from one
+    attempt is never mixed with another's.
+    """
+    path = os.fspath(path)
+    for attempt in range(attempts):
+        name = None
+        try:
+            snap = open_snapshot(path, _retry=False)
+            name = snap.name
+            return use(snap)
+        except (CheckpointError, OSError) as e:
+            if name is None:
+                name = getattr(e, "_snapshot", None)
+            if name is None or attempt == attempts - 1 or not _moved_on(path, name):
+                if isinstance(e, CheckpointError):
+                    raise
+                raise CheckpointError(f"corrupt checkpoint: {path}: {type(e).__name__}: {e}") from None
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def open_snapshot(path, _retry: bool = True) -> Snapshot:
+    """The snapshot ``path/CURRENT`` names, with its manifest verified against the hash in ``CURRENT`` and
+    checked by :func:`check_manifest` (every field, and every file it names against the file's real size)."""
+    path = os.fspath(path)
+    if _retry:
+        return read_current(path, lambda snap: snap)
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path}: no such checkpoint directory")
+    name, digest = _read_pointer(path)
     manifest_path = os.path.join(path, name, "manifest.json")
     try:
-        with open(manifest_path, "rb") as f:
-            text = f.read()
-    except OSError as e:
-        raise CheckpointError(f"corrupt checkpoint: {manifest_path}: {e.strerror}") from None
-    if hashlib.sha256(text).hexdigest() != digest:
-        raise CheckpointError(f"corrupt checkpoint: {manifest_path} does not match its SHA-256 in {_CURRENT}")
-    manifest = json.loads(text)
+        try:
+            text = read_capped(manifest_path, _MAX_MANIFEST)
+        except TensorFileError as e:
+            raise CheckpointError(f"corrupt checkpoint: {e}") from None
+        except OSError as e:
+            raise CheckpointError(f"corrupt checkpoint: {manifest_path}: {e.strerror}") from None
+        if hashlib.sha256(text).hexdigest() != digest:
+            raise CheckpointError(f"corrupt checkpoint: {manifest_path} does not match its SHA-256 in {_CURRENT}")
+        try:
+            manifest = json.loads(text.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError, RecursionError) as e:
+            raise CheckpointError(f"corrupt checkpoint: {manifest_path} is not JSON ({e})") from None
+        snap = Snapshot(path, name, check_manifest(manifest, path, manifest_path))
+        _check_file_sizes(snap)
+        return snap
+    except CheckpointError as e:
+        e._snapshot = name  # for read_current: the snapshot this failure happened on
+        raise
+
+
+def _bad(where: str, what: str, value) -> CheckpointError:
+    return CheckpointError(f"corrupt checkpoint: {where} must be {what}, got {value!r:.120}")
+
+
+def _need(value, kind, where: str, what: str):
+    if not isinstance(value, kind):
+        raise _bad(where, what, value)
+    return value
+
+
+def check_manifest(manifest, path: str, manifest_path: str) -> dict:
+    """``manifest`` if it is a whole, consistent checkpoint manifest, else :class:`CheckpointError` naming the
+    field and its value. The schema, all of which is checked before any caller uses a field:
+
+    - ``format`` and ``version``: this format; ``step``: an integer from 0 to 2^63-1 (not a bool);
+      ``embedcore_version``: a string; ``metadata``: any JSON; ``extra``: null or a file named in ``files``;
+    - ``config``: :func:`~embedcore.checkpoint.config_codec.check_config`; its tables are exactly ``tables``,
+      with the same ``vocabulary_size`` and ``dim``;
+    - ``files``: plain ``*.safetensors`` names -> tensor name -> ``shape`` (integers >= 0), a storable
+      ``dtype`` and a hex ``sha256``;
+    - ``tables``: name -> ``vocabulary_size`` (>= 1), ``dim`` (>= 1), ``slots`` (distinct non-empty names) and
+      ``shards`` that partition the rows exactly (``first_row`` 0..stride-1, one stride, ``rows`` as the
+      stride implies), each in a listed file holding exactly ``weights`` (float32 ``[rows, dim]``) and
+      ``slot/<name>`` per slot (float32 ``[rows]`` or ``[rows, dim]``, the same in every shard).
+    """
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise CheckpointError(f"{path}: not an embedcore checkpoint (format {manifest.get('format')!r})")
-    if manifest.get("version") != VERSION:
-        raise CheckpointError(f"{path}: checkpoint format version {manifest.get('version')!r}; this embedcore "
+        shown = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
+        raise CheckpointError(f"{path}: not an embedcore checkpoint (format {shown!r:.100})")
+    if type(manifest.get("version")) is not int or manifest["version"] != VERSION:
+        raise CheckpointError(f"{path}: checkpoint format version {manifest.get('version')!r:.100}; this embedcore "
                               f"reads version {VERSION}")
+    where = manifest_path
+    for key in ("step", "config", "tables", "files", "extra"):
+        if key not in manifest:
+            raise CheckpointError(f"corrupt checkpoint: {where} has no '{key}'")
+    need_int(manifest["step"], f"{where}: step", 0, _MAX_STEP,
+             fail=lambda w, what, v: _bad(w, f"a step count ({what})", v))
+    if "embedcore_version" in manifest:
+        _need(manifest["embedcore_version"], str, f"{where}: embedcore_version", "a string")
+    files = _need(manifest["files"], dict, f"{where}: files", "an object of files")
+    for file_name, tensors in files.items():
+        _check_file_name(file_name, manifest_path)
+        _need(tensors, dict, f"{where}: files.{file_name}", "an object of tensors")
+        for tensor, entry in tensors.items():
+            w = f"{where}: files.{file_name}.{tensor}"
+            if not tensor or tensor == "__metadata__":
+                raise _bad(f"{where}: files.{file_name}", "tensor names other than '' and '__metadata__'", tensor)
+            _need(entry, dict, w, "an object with shape, dtype and sha256")
+            shape = _need(entry.get("shape"), list, f"{w}.shape", "a list of integers")
+            for d in shape:
+                need_int(d, f"{w}.shape", 0, _MAX_ROWS, fail=lambda w_, what, v: _bad(w_, f"made of {what}", shape))
+            if entry.get("dtype") not in _DTYPE_SIZES:
+                raise _bad(f"{w}.dtype", f"one of {sorted(_DTYPE_SIZES)}", entry.get("dtype"))
+            if not isinstance(entry.get("sha256"), str) or not _SHA256.fullmatch(entry["sha256"]):
+                raise _bad(f"{w}.sha256", "64 hex digits", entry.get("sha256"))
+    extra = manifest["extra"]
+    if extra is not None:
+        _check_file_name(extra, manifest_path)
+        if extra not in files:
+            raise _bad(f"{where}: extra", f"null or one of the files {sorted(files)}", extra)
+    tables = _need(manifest["tables"], dict, f"{where}: tables", "an object of tables")
+    for name, entry in tables.items():
+        _check_table(name, entry, files, where, manifest_path)
     try:
-        names = list(manifest.get("files", {})) + [shard.get("file") for t in manifest.get("tables", {}).values()
-                                                   for shard in t.get("shards", [])]
-    except AttributeError:
-        raise CheckpointError(f"corrupt checkpoint: {manifest_path} has a malformed table list") from None
-    names += [manifest["extra"]] if manifest.get("extra") is not None else []
-    for file_name in names:
-        if not isinstance(file_name, str) or not _FILE_NAME.fullmatch(file_name):
-            raise CheckpointError(f"corrupt checkpoint: {manifest_path} names the file {file_name!r}; files must be "
-                                  f"plain *.safetensors names inside the snapshot")
-    return Snapshot(path, name, manifest)
+        config = check_config(manifest["config"])
+    except CheckpointError as e:
+        raise CheckpointError(f"corrupt checkpoint: {where}: {e}") from None
+    configured = {t["name"]: t for t in config["tables"]}
+    for name, t in configured.items():
+        if name not in tables:
+            raise CheckpointError(f"corrupt checkpoint: {path} holds no table '{name}' (it holds "
+                                  f"{sorted(tables)}), which its configuration lists")
+        stored = (tables[name]["vocabulary_size"], tables[name]["dim"])
+        if stored != (t["vocabulary_size"], t["dim"]):
+            raise CheckpointError(f"corrupt checkpoint: {path}: table '{name}' tensor 'weights' is float32 of shape "
+                                  f"{stored}; its configuration needs float32 of shape "
+                                  f"{(t['vocabulary_size'], t['dim'])}")
+    if set(tables) != set(configured):
+        raise CheckpointError(f"corrupt checkpoint: {where}: tables {sorted(set(tables) - set(configured))} are "
+                              f"not in its configuration")
+    return manifest
+
+
+def _check_file_name(file_name, manifest_path: str) -> None:
+    if not isinstance(file_name, str) or not _FILE_NAME.fullmatch(file_name):
+        raise CheckpointError(f"corrupt checkpoint: {manifest_path} names the file {file_name!r:.100}; files must "
+                              f"be plain *.safetensors names inside the snapshot")
+
+
+def _check_table(name, entry, files: dict, where: str, manifest_path: str) -> None:
+    w = f"{where}: table '{name}'"
+    _need(entry, dict, w, "an object")
+    vocabulary = need_int(entry.get("vocabulary_size"), f"{w}.vocabulary_size", 1, _MAX_ROWS, fail=_bad)
+    dim = need_int(entry.get("dim"), f"{w}.dim", 1, 2 ** 31 - 1, fail=_bad)
+    slots = _need(entry.get("slots"), list, f"{w}.slots", "a list of slot names")
+    if not all(isinstance(s, str) and s for s in slots) or len(set(slots)) != len(slots):
+        raise _bad(f"{w}.slots", "distinct non-empty names", slots)
+    shards = _need(entry.get("shards"), list, f"{w}.shards", "a list of shards")
+    if not shards:
+        raise _bad(f"{w}.shards", "a non-empty list of shards", shards)
+    partition = f"corrupt checkpoint: {manifest_path}: the shards of table '{name}' do not partition its rows"
+    for shard in shards:
+        if not isinstance(shard, dict) or set(shard) != {"file", "first_row", "stride", "rows"}:
+            raise CheckpointError(partition)
+    stride = shards[0]["stride"]
+    if type(stride) is not int or not 1 <= stride <= len(shards) or \
+            any(type(sh["stride"]) is not int or sh["stride"] != stride for sh in shards) or \
+            any(type(sh["first_row"]) is not int for sh in shards) or \
+            sorted(sh["first_row"] for sh in shards) != list(range(stride)) or \
+            any(type(sh["rows"]) is not int or sh["rows"] != len(range(sh["first_row"], vocabulary, stride))
+                for sh in shards):
+        raise CheckpointError(partition)
+    slot_shapes = None
+    for shard in shards:
+        _check_file_name(shard["file"], manifest_path)
+        stored = files.get(shard["file"])
+        if stored is None:
+            raise _bad(f"{w}.shards.file", f"one of the files {sorted(files)}", shard["file"])
+        wanted = {"weights"} | {f"slot/{s}" for s in slots}
+        if set(stored) != wanted:
+            raise CheckpointError(f"corrupt checkpoint: {manifest_path}: table '{name}' (slots {slots}) needs the "
+                                  f"tensors {sorted(wanted)} in {shard['file']}, which holds {sorted(stored)}")
+        rows = shard["rows"]
+        for key in sorted(wanted):
+            shape = tuple(stored[key]["shape"])
+            ok = shape == (rows, dim) if key == "weights" else shape in ((rows,), (rows, dim))
+            if stored[key]["dtype"] != "float32" or not ok:
+                raise CheckpointError(f"corrupt checkpoint: {manifest_path}: table '{name}' tensor '{key}' in "
+                                      f"{shard['file']} is {stored[key]['dtype']} of shape {shape}")
+        shapes = {key: len(stored[key]["shape"]) for key in wanted}
+        if slot_shapes is not None and shapes != slot_shapes:
+            raise CheckpointError(f"corrupt checkpoint: {manifest_path}: table '{name}' has slots of different "
+                                  f"ranks in different shards")
+        slot_shapes = shapes
+
+
+def _check_file_sizes(snap: Snapshot) -> None:
+    """Every file the manifest lists is a regular file at least as large as the tensors it declares.
+
+    Declared shapes are thus bounded by bytes that exist before anyone allocates memory for them.
+    """
+    for file_name, tensors in snap.manifest["files"].items():
+        file_path = os.path.join(snap.dir, file_name)
+        declared = 8 + sum(math.prod(t["shape"]) * _DTYPE_SIZES[t["dtype"]] for t in tensors.values())
+        try:
+            info = os.stat(file_path, follow_symlinks=False)
+        except OSError as e:
+            raise CheckpointError(f"corrupt checkpoint: {file_path}: {e.strerror}") from None
+        if not stat.S_ISREG(info.st_mode):
+            raise CheckpointError(f"corrupt checkpoint: {file_path} is not a regular file")
+        if info.st_size < declared:
+            raise CheckpointError(f"corrupt checkpoint: {file_path} is {info.st_size:,} bytes; the manifest declares "
+                                  f"tensors of {declared - 8:,} bytes in it")

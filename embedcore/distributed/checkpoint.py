@@ -6,19 +6,25 @@ by K ranks loads on any number of ranks, or in one process. Every step that can 
 on by all before the next begins; rank 0 replaces ``CURRENT`` only after every rank has reported that its
 shards are written (with their SHA-256), so a failure anywhere before that leaves the previous checkpoint
 current and the half-written snapshot is removed (or, if rank 0 died, pruned by the next successful save).
+
+Reading checks what single-process reading checks (the whole manifest, sizes against files and memory,
+hashes, NaN/Inf, only embedcore classes called) on every rank, and the ranks agree on the outcome and on
+having read the same snapshot before any of them changes.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import zlib
 
 import numpy as np
 
-from ..checkpoint import (_EXTRA, CheckpointError, check_compatible, check_save_inputs, manifest_of,
-                          open_snapshot, table_rows, write_table_shards)
+from ..checkpoint import (_EXTRA, CheckpointError, check_compatible, check_save_inputs, manifest_of, read_current,
+                          stored_shapes, table_rows, write_table_shards)
 from ..checkpoint.config_codec import FunctionResolver, decode_engine_config
 from ..checkpoint.store import SnapshotWriter
+from ..memory_budget import check_fits
 from .exchange import DistributedError, Exchanger, describe_error
 from .sharding import shard_of
 
@@ -88,21 +94,25 @@ def load(emb, path, strict: bool) -> None:
     """See :meth:`ShardedEmbedding.load`."""
     staged, snap = [], None
 
-    def stage():
-        nonlocal snap
-        snap = open_snapshot(path)
+    def read(current):
+        staged.clear()  # a read restarted on a newer snapshot (read_current) stages everything anew
         slots = emb.slot_variables
-        check_compatible(snap, emb._config, {n: list(v) for n, v in slots.items()}, strict)
+        check_compatible(current, emb._config, {n: list(v) for n, v in slots.items()}, strict)
         for name, table in emb.embedding_tables.items():
             shard = emb.shards[name]
             targets = {"weights": table}
             targets.update({f"slot/{s}": v for s, v in slots[name].items()})
             for key, target in targets.items():
-                rows = table_rows(snap, name, key, shard.first, shard.stride, shard.rows)
+                rows = table_rows(current, name, key, shard.first, shard.stride, shard.rows)
                 if rows.shape != target.shape:
-                    raise CheckpointError(f"{snap.dir}: table '{name}' tensor '{key}' rows have shape "
+                    raise CheckpointError(f"{current.dir}: table '{name}' tensor '{key}' rows have shape "
                                           f"{rows.shape[1:]}, the engine needs {target.shape[1:]}")
                 staged.append((target, rows))
+        return current
+
+    def stage():
+        nonlocal snap
+        snap = read_current(path, read)
     error = exc = None
     try:
         stage()
@@ -121,9 +131,15 @@ def restore(cls, path, comm, functions, allow_import: bool, timeout: float):
     ex = Exchanger(comm, timeout)
     config, error, exc = None, None, None
     try:
-        snap = open_snapshot(path)
-        config = snap.manifest["config"]
-        features, optimizer, seed = decode_engine_config(config, FunctionResolver(functions, allow_import))
+        def read(snap):
+            shapes = stored_shapes(snap)  # this rank holds at most ceil(1/world) of every table's rows and slots
+            total = sum(4 * -(-shape[0] // ex.world) * math.prod(shape[1:])
+                        for tensors in shapes.values() for shape in tensors.values())
+            check_fits(total, f"restoring {snap.dir} on rank {ex.rank} of {ex.world} (its rows of tables "
+                              f"{sorted(shapes)[:5]} with their slots)", error=CheckpointError)
+            return snap.manifest["config"], decode_engine_config(snap.manifest["config"],
+                                                                 FunctionResolver(functions, allow_import))
+        config, (features, optimizer, seed) = read_current(path, read)
     except Exception as e:
         error, exc = describe_error(e), e
     _agree(ex, error, exc, "restore")
