@@ -19,6 +19,7 @@ import hashlib
 import inspect
 import operator
 import textwrap
+import types as pytypes
 from dataclasses import dataclass
 
 import numba
@@ -30,7 +31,7 @@ from . import compile_cache
 from .split_reductions import NotSplittable, split_reductions
 
 __all__ = ["RowFunctionError", "CompiledRowFunction", "compile_row_function", "compile_cached", "strip_del",
-           "is_elementwise", "describe"]
+           "is_elementwise", "describe", "check_row_function"]
 
 
 class RowFunctionError(ValueError):
@@ -41,6 +42,26 @@ def describe(fn) -> str:
     name = getattr(fn, "__qualname__", None) or repr(fn)
     module = getattr(fn, "__module__", None)
     return f"{module}.{name}" if module else name
+
+
+_CONTRACT = "(gradient, embedding_table, slot_variables, learning_rate, hyperparameters)"
+
+
+def check_row_function(fn) -> None:
+    """Refuse, with :class:`RowFunctionError` naming ``fn`` and the cause, what Numba could never compile
+    as a per-row function: a callable that is not a Python function (a builtin such as ``print``, a class, a
+    ``functools.partial``, an object with ``__call__``) or one that cannot take the contract's five
+    positional arguments ``(gradient, embedding_table, slot_variables, learning_rate, hyperparameters)``."""
+    target = fn.py_func if isinstance(fn, numba.core.registry.CPUDispatcher) else fn
+    if not isinstance(target, pytypes.FunctionType):
+        raise RowFunctionError(
+            f"custom computation {describe(fn)} is a {type(fn).__name__}, not a Python function (def or lambda, "
+            f"or one decorated with numba.njit): only those can be compiled as per-row functions {_CONTRACT}")
+    try:
+        inspect.signature(target).bind(*_CONTRACT.strip("()").split(", "))
+    except TypeError as exc:
+        raise RowFunctionError(f"custom computation {describe(fn)} cannot be called with the five arguments "
+                               f"{_CONTRACT}: {exc}") from None
 
 
 def strip_del(fn):
@@ -55,7 +76,10 @@ def strip_del(fn):
         source = textwrap.dedent(inspect.getsource(fn))
     except (OSError, TypeError):
         return fn
-    tree = ast.parse(source)
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:  # the source of a lambda cut out of a larger expression
+        return fn
     fdef = tree.body[0] if tree.body else None
     if not isinstance(fdef, (ast.FunctionDef,)) or fdef.name != fn.__name__:
         return fn  # a lambda or something exotic: compile it as it is
@@ -144,14 +168,10 @@ def compile_row_function(fn, slot_dims, n_hyperparameters, dim) -> CompiledRowFu
     """Compile ``fn`` for rows of width ``dim``, check its outputs on a trial row, decide element-wise."""
     if not callable(fn):
         raise RowFunctionError(f"custom computation must be callable, got {fn!r}")
+    check_row_function(fn)
     slot_dims = tuple(slot_dims)
-    dispatcher = _DISPATCHERS.get(fn)
-    if dispatcher is None:
-        dispatcher = _DISPATCHERS[fn] = numba.njit(strip_del(fn), inline="always", error_model="numpy")
-    try:
-        digest = compile_cache.fingerprint(fn)
-    except compile_cache.Uncacheable:
-        digest = None
+    digest = _fingerprint(fn)
+    dispatcher = _dispatcher(fn, digest)
     verdict_key = ("row function", digest, _source_digest(fn), slot_dims, n_hyperparameters, dim)
     verdict = compile_cache.read_verdict(verdict_key) if digest is not None else None
     if verdict is not None:  # this function compiled, passed the checks and was judged before
@@ -237,16 +257,43 @@ def _try_split(fn, dispatcher, signature, slot_dims, n_hyperparameters, dim):
     return split, f"split into loops that allocate nothing: {summary}"
 
 
-_DISPATCHERS: dict = {}
-_COMPILED: dict = {}
+# In-process caches, keyed like the disk cache: by the function *and* its fingerprint (compile_cache.fingerprint:
+# its code and the values of the globals, closure cells and callees it reads). Numba freezes the globals a
+# function reads when it compiles, so a function whose global changed needs a new dispatcher. Each holds the
+# latest value per key, with the fingerprint it was made for; a function that cannot be fingerprinted
+# (None) is compiled anew each time, since nothing tells whether what it reads changed.
+_DISPATCHERS: dict = {}   # fn -> its latest dispatcher
+_DISPATCHED: dict = {}    # fn -> the fingerprint that dispatcher was made for
+_COMPILED: dict = {}      # (fn, slot_dims, n_hyperparameters, dim) -> (fingerprint, CompiledRowFunction)
+
+
+def _fingerprint(fn) -> str | None:
+    try:
+        return compile_cache.fingerprint(fn)
+    except compile_cache.Uncacheable:
+        return None
+
+
+def _dispatcher(fn, digest):
+    """The Numba dispatcher of ``fn`` (del-stripped) for its current fingerprint ``digest``."""
+    if digest is not None and fn in _DISPATCHERS and _DISPATCHED.get(fn) == digest:
+        return _DISPATCHERS[fn]
+    dispatcher = _DISPATCHERS[fn] = numba.njit(strip_del(fn), inline="always", error_model="numpy")
+    _DISPATCHED[fn] = digest
+    return dispatcher
 
 
 def compile_cached(fn, slot_dims, n_hyperparameters, dim) -> CompiledRowFunction:
-    """:func:`compile_row_function`, remembered for the process (one Numba compilation per function)."""
+    """:func:`compile_row_function`, remembered for the process: one Numba compilation per function and
+    fingerprint, so an engine built after a global the function reads has changed runs the new value."""
     key = (fn, tuple(slot_dims), n_hyperparameters, dim)
-    compiled = _COMPILED.get(key)
-    if compiled is None:
-        compiled = _COMPILED[key] = compile_row_function(fn, slot_dims, n_hyperparameters, dim)
+    digest = _fingerprint(fn)
+    known = _COMPILED.get(key)
+    if digest is not None and known is not None and known[0] == digest:
+        return known[1]
+    compiled = compile_row_function(fn, slot_dims, n_hyperparameters, dim)
+    if digest is not None:
+        _COMPILED[key] = (digest, compiled)
     return compiled
 
 
@@ -256,7 +303,11 @@ def _trial_run(fn, dispatcher, slot_dims, n_hyperparameters, dim):
     row = np.full(dim, 0.25, np.float32)
     slots = tuple(np.full(dim, 1.0, np.float32) if d == 2 else np.float32(1.0) for d in slot_dims)
     hyper = tuple(np.float32(0.5) for _ in range(n_hyperparameters))
-    out = dispatcher(g, row, slots, np.float32(0.01), hyper)
+    try:
+        out = dispatcher(g, row, slots, np.float32(0.01), hyper)
+    except Exception as exc:  # it compiled, yet raises on a plain row (an index beyond it, say)
+        raise RowFunctionError(f"custom computation {describe(fn)} raised {type(exc).__name__} on a trial row of "
+                               f"{dim} values: {str(exc)[:500]}") from None
     outputs = out if slot_dims else (out,)
     for k, value in enumerate(outputs):
         shape = np.shape(value)

@@ -26,7 +26,7 @@ import numpy as np
 
 from . import compiler
 from .common_options import N_COMMON, clip, with_common_options
-from .initializers import Initializer
+from .initializers import FLOAT32_MAX, Initializer, finite_float32
 from .kernels.sum_of_squares import sum_of_squares
 
 __all__ = ["Optimizer", "CustomOptimizer", "SGD", "Adagrad", "AdagradMomentum", "Adam", "FTRL",
@@ -38,20 +38,42 @@ def _is_number(value) -> bool:
 
 
 def _evaluate(value, what: str, owner) -> np.float32:
-    """A float or zero-argument callable, as a finite float32."""
+    """A float or zero-argument callable, as a float32 that is finite (``ValueError`` naming ``owner``, ``what``
+    and the value otherwise: ``1e39`` is finite in Python, ``inf`` in float32)."""
     result = value() if callable(value) else value
     try:
         result = float(result)
-    except (TypeError, ValueError):
-        raise ValueError(f"{owner!r}: {what} must evaluate to a float, got {result!r}") from None
-    if not math.isfinite(result):
-        raise ValueError(f"{owner!r}: {what} evaluated to {result}, which is not finite")
-    return np.float32(result)
+    except (TypeError, ValueError, OverflowError):
+        raise ValueError(f"{owner!r}: {what} must evaluate to a float, got {result!r:.80}") from None
+    return _finite_value(result, what, owner)
+
+
+def _finite_value(result, what: str, owner) -> np.float32:
+    """``result`` as float32, refused with ``ValueError`` naming ``owner`` and ``what`` unless finite there."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        stored = np.float32(result)
+    if not np.isfinite(stored):
+        raise ValueError(f"{owner!r}: {what} evaluated to {result}, which is not finite in float32 "
+                         f"(|x| <= {FLOAT32_MAX:.7g}); nothing was changed")
+    return stored
 
 
 def _check_float_or_callable(value, what: str):
     if not (callable(value) or _is_number(value)):
         raise ValueError(f"{what} must be a float or a zero-argument callable. Received: {value!r}")
+    if not callable(value):
+        finite_float32(value, what)
+
+
+def _check_finite(owner: str, positive=(), **values):
+    """Each of ``values`` (None allowed) finite in float32, those named in ``positive`` also > 0 there (a
+    positive epsilon of 1e-50 is 0 in float32 and would divide by zero); ``ValueError`` naming ``owner``."""
+    for what, value in values.items():
+        if value is None:
+            continue
+        finite_float32(value, f"{owner}: {what}")
+        if what in positive and not np.float32(value) > 0:
+            raise ValueError(f"{owner}: {what} must be positive in float32, got {value!r} (0 as float32)")
 
 
 class Optimizer:
@@ -82,9 +104,22 @@ class Optimizer:
         return configured
 
     def step_values(self, step: int):
-        """``(learning_rate, hyperparameters)`` for ``step``, each callable called exactly once."""
+        """``(learning_rate, hyperparameters)`` for ``step``, each callable called exactly once.
+
+        Raises ``ValueError`` naming the optimizer and the value when the learning rate (as configured, or as
+        the row function sees it, e.g. Adam's bias-corrected one) or a hyperparameter is not finite in
+        float32; the engine evaluates these before it changes anything.
+        """
         configured = _evaluate(self.learning_rate, "learning_rate", self)
-        return self.learning_rate_value(step, configured), self.hyperparameter_values(step, configured)
+        learning_rate = _finite_value(self.learning_rate_value(step, configured),
+                                      f"the learning rate of step {step}", self)
+        return learning_rate, self.hyperparameter_values(step, configured)
+
+    def _check_constants(self):
+        """With a constant learning rate, this step's values (derived ones too: ``-1 / exponent``, a bias
+        correction, a decay times the learning rate) are checked at construction, not at the first step."""
+        if not callable(self.learning_rate) and not any(callable(h) for h in getattr(self, "hyperparameters", ())):
+            self.step_values(1)
 
     def compiled(self, dim: int) -> compiler.CompiledRowFunction:
         """The compiled row function for rows of ``dim`` values (cached per process)."""
@@ -117,8 +152,10 @@ class Optimizer:
 
 
 def _check_slot_initializer(value, where):
-    if _is_number(value) or isinstance(value, Initializer) or callable(value):
-        return float(value) if _is_number(value) else value
+    if _is_number(value):
+        return finite_float32(value, where)
+    if isinstance(value, Initializer) or callable(value):
+        return value  # a callable's values are checked as they are written (initializers.fill_rows)
     raise ValueError(f"{where} must be a float, an embedcore initializer or a callable(shape, dtype). "
                      f"Received: {value!r}")
 
@@ -141,8 +178,10 @@ class CustomOptimizer(Optimizer):
     def __init__(self, custom_computation, learning_rate=0.01, slot_names=None, slot_initializers=None,
                  hyperparameters=None, slot_dims=None):
         if not callable(custom_computation):
-            raise ValueError(f"custom_computation must be callable. Received: {custom_computation!r}")
-        _check_float_or_callable(learning_rate, "learning_rate")
+            raise compiler.RowFunctionError(f"custom_computation must be callable. Received: {custom_computation!r}")
+        compiler.check_row_function(custom_computation)
+        owner = f"CustomOptimizer({compiler.describe(custom_computation)})"
+        _check_float_or_callable(learning_rate, f"{owner}: learning_rate")
         slot_names = tuple(slot_names or ())
         slot_initializers = tuple(slot_initializers or ())
         if len(slot_names) != len(slot_initializers):
@@ -163,14 +202,15 @@ class CustomOptimizer(Optimizer):
                                  f"Received: {list(slot_dims)}")
         hyperparameters = tuple(hyperparameters or ())
         for k, h in enumerate(hyperparameters):
-            _check_float_or_callable(h, f"hyperparameters[{k}]")
+            _check_float_or_callable(h, f"{owner}: hyperparameters[{k}]")
         self.custom_computation = custom_computation
         self.learning_rate = learning_rate
         self.slot_names = slot_names
-        self.slot_initializers = tuple(_check_slot_initializer(v, f"slot_initializers[{k}]")
+        self.slot_initializers = tuple(_check_slot_initializer(v, f"{owner}: slot_initializers[{k}]")
                                        for k, v in enumerate(slot_initializers))
         self.slot_dims = tuple(int(d) for d in slot_dims)
         self.hyperparameters = hyperparameters
+        self._check_constants()
 
     def row_function(self):
         return self.custom_computation
@@ -312,6 +352,9 @@ class _BuiltinOptimizer(Optimizer):
         if weight_decay_factor is not None and (not _is_number(weight_decay_factor) or weight_decay_factor < 0):
             raise ValueError(f"{name}: weight_decay_factor must be a float >= 0 or None. "
                              f"Received: {weight_decay_factor!r}")
+        # A bound of +-inf means none: say None (the value reaches the row function as a float32).
+        _check_finite(name, clipvalue_min=clip[0], clipvalue_max=clip[1], clip_weight_min=clip_weight_min,
+                      clip_weight_max=clip_weight_max, weight_decay_factor=weight_decay_factor)
         self.learning_rate = learning_rate
         self.use_gradient_accumulation = bool(use_gradient_accumulation)
         self.clip_gradient_min, self.clip_gradient_max = clip
@@ -349,7 +392,12 @@ class _BuiltinOptimizer(Optimizer):
                   decay,
                   -inf if self.clip_weight_min is None else self.clip_weight_min,
                   inf if self.clip_weight_max is None else self.clip_weight_max)
-        return tuple(np.float32(v) for v in common + tuple(self._specific(step)))
+        specific = tuple(self._specific(step))
+        _finite_value(decay, "weight_decay_factor (times the learning rate)" if
+                      self.multiply_weight_decay_factor_by_learning_rate else "weight_decay_factor", self)
+        for k, v in enumerate(specific):
+            _finite_value(v, f"hyperparameter {_N_COMMON + k} of its row function", self)
+        return tuple(np.float32(v) for v in common + specific)
 
 
 _COMMON_DOC = """
@@ -369,6 +417,7 @@ class SGD(_BuiltinOptimizer):
         super().__init__(learning_rate, use_gradient_accumulation, clip_weight_min, clip_weight_max,
                          weight_decay_factor, multiply_weight_decay_factor_by_learning_rate, clipvalue,
                          None, low_dimensional_packing_status)
+        self._check_constants()
 
 
 class Adagrad(_BuiltinOptimizer):
@@ -388,8 +437,11 @@ class Adagrad(_BuiltinOptimizer):
         if not _is_number(initial_accumulator_value) or initial_accumulator_value <= 0:
             raise ValueError(f"Adagrad initial_accumulator_value must be a positive float, got "
                              f"{initial_accumulator_value!r}.")
+        _check_finite("Adagrad", positive=("initial_accumulator_value",),
+                      initial_accumulator_value=initial_accumulator_value)
         self.initial_accumulator_value = float(initial_accumulator_value)
         self.slot_initializers = (self.initial_accumulator_value,)
+        self._check_constants()
 
 
 class AdagradMomentum(_BuiltinOptimizer):
@@ -417,8 +469,11 @@ class AdagradMomentum(_BuiltinOptimizer):
         if not _is_number(momentum) or not _is_number(beta2) or not 0 <= beta2 <= 1:
             raise ValueError(f"Adagrad momentum: momentum must be a float and beta2 a float in [0, 1]; got "
                              f"momentum={momentum!r}, beta2={beta2!r}")
+        _check_finite("Adagrad momentum", positive=("epsilon", "exponent"), momentum=momentum, exponent=exponent,
+                      beta2=beta2, epsilon=epsilon)
         self.momentum, self.use_nesterov = float(momentum), bool(use_nesterov)
         self.exponent, self.beta2, self.epsilon = float(exponent), float(beta2), float(epsilon)
+        self._check_constants()
 
     def _specific(self, step):
         keep, add = (1.0, 1.0) if self.beta2 == 1.0 else (self.beta2, 1.0 - self.beta2)
@@ -455,8 +510,10 @@ class Adam(_BuiltinOptimizer):
         if not use_gradient_accumulation and not lazy_adam:
             raise ValueError("Adam: when `use_gradient_accumulation` is False, lazy_adam must be True.")
         self.beta_1, self.beta_2, self.epsilon = float(beta_1), float(beta_2), float(epsilon)
+        _check_finite("Adam", positive=("epsilon",), epsilon=epsilon)
         self.lazy_adam, self.sum_inside_sqrt = bool(lazy_adam), bool(sum_inside_sqrt)
         self.lazy = self.lazy_adam
+        self._check_constants()
 
     def learning_rate_value(self, step, configured):
         lr = float(configured)
@@ -499,7 +556,12 @@ class FTRL(_BuiltinOptimizer):
         self.initial_accumulator_value = float(initial_accumulator_value)
         self.multiply_linear_by_learning_rate = bool(multiply_linear_by_learning_rate)
         self.allow_zero_accumulator = bool(allow_zero_accumulator)
+        _check_finite("FTRL", positive=("initial_accumulator_value",), learning_rate_power=learning_rate_power,
+                      l1_regularization_strength=l1_regularization_strength,
+                      l2_regularization_strength=l2_regularization_strength, beta=beta,
+                      initial_accumulator_value=initial_accumulator_value)
         self.slot_initializers = (self.initial_accumulator_value, 0.0)
+        self._check_constants()
 
     def _specific(self, step):
         return (-self.learning_rate_power, self.l1_regularization_strength, self.l2_regularization_strength,
@@ -532,9 +594,15 @@ class RowwiseAdagrad(_BuiltinOptimizer):
         if initial_accumulator_value == 0 and epsilon == 0:
             raise ValueError("RowwiseAdagrad: initial_accumulator_value and epsilon cannot both be 0 "
                              "(the first update would divide by zero).")
+        _check_finite("RowwiseAdagrad", initial_accumulator_value=initial_accumulator_value, epsilon=epsilon)
+        if np.float32(initial_accumulator_value) == 0 and np.float32(epsilon) == 0:
+            raise ValueError(f"RowwiseAdagrad: initial_accumulator_value and epsilon cannot both be 0 in float32 "
+                             f"(the first update would divide by zero); got {initial_accumulator_value!r} and "
+                             f"{epsilon!r}")
         self.initial_accumulator_value = float(initial_accumulator_value)
         self.epsilon = float(epsilon)
         self.slot_initializers = (self.initial_accumulator_value,)
+        self._check_constants()
 
     def _specific(self, step):
         return (self.epsilon,)
