@@ -14,6 +14,10 @@ __all__ = ["TableConfig", "FeatureConfig", "COMBINERS"]
 
 COMBINERS = ("mean", "sum", "sqrtn")
 
+MAX_VOCABULARY_SIZE = 2 ** 62  # row ids, offsets of stacked tables and shard strides stay exact in int64
+MAX_DIM = 2 ** 31 - 1          # a row's length is an int32 in the kernels
+MAX_SEQUENCE_LENGTH = 2 ** 31 - 1  # an activation row is an int32 (kernels/occurrences.py)
+
 
 def _is_int(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
@@ -23,8 +27,9 @@ class TableConfig:
     """One embedding table: ``vocabulary_size`` rows of ``dim`` float32 values.
 
     Args:
-        vocabulary_size: number of rows, an int >= 1.
-        dim: embedding width, an int >= 1.
+        vocabulary_size: number of rows, an int in ``[1, 2**62]`` (whether the table fits in memory is checked
+            by the engine that allocates it).
+        dim: embedding width, an int in ``[1, 2**31 - 1]``.
         initializer: a callable ``(shape, dtype) -> array`` or an :mod:`embedcore.initializers` object;
             ``None`` means ``TruncatedNormal(mean=0, stddev=1/sqrt(dim))``.
         optimizer: an optimizer for this table; overrides the one given to :class:`~embedcore.Embedding`.
@@ -34,24 +39,32 @@ class TableConfig:
     """
 
     def __init__(self, vocabulary_size, dim, initializer=None, optimizer=None, combiner="mean", name=None):
+        if name is not None and (not isinstance(name, str) or not name):
+            raise ValueError(f"Argument `name` must be a non-empty string or None. Received: {name!r:.80}")
+        table = f"TableConfig '{name}'" if name else "TableConfig"
         if not _is_int(vocabulary_size) or vocabulary_size < 1:
-            raise ValueError(
-                f"Argument `vocabulary_size` must be an int and must be >= 1. Received: {vocabulary_size!r}")
+            raise ValueError(f"{table}: Argument `vocabulary_size` must be an int and must be >= 1. Received: "
+                             f"{vocabulary_size!r:.80}")
+        if vocabulary_size > MAX_VOCABULARY_SIZE:
+            raise ValueError(f"{table}: Argument `vocabulary_size` must be at most 2**62. Received: "
+                             f"{vocabulary_size!r:.80}")
         if not _is_int(dim) or dim < 1:
-            raise ValueError(
-                f"Argument `dim` (embedding dimension) must be an int and must be >= 1. Received: {dim!r}")
+            raise ValueError(f"{table}: Argument `dim` (embedding dimension) must be an int and must be >= 1. "
+                             f"Received: {dim!r:.80}")
+        if dim > MAX_DIM:
+            raise ValueError(f"{table}: Argument `dim` (embedding dimension) must be at most 2**31 - 1. "
+                             f"Received: {dim!r:.80}")
         if initializer is not None and not callable(initializer):
             raise ValueError(
-                f"Argument `initializer` must be a callable (or None). Received: {initializer!r}")
+                f"{table}: Argument `initializer` must be a callable (or None). Received: {initializer!r:.80}")
         if combiner not in COMBINERS:
-            raise ValueError(f"Argument `combiner` must be one of {list(COMBINERS)}. Received: {combiner!r}")
-        if name is not None and (not isinstance(name, str) or not name):
-            raise ValueError(f"Argument `name` must be a non-empty string or None. Received: {name!r}")
+            raise ValueError(f"{table}: Argument `combiner` must be one of {list(COMBINERS)}. Received: "
+                             f"{combiner!r:.80}")
         if optimizer is not None:
             from .optimizers import Optimizer
             if not isinstance(optimizer, Optimizer):
                 raise ValueError(
-                    f"Argument `optimizer` must be an embedcore optimizer (SGD, Adagrad, ..., CustomOptimizer) "
+                    f"{table}: Argument `optimizer` must be an embedcore optimizer (SGD, Adagrad, ..., CustomOptimizer) "
                     f"or None. Received: {optimizer!r}")
         self.vocabulary_size = int(vocabulary_size)
         self.dim = int(dim)
@@ -84,10 +97,10 @@ class FeatureConfig:
                  name=None):
         if not isinstance(table, TableConfig):
             raise ValueError(f"Argument `table` has invalid type {type(table)}. TableConfig expected.")
-        if not _is_int(max_sequence_length) or max_sequence_length < 0:
+        if not _is_int(max_sequence_length) or not 0 <= max_sequence_length <= MAX_SEQUENCE_LENGTH:
             raise ValueError(
-                f"Argument `max_sequence_length` must be an int and must be >= 0. Received: "
-                f"{max_sequence_length!r}")
+                f"Argument `max_sequence_length` must be an int and must be >= 0 (and at most 2**31 - 1). "
+                f"Received: {max_sequence_length!r:.80}")
         if not isinstance(validate_weights_and_indices, bool):
             raise ValueError(
                 f"Argument `validate_weights_and_indices` must be a boolean. Received: "
