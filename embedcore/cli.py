@@ -75,37 +75,73 @@ def demo_config(output=None, epochs=None, train_samples=None, eval_samples=None,
     return config
 
 
+def user_errors() -> tuple:
+    """The exceptions that mean "the input is wrong" rather than "embedcore has a bug": embedcore's own
+    error classes (bad configuration, data file, batch, checkpoint, row function, non-finite update) and
+    the operating system's (a folder that cannot be written). ``main`` reports them as one ``error:`` line
+    and exit status 2; anything else is a bug and keeps its traceback."""
+    from .checkpoint import CheckpointError
+    from .checkpoint.tensor_file import TensorFileError
+    from .compiler import RowFunctionError
+    from .data import DataFormatError
+    from .engine import NonFiniteError
+    from .inputs import InputError
+    from .run_config import ConfigError
+    return (ConfigError, DataFormatError, InputError, CheckpointError, TensorFileError, RowFunctionError,
+            NonFiniteError, OSError)
+
+
+MAX_MESSAGE_CHARS = 2000
+
+
+def one_line(error: BaseException) -> str:
+    """``error``'s message on one line (its lines joined by " / ") of at most ``MAX_MESSAGE_CHARS``."""
+    if isinstance(error, OSError) and error.strerror:
+        text = f"{error.strerror}: {error.filename}" if error.filename else error.strerror
+    else:
+        text = str(error) or type(error).__name__
+    text = " / ".join(line.strip() for line in text.splitlines() if line.strip())
+    return text if len(text) <= MAX_MESSAGE_CHARS else text[:MAX_MESSAGE_CHARS] + f"... ({len(text):,} characters)"
+
+
 def main(argv=None) -> int:
+    """Run one command; returns the exit status (2 with one ``error:`` line on stderr for a user error)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["bench"]:
         from .bench.harness import main as bench
         return bench(argv[1:])
     parser = _parser()
     args = parser.parse_args(argv)
+    try:
+        _command(parser, args)
+    except user_errors() as e:
+        print(f"embedcore {args.command}: error: {one_line(e)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"embedcore {args.command}: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+def _command(parser, args) -> None:
     if args.command == "quickstart":
         from .quickstart import run
         run(steps=args.steps, batch_size=args.batch_size, seed=args.seed)
-        return 0
-    from .checkpoint import CheckpointError
-    from .data import DataFormatError
-    from .run_config import ConfigError, load_config
+        return
+    from .run_config import check, load_config
     from .trainer import run
-    try:
-        if args.command == "demo":
-            config = demo_config(args.output, args.epochs, args.train_samples, args.eval_samples, args.batch_size,
-                                 args.vocabulary_scale)
-        else:
-            config = load_config(args.config)
-            if args.output:
-                config["train"]["output"] = args.output
-        if args.resume and not os.path.isdir(os.path.join(config["train"]["output"], "checkpoint")):
-            parser.error(f"--resume: no checkpoint in {config['train']['output']}")
-        run(config, resume=args.resume, title="embedcore demo: DLRM on the synthetic click log, "
-            "TensorFlow's custom Adagrad" if args.command == "demo" else None)
-    except (ConfigError, DataFormatError, CheckpointError) as e:
-        print(f"embedcore {args.command}: error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    if args.command == "demo":
+        config = demo_config(args.output, args.epochs, args.train_samples, args.eval_samples, args.batch_size,
+                             args.vocabulary_scale)
+    else:
+        config = load_config(args.config)
+        if args.output:
+            config["train"]["output"] = args.output
+            check(config)
+    if args.resume and not os.path.isdir(os.path.join(config["train"]["output"], "checkpoint")):
+        parser.error(f"--resume: no checkpoint in {config['train']['output']}")
+    run(config, resume=args.resume, title="embedcore demo: DLRM on the synthetic click log, "
+        "TensorFlow's custom Adagrad" if args.command == "demo" else None)
 
 
 if __name__ == "__main__":

@@ -35,13 +35,19 @@ Sections and keys (every key is optional; unknown keys are errors that list the 
 from __future__ import annotations
 
 import copy
+import inspect
 import json
+import math
 import os
+import stat
 import tomllib
+
+import numpy as np
 
 from . import optimizers as _optimizers
 from .checkpoint.config_codec import constructor_parameters, import_function
 from .data import CsvClickLog, MovieLens, SyntheticClickLog
+from .data.batch import EXCERPT_CHARS
 from .models import dense_optimizers as _dense
 
 __all__ = ["ConfigError", "DEFAULTS", "load_config", "merge", "check", "build_dataset", "build_optimizer",
@@ -68,30 +74,50 @@ EMBEDDING_OPTIMIZERS = {"sgd": _optimizers.SGD, "adagrad": _optimizers.Adagrad,
 DENSE_OPTIMIZERS = {"sgd": _dense.SGD, "adagrad": _dense.Adagrad, "adam": _dense.Adam}
 
 
+_MAX_CONFIG_BYTES = 1 << 20
+
+
 def load_config(path) -> dict:
-    """Read a TOML (``.toml``) or JSON file and merge it over :data:`DEFAULTS`, checked."""
+    """Read a TOML (``.toml``) or JSON file and merge it over :data:`DEFAULTS`, checked (:func:`check`).
+
+    Only a regular file of at most 1 MiB is read (a FIFO or ``/dev/zero`` is refused, not waited on or read
+    without end)."""
     path = os.fspath(path)
-    try:
-        with open(path, "rb") as f:
-            raw = f.read()
-    except OSError as e:
-        raise ConfigError(f"{path}: cannot read the config file ({e.strerror})") from None
+    raw = _read_config_file(path)
     try:
         user = json.loads(raw) if path.endswith(".json") else tomllib.loads(raw.decode("utf-8"))
-    except (ValueError, UnicodeDecodeError) as e:
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
         kind = "JSON" if path.endswith(".json") else "TOML"
-        raise ConfigError(f"{path}: not valid {kind}: {e}") from None
+        raise ConfigError(f"{path}: not valid {kind}: {_clip(str(e), 200)}") from None
     if not isinstance(user, dict):
         raise ConfigError(f"{path}: the config must be a table/object of sections")
     config = merge(DEFAULTS, user)
+    check(config)
     if path and config["data"].get("path"):  # a data path is relative to the config file
         config["data"]["path"] = os.path.join(os.path.dirname(os.path.abspath(path)), config["data"]["path"])
-    check(config)
     return config
 
 
+def _read_config_file(path: str) -> bytes:
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read the config file ({e.strerror})") from None
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ConfigError(f"{path}: cannot read the config file (not a regular file)")
+        try:
+            raw = f.read(_MAX_CONFIG_BYTES + 1)
+        except OSError as e:
+            raise ConfigError(f"{path}: cannot read the config file ({e.strerror})") from None
+    if len(raw) > _MAX_CONFIG_BYTES:
+        raise ConfigError(f"{path}: the config file is larger than {_MAX_CONFIG_BYTES >> 20} MiB")
+    return raw
+
+
 def merge(base: dict, override: dict, where: str = "") -> dict:
-    """``base`` with ``override``'s keys replaced, section by section; unknown sections are errors."""
+    """``base`` with ``override``'s keys replaced, section by section; unknown sections, and a section that
+    is not a table, are errors."""
     out = copy.deepcopy(base)
     if "optimizer" in override and override.get("optimizer") != base.get("optimizer"):
         # Another optimizer: the default optimizer's own arguments no longer apply.
@@ -99,7 +125,9 @@ def merge(base: dict, override: dict, where: str = "") -> dict:
     for key, value in override.items():
         here = f"{where}.{key}" if where else key
         if not where and key not in base:
-            raise ConfigError(f"unknown section [{key}]; the sections are {sorted(base)}")
+            raise ConfigError(f"unknown section [{_clip(str(key))}]; the sections are {sorted(base)}")
+        if isinstance(out.get(key), dict) and not isinstance(value, dict):
+            raise ConfigError(f"[{here}] must be a table of keys, got {_shown(value)}")
         if isinstance(value, dict) and isinstance(out.get(key), dict) and key != "tables":
             out[key] = merge(out[key], value, here)
         elif key == "tables":
@@ -109,69 +137,269 @@ def merge(base: dict, override: dict, where: str = "") -> dict:
     return out
 
 
+# ----------------------------------------------------------------------------------------------------------
+# The schema: one rule per key. A rule is called with (value, "section.key") and raises ConfigError naming
+# the key, what it must be and the value it got.
+
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+_SEED_LIMIT = 2 ** 63
+
+
+def _clip(text: str, limit: int = EXCERPT_CHARS) -> str:
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"
+
+
+def _shown(value) -> str:
+    """``repr(value)`` for a message, at most about 80 characters."""
+    return _clip(repr(value))
+
+
+class _Rule:
+    """A check of one value: ``ok(value)`` decides, ``text`` says what is expected."""
+
+    def __init__(self, text, ok):
+        self.text, self.ok = text, ok
+
+    def __call__(self, value, where):
+        if not self.ok(value):
+            raise ConfigError(f"{where} must be {self.text}, got {_shown(value)}")
+
+
+def _is_int(v):
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v):
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _integer(lo, hi=None):
+    text = f"an integer >= {lo}" if hi is None else f"an integer in [{lo}, {hi}]"
+    return _Rule(text, lambda v: _is_int(v) and v >= lo and (hi is None or v <= hi))
+
+
+def _number(lo=None, hi=None, lo_open=False, hi_open=False):
+    """A finite number within float32's range (every number ends up a float32 or float64), in the bounds."""
+    if lo is not None and hi is not None:
+        bounds = f" in {'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
+    elif lo is not None:
+        bounds = f" {'>' if lo_open else '>='} {lo}"
+    else:
+        bounds = ""
+
+    def ok(v):
+        if not _is_number(v) or not math.isfinite(v) or abs(v) > _FLOAT32_MAX:
+            return False
+        if lo is not None and (v <= lo if lo_open else v < lo):
+            return False
+        return hi is None or (v < hi if hi_open else v <= hi)
+
+    return _Rule(f"a finite number{bounds}", ok)
+
+
+def _string(choices=None, length=None):
+    if choices is not None:
+        return _Rule(f"one of {sorted(choices)}", lambda v: isinstance(v, str) and v in choices)
+    if length is not None:
+        return _Rule(f"a string of {length} character(s)", lambda v: isinstance(v, str) and len(v) == length)
+    return _Rule("a non-empty string", lambda v: isinstance(v, str) and v != "")
+
+
+_BOOLEAN = _Rule("true or false", lambda v: isinstance(v, bool))
+
+
+def _list(item, text, length=None):
+    def ok(v):
+        return isinstance(v, list) and (length is None or len(v) == length)
+
+    def check_list(value, where):
+        if not ok(value):
+            raise ConfigError(f"{where} must be {text}, got {_shown(value)}")
+        for k, x in enumerate(value):
+            item(x, f"{where}[{k}]")
+    return check_list
+
+
+def _mapping(item, text):
+    def check_mapping(value, where):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where} must be {text}, got {_shown(value)}")
+        for k, x in value.items():
+            item(x, f"{where}.{k}")
+    return check_mapping
+
+
+def _either(text, *rules):
+    """The first rule whose shape matches decides (``shape(value)``), else the value is refused."""
+    def check_either(value, where):
+        for shape, rule in rules:
+            if shape(value):
+                return rule(value, where)
+        raise ConfigError(f"{where} must be {text}, got {_shown(value)}")
+    return check_either
+
+
+def _optional(rule):
+    def check_optional(value, where):
+        if value is not None:
+            rule(value, where)
+    return check_optional
+
+
+def _plain_value(value, where):
+    """An optimizer argument the optimizer itself checks further: a string, a boolean, a finite number
+    within float32's range, or a list of those."""
+    if isinstance(value, list):
+        for k, x in enumerate(value):
+            _plain_value(x, f"{where}[{k}]")
+    elif value is not None and not isinstance(value, (str, bool)):
+        _number()(value, where)
+
+
+_VOCABULARY = _integer(1, 2 ** 31 - 1)
+_FRACTION = _number(0, 1)
+_SEED = _integer(0, _SEED_LIMIT - 1)
+_NAMES = _list(_string(), "a list of column names")
+_PATH = _string()
+
+#: Every key of every section (the data section: per ``data.kind``), with its rule.
+SCHEMA = {
+    "embedding": {"dim": _integer(1, 2 ** 31 - 1)},
+    "model": {"bottom": _list(_integer(1), "a list of layer sizes"), "top": _list(_integer(1), "a list of layer sizes"),
+              "dense_optimizer": _string(("sgd", "adagrad", "adam")), "dense_learning_rate": _number(0, lo_open=True)},
+    "train": {"epochs": _integer(1), "batch_size": _integer(1, 2 ** 31 - 1), "seed": _SEED,
+              "output": _string(), "checkpoint_every": _integer(0), "eval_every": _integer(0),
+              "max_steps": _integer(0)},
+}
+DATA_SCHEMA = {
+    "synthetic": {
+        "n_train": _integer(1), "n_eval": _integer(1), "seed": _SEED,
+        "vocabulary_sizes": _either("a list of vocabulary sizes or a table name -> size",
+                                    (lambda v: isinstance(v, list), _list(_VOCABULARY, "")),
+                                    (lambda v: isinstance(v, dict), _mapping(_VOCABULARY, ""))),
+        "n_dense": _integer(0), "multi_hot": _mapping(
+            _either("max_ids or [max_ids, weighted]", (_is_int, _integer(1)),
+                    (lambda v: isinstance(v, list) and len(v) == 2,
+                     lambda v, where: (_integer(1)(v[0], f"{where}[0]"), _BOOLEAN(v[1], f"{where}[1]")))),
+            "a table feature -> max_ids or [max_ids, weighted]"),
+        "zipf_exponent": _either("a number > 1 or a range [lo, hi]", (_is_number, _number(1, lo_open=True)),
+                                 (lambda v: isinstance(v, list), _list(_number(1, lo_open=True), "[lo, hi]", 2))),
+        "n_interactions": _integer(0), "interaction_dim": _integer(1, 2 ** 16), "logit_std": _number(0),
+        "click_rate": _number(0, 1, lo_open=True, hi_open=True),
+        "variance_shares": _list(_number(0), "a list of 3 numbers >= 0", 3),
+        "scatter_ids": _BOOLEAN, "name": _string()},
+    "movielens": {"path": _PATH, "threshold": _number(), "eval_fraction": _FRACTION, "seed": _SEED,
+                  "split": _string(("hash", "time")), "name": _string()},
+    "csv": {"path": _PATH, "categorical": _optional(_NAMES), "dense": _optional(_NAMES), "label": _string(),
+            "vocabulary_sizes": _mapping(_integer(1, 10 ** 18), "a table column -> vocabulary size"),
+            "hash_buckets": _either("a bucket count or a table column -> bucket count",
+                                    (_is_int, _integer(1, 2 ** 32)),
+                                    (lambda v: isinstance(v, dict), _mapping(_integer(1, 2 ** 32), ""))),
+            "eval_fraction": _FRACTION, "delimiter": _string(length=1),
+            "combiner": _string(("sum", "mean", "sqrtn")), "seed": _SEED, "chunk_bytes": _integer(1, 1 << 30),
+            "name": _string()},
+}
+#: Rules of the optimizer arguments every optimizer shares; the others must be plain values
+#: (:func:`_plain_value`) and are checked by the optimizer's constructor.
+OPTIMIZER_SCHEMA = {"learning_rate": _number(0, lo_open=True)}
+
+
 def _check_keys(section: dict, allowed, where: str):
     unknown = sorted(set(section) - set(allowed))
     if unknown:
-        raise ConfigError(f"[{where}]: unknown key(s) {unknown}; allowed: {sorted(allowed)}")
+        raise ConfigError(f"[{where}]: unknown key(s) {[_clip(str(k)) for k in unknown[:20]]}; allowed: "
+                          f"{sorted(allowed)}")
 
 
-def _positive_int(value, where, allow_zero=False):
-    if isinstance(value, bool) or not isinstance(value, int) or value < (0 if allow_zero else 1):
-        raise ConfigError(f"{where} must be an integer >= {0 if allow_zero else 1}, got {value!r}")
+def _check_section(section: dict, rules: dict, where: str):
+    for key, value in section.items():
+        rules[key](value, f"{where}.{key}")
 
 
 def check(config: dict) -> None:
-    """Check every section's keys and simple values (the readers and optimizers check their own)."""
+    """Check every key of every section against :data:`SCHEMA` (type, range, finiteness), the optimizer
+    paths (a ``module:function`` must name a Python function) and the output folder, before anything runs;
+    raise :class:`ConfigError` naming the first bad key. Idempotent."""
+    for name in DEFAULTS:
+        if not isinstance(config.get(name), dict):
+            raise ConfigError(f"[{name}] must be a table of keys, got {_shown(config.get(name))}")
     data = config["data"]
     if data.get("kind") not in DATASETS:
-        raise ConfigError(f"data.kind must be one of {sorted(DATASETS)}, got {data.get('kind')!r}")
-    _check_keys(data, ["kind"] + constructor_parameters(DATASETS[data["kind"]]), f"data] (kind {data['kind']!r}")
+        raise ConfigError(f"data.kind must be one of {sorted(DATASETS)}, got {_shown(data.get('kind'))}")
+    kind = data["kind"]
+    _check_keys(data, ["kind"] + list(DATA_SCHEMA[kind]), f"data] (kind {kind!r}")
+    _check_section({k: v for k, v in data.items() if k != "kind"}, DATA_SCHEMA[kind], "data")
     emb = config["embedding"]
-    _positive_int(emb.get("dim"), "embedding.dim")
-    _check_optimizer_keys(emb, "embedding", extra=("dim", "tables"))
+    SCHEMA["embedding"]["dim"](emb.get("dim"), "embedding.dim")
+    _check_optimizer(emb, "embedding", extra=("dim", "tables"))
     if not isinstance(emb.get("tables"), dict):
-        raise ConfigError("embedding.tables must be a table of per-table overrides")
+        raise ConfigError(f"embedding.tables must be a table of per-table overrides, got {_shown(emb.get('tables'))}")
     for name, spec in emb["tables"].items():
         if not isinstance(spec, dict):
-            raise ConfigError(f"embedding.tables.{name} must be a table of optimizer settings")
-        _check_optimizer_keys(spec, f"embedding.tables.{name}")
-    model = config["model"]
-    _check_keys(model, DEFAULTS["model"], "model")
-    for key in ("bottom", "top"):
-        if not isinstance(model[key], list):
-            raise ConfigError(f"model.{key} must be a list of layer sizes, got {model[key]!r}")
-        for size in model[key]:
-            _positive_int(size, f"each of model.{key}")
-    if model["dense_optimizer"] not in DENSE_OPTIMIZERS:
-        raise ConfigError(f"model.dense_optimizer must be one of {sorted(DENSE_OPTIMIZERS)}, got "
-                          f"{model['dense_optimizer']!r}")
-    train = config["train"]
-    _check_keys(train, DEFAULTS["train"], "train")
-    for key in ("epochs", "batch_size"):
-        _positive_int(train[key], f"train.{key}")
-    for key in ("seed", "checkpoint_every", "eval_every", "max_steps"):
-        _positive_int(train[key], f"train.{key}", allow_zero=True)
-    if not isinstance(train["output"], str) or not train["output"]:
-        raise ConfigError(f"train.output must be a folder name, got {train['output']!r}")
+            raise ConfigError(f"embedding.tables.{name} must be a table of optimizer settings, got {_shown(spec)}")
+        _check_optimizer(spec, f"embedding.tables.{name}")
+    for section in ("model", "train"):
+        _check_keys(config[section], DEFAULTS[section], section)
+        missing = sorted(set(DEFAULTS[section]) - set(config[section]))
+        if missing:
+            raise ConfigError(f"[{section}] lacks the key(s) {missing}")
+        _check_section(config[section], SCHEMA[section], section)
+    _check_output(config["train"]["output"])
+
+
+def _check_output(output: str) -> None:
+    """``train.output`` must be a folder or creatable as one: no file where a folder is needed."""
+    path = os.path.abspath(output)
+    while True:
+        if os.path.lexists(path):
+            if not os.path.isdir(path):
+                what = "is" if path == os.path.abspath(output) else f"lies under {path!r}, which is"
+                raise ConfigError(f"train.output {output!r} {what} a file, not a folder")
+            return
+        parent = os.path.dirname(path)
+        if parent == path:
+            return
+        path = parent
 
 
 def _optimizer_class(name, where):
     if not isinstance(name, str):
-        raise ConfigError(f"{where}.optimizer must be a name or 'module:function', got {name!r}")
+        raise ConfigError(f"{where}.optimizer must be a name or 'module:function', got {_shown(name)}")
     if ":" in name:
         return _optimizers.CustomOptimizer
     if name not in EMBEDDING_OPTIMIZERS:
-        raise ConfigError(f"{where}.optimizer {name!r} is not one of {sorted(EMBEDDING_OPTIMIZERS)} and not a "
+        raise ConfigError(f"{where}.optimizer {_shown(name)} is not one of {sorted(EMBEDDING_OPTIMIZERS)} and not a "
                           f"'module:function' custom computation")
     return EMBEDDING_OPTIMIZERS[name]
 
 
-def _check_optimizer_keys(spec, where, extra=()):
+def _custom_computation(path: str, where: str):
+    """The Python function ``module:function`` names. Importing runs the module, as naming it asks; nothing
+    else is called, and anything but a ``def`` function (a builtin, a class, a callable object) is refused."""
+    try:
+        fn = import_function(path)
+    except Exception as e:  # the user's module may fail to import in any way
+        raise ConfigError(f"{where}.optimizer: cannot import the custom computation {_shown(path)}: "
+                          f"{type(e).__name__}: {_clip(str(e), 200)}") from None
+    if not inspect.isfunction(fn):
+        raise ConfigError(f"{where}.optimizer {_shown(path)} names a {type(fn).__name__}, not a Python function "
+                          f"(a custom computation is a 'def f(gradient, embedding_table, slot_variables, "
+                          f"learning_rate, hyperparameters)')")
+    return fn
+
+
+def _check_optimizer(spec, where, extra=()):
     if "optimizer" not in spec:
         raise ConfigError(f"[{where}] needs an optimizer")
     cls = _optimizer_class(spec["optimizer"], where)
     allowed = [a for a in constructor_parameters(cls) if a != "custom_computation"] + ["optimizer", *extra]
     _check_keys(spec, allowed, f"{where}] (optimizer {spec['optimizer']!r}")
+    for key, value in spec.items():
+        if key in ("optimizer", *extra):
+            continue
+        OPTIMIZER_SCHEMA.get(key, _plain_value)(value, f"{where}.{key}")
+    if cls is _optimizers.CustomOptimizer:
+        _custom_computation(spec["optimizer"], where)
 
 
 def build_optimizer(spec: dict, where: str = "embedding") -> _optimizers.Optimizer:
@@ -180,17 +408,12 @@ def build_optimizer(spec: dict, where: str = "embedding") -> _optimizers.Optimiz
     args = {k: v for k, v in spec.items() if k not in ("optimizer", "dim", "tables")}
     try:
         if cls is _optimizers.CustomOptimizer:
-            try:
-                fn = import_function(spec["optimizer"])
-            except (ImportError, AttributeError) as e:
-                raise ConfigError(f"{where}.optimizer: cannot import the custom computation "
-                                  f"{spec['optimizer']!r}: {e}") from None
-            return cls(fn, **args)
+            return cls(_custom_computation(spec["optimizer"], where), **args)
         return cls(**args)
     except (TypeError, ValueError) as e:
         if isinstance(e, ConfigError):
             raise
-        raise ConfigError(f"[{where}] optimizer {spec['optimizer']!r}: {e}") from None
+        raise ConfigError(f"[{where}] optimizer {spec['optimizer']!r}: {_clip(str(e), 400)}") from None
 
 
 def build_dense_optimizer(model: dict):
@@ -202,5 +425,5 @@ def build_dataset(data: dict):
     args = {k: v for k, v in data.items() if k != "kind"}
     try:
         return cls(**args)
-    except (TypeError, ValueError, OSError) as e:
+    except (ValueError, OSError) as e:
         raise ConfigError(f"[data] kind {data['kind']!r}: {e}") from None

@@ -10,8 +10,15 @@ One step::
 
 After each epoch the eval split is scored (log loss and exact AUC, beside the teacher's optimum for the
 synthetic data), a checkpoint of tables, slots, dense weights and data position is written atomically, and
-``metrics.json`` and ``learning_curve.png`` are rewritten. ``resume=True`` continues from the checkpoint and
-gives bit-identical results to a run that never stopped.
+``metrics.json`` is rewritten atomically; ``learning_curve.png`` is drawn at the end. ``resume=True``
+continues from the checkpoint and gives bit-identical results to a run that never stopped.
+
+Before anything is written, the configuration is checked (:func:`embedcore.run_config.check`), the data
+read, and every large allocation sized by it (the tables with their slots, the dense layers, the eval
+scores) checked against the machine's memory; a refusal raises :class:`~embedcore.run_config.ConfigError`
+(or the reader's :class:`~embedcore.data.DataFormatError`) and leaves no output folder behind. A metric that
+is undefined (AUC of an eval split with one class, any metric of an empty eval split) is ``null`` in
+``metrics.json`` and "undefined" in the printed line; training goes on.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import numpy as np
 
 from . import __version__
 from .blas_threads import blas_threads
+from .memory_budget import check_fits
 from .checkpoint import CheckpointError, open_snapshot, read_extra
 from .data import feature_configs
 from .engine import Embedding
@@ -34,7 +42,7 @@ from .metrics import BinaryMetrics
 from .models import DLRM, bce_with_logits, sigmoid
 from .plot import learning_curve
 from .progress import ProgressBar
-from .run_config import ConfigError, build_dataset, build_dense_optimizer, build_optimizer
+from .run_config import ConfigError, build_dataset, build_dense_optimizer, build_optimizer, check
 
 __all__ = ["run"]
 
@@ -47,13 +55,41 @@ def _build(config: dict):
     if unknown:
         raise ConfigError(f"embedding.tables names {unknown}, which the data does not have; its features are "
                           f"{names}")
+    if dataset.n_samples("train") == 0:
+        raise ConfigError(f"[data]: the training split of {dataset!r} is empty")
+    check_fits(9 * dataset.n_samples("eval"), f"the scores of the eval split ({dataset.n_samples('eval'):,} "
+                                              f"samples, 9 bytes each for the exact AUC)", error=ConfigError)
     features = feature_configs(dataset.features, emb_cfg["dim"])
     for name, spec in emb_cfg["tables"].items():
         features[name].table.optimizer = build_optimizer(spec, f"embedding.tables.{name}")
-    emb = Embedding(features, build_optimizer(emb_cfg), seed=train["seed"])
-    model = DLRM(dataset.n_dense, names, emb_cfg["dim"], model_cfg["bottom"], model_cfg["top"], seed=train["seed"],
-                 dense_optimizer=build_dense_optimizer(model_cfg))
+    optimizer = build_optimizer(emb_cfg)
+    _check_tables_fit(dataset.features, emb_cfg["dim"],
+                      {f.name: features[f.name].table.optimizer or optimizer for f in dataset.features})
+    try:
+        emb = Embedding(features, optimizer, seed=train["seed"])
+    except ValueError as e:  # a table the engine refuses (its size, its optimizer's row function, ...)
+        raise ConfigError(f"[embedding]: {e}") from None
+    try:
+        model = DLRM(dataset.n_dense, names, emb_cfg["dim"], model_cfg["bottom"], model_cfg["top"],
+                     seed=train["seed"], dense_optimizer=build_dense_optimizer(model_cfg))
+    except ValueError as e:
+        raise ConfigError(f"[model] (bottom = {model_cfg['bottom']}, top = {model_cfg['top']}): {e}") from None
     return dataset, emb, model
+
+
+def _check_tables_fit(features, dim: int, optimizers: dict) -> None:
+    """Refuse tables (rows and optimizer slots, float32) that together could not fit in memory, naming the
+    largest and where its vocabulary size comes from, before the engine allocates any."""
+    sizes = {f.name: f.vocabulary_size * (dim + sum(dim if d == 2 else 1 for d in optimizers[f.name].slot_dims)) * 4
+             for f in features}
+    if not sizes:
+        return
+    largest = max(features, key=lambda f: sizes[f.name])
+    source = f" from {largest.source}" if largest.source else ""
+    check_fits(sum(sizes.values()), f"the embedding tables ({len(sizes)} tables of embedding.dim = {dim} float32 "
+                                    f"values a row, with their optimizer slots; largest: table '{largest.name}', "
+                                    f"{largest.vocabulary_size:,} rows{source}, {sizes[largest.name]:,} bytes)",
+               error=ConfigError)
 
 
 def _train_batches(dataset, batch_size: int, epoch: int, skip: int):
@@ -75,7 +111,36 @@ def evaluate(dataset, emb, model, batch_size: int) -> dict:
         acts, _ = emb.lookup(batch.ids, batch.weights)
         logits, _ = model.forward(batch.dense, acts)
         metrics.update(batch.labels, sigmoid(logits))
-    return metrics.result()
+    return _defined(metrics.result(allow_undefined=True))
+
+
+def _defined(obj):
+    """``obj`` with every NaN or infinite float replaced by ``None`` (strict JSON's "undefined")."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _defined(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_defined(v) for v in obj]
+    return obj
+
+
+def _number(x, what: str = "") -> str:
+    return "undefined" + (f" ({what})" if what else "") if x is None else f"{x:.4f}"
+
+
+def _write_json(obj, path: str) -> None:
+    """Write ``obj`` as strict JSON to ``path`` atomically: readers see the old file or the new one."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "w") as f:
+            json.dump(obj, f, indent=1, allow_nan=False)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
 
 
 _LOSSES = "trainer/losses"
@@ -128,6 +193,7 @@ def run(config: dict, resume: bool = False, out=print, progress_stream=None, tit
 
     NumPy's BLAS runs on one thread meanwhile (see :mod:`embedcore.blas_threads`).
     """
+    check(config)
     with blas_threads(1):
         return _run(config, resume, out, progress_stream, title)
 
@@ -135,14 +201,14 @@ def run(config: dict, resume: bool = False, out=print, progress_stream=None, tit
 def _run(config, resume, out, progress_stream, title):
     train = config["train"]
     output = train["output"]
-    os.makedirs(output, exist_ok=True)
     checkpoint = os.path.join(output, "checkpoint")
     started = time.perf_counter()
     dataset, emb, model = _build(config)
     build_seconds = time.perf_counter() - started
+    os.makedirs(output, exist_ok=True)  # only once everything is built: a refused run writes nothing
     out(f"data: {dataset!r}")
     out(f"engine: {emb!r} (built in {build_seconds:.1f} s, Numba compilation included)")
-    optimum = dataset.optimum("eval") if hasattr(dataset, "optimum") else None
+    optimum = _defined(dataset.optimum("eval")) if hasattr(dataset, "optimum") else None
 
     batch_size, epochs = train["batch_size"], train["epochs"]
     steps_per_epoch = math.ceil(dataset.n_samples("train") / batch_size)
@@ -202,18 +268,21 @@ def _run(config, resume, out, progress_stream, title):
                   epoch_losses else None, "eval": result, "train_seconds": seconds,
                   "train_samples_per_second": samples / max(seconds, 1e-9),
                   "eval_seconds": time.perf_counter() - eval_start}
+        record = _defined(record)
         state["epochs"].append(record)
         state["epoch"], state["step_in_epoch"] = epoch + 1, 0
         _save(emb, model, checkpoint, state, config)
-        beside = (f" (teacher optimum {optimum['log_loss']:.4f})" if optimum else "")
-        auc_beside = (f" (teacher optimum {optimum['auc']:.4f})" if optimum else "")
-        train_ll = f"{record['train_log_loss']:.4f}" if record["train_log_loss"] is not None else "n/a"
-        out(f"epoch {epoch + 1}: train log loss {train_ll} | eval log loss {result['log_loss']:.4f}{beside} | "
-            f"AUC {result['auc']:.4f}{auc_beside} | {record['train_samples_per_second']:,.0f} samples/s")
+        metrics = _metrics(config, dataset, emb, state, optimum, build_seconds, time.perf_counter() - started, title)
+        _write_json(metrics, os.path.join(output, "metrics.json"))
+        beside = (f" (teacher optimum {_number(optimum['log_loss'])})" if optimum else "")
+        auc_beside = (f" (teacher optimum {_number(optimum['auc'])})" if optimum else "")
+        why = "empty eval split" if not result["n"] else f"the eval split's {result['n']:,} samples are of one class"
+        out(f"epoch {epoch + 1}: train log loss {_number(record['train_log_loss'], 'no steps')} | eval log loss "
+            f"{_number(result['log_loss'], why)}{beside} | AUC {_number(result['auc'], why)}{auc_beside} | "
+            f"{record['train_samples_per_second']:,.0f} samples/s")
 
     metrics = _metrics(config, dataset, emb, state, optimum, build_seconds, time.perf_counter() - started, title)
-    with open(os.path.join(output, "metrics.json"), "w") as f:
-        json.dump(metrics, f, indent=1)
+    _write_json(metrics, os.path.join(output, "metrics.json"))
     drawn = learning_curve(metrics, os.path.join(output, "learning_curve.png"))
     out(f"wrote {os.path.join(output, 'metrics.json')}" +
         (f" and {os.path.join(output, 'learning_curve.png')}" if drawn else
@@ -224,7 +293,7 @@ def _run(config, resume, out, progress_stream, title):
 
 def _metrics(config, dataset, emb, state, optimum, build_seconds, total_seconds, title) -> dict:
     final = state["epochs"][-1]["eval"] if state["epochs"] else None
-    return {
+    return _defined({
         "title": title or f"embedcore {__version__}: DLRM on {dataset.name}",
         "config": config,
         "dataset": {"name": dataset.name, "train_samples": dataset.n_samples("train"),
@@ -233,8 +302,9 @@ def _metrics(config, dataset, emb, state, optimum, build_seconds, total_seconds,
                                   "weighted": f.weighted} for f in dataset.features], "n_dense": dataset.n_dense},
         "optimum": optimum,
         "final": final,
-        "gap_to_optimum": ({"log_loss": final["log_loss"] - optimum["log_loss"], "auc": optimum["auc"] - final["auc"]}
-                           if final and optimum else None),
+        "gap_to_optimum": ({k: (None if final[k] is None or optimum[k] is None else
+                                (final[k] - optimum[k]) * (1 if k == "log_loss" else -1))
+                            for k in ("log_loss", "auc")} if final and optimum else None),
         "epochs": state["epochs"],
         "evaluations": state["evaluations"],
         "train_loss_per_step": state["losses"],
@@ -243,7 +313,7 @@ def _metrics(config, dataset, emb, state, optimum, build_seconds, total_seconds,
                    "total_seconds": total_seconds},
         "environment": {"embedcore": __version__, "python": platform.python_version(), "numpy": np.__version__,
                         "numba_threads": _numba_threads(), "machine": platform.machine()},
-    }
+    })
 
 
 def _numba_threads() -> int:
