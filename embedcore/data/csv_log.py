@@ -299,6 +299,14 @@ def _plain(text):
     return text if len(text) <= EXCERPT_CHARS else excerpt(text)
 
 
+def _names(names):
+    """A list of column names for a message: all of them when short, else a bounded excerpt and the count."""
+    text = repr(list(names))
+    if len(text) <= 4 * EXCERPT_CHARS:
+        return text
+    return f"{text[:4 * EXCERPT_CHARS]}... ({len(names):,} columns)"
+
+
 def _cell_problem(cell, col):
     cell = cell.strip(" \t")
     shown = excerpt(cell)
@@ -426,9 +434,8 @@ class CsvClickLog:
 
     def _column_index(self, name, role):
         if name not in self._columns:
-            shown = excerpt(", ".join(self._columns), 4 * EXCERPT_CHARS)
             raise DataFormatError(self.path, 1, f"{role} column {excerpt(str(name))} is not in the header "
-                                                f"({len(self._columns)} columns: {shown})")
+                                                f"{_names(self._columns)}")
         return self._columns.index(name)
 
     def _roles(self, categorical, dense, label):
@@ -438,7 +445,7 @@ class CsvClickLog:
             categorical = [c for c in others if _CATEGORICAL_NAME.fullmatch(c)]
             unknown = [c for c in others if c not in dense and c not in categorical]
             if unknown:
-                raise DataFormatError(self.path, 1, f"cannot tell the role of columns {unknown}: name dense columns "
+                raise DataFormatError(self.path, 1, f"cannot tell the role of columns {_names(unknown)}: name dense columns "
                                                     f"I<k> or dense_*, categorical ones C<k> or cat_*, or pass "
                                                     f"categorical= and dense=")
         elif categorical is None:
@@ -448,12 +455,12 @@ class CsvClickLog:
         categorical, dense = list(categorical), list(dense)
         for group, role in ((categorical, "categorical"), (dense, "dense")):
             if len(set(group)) != len(group):
-                raise ValueError(f"the {role} columns {group} list a column twice")
+                raise ValueError(f"the {role} columns {_names(group)} list a column twice")
             if label in group:
                 raise ValueError(f"the label column '{label}' cannot also be {role}")
         both = sorted(set(categorical) & set(dense))
         if both:
-            raise ValueError(f"columns {both} are listed as both categorical and dense")
+            raise ValueError(f"columns {_names(both)} are listed as both categorical and dense")
         return categorical, dense
 
     def _categorical_columns(self, categorical, vocabulary_sizes, hash_buckets):
@@ -465,14 +472,14 @@ class CsvClickLog:
         for what, mapping in (("vocabulary_sizes", vocabulary_sizes), ("hash_buckets", hash_buckets)):
             unknown = sorted(set(mapping) - set(categorical))
             if unknown:
-                raise ValueError(f"{what} names columns that are not categorical: {unknown}")
+                raise ValueError(f"{what} names columns that are not categorical: {_names(unknown)}")
             limit = 2 ** 32 if what == "hash_buckets" else 10 ** _MAX_ID_DIGITS
             for c, v in mapping.items():
                 if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not 1 <= v <= limit:
                     raise ValueError(f"{what}['{c}'] must be an int in [1, {limit}], got {v!r}")
         both = sorted(set(vocabulary_sizes) & set(hash_buckets))
         if both:
-            raise ValueError(f"columns {both} have both a vocabulary size and hash buckets")
+            raise ValueError(f"columns {_names(both)} have both a vocabulary size and hash buckets")
         return [_Column(c, self._column_index(c, "categorical"), hash_buckets.get(c), vocabulary_sizes.get(c))
                 for c in categorical]
 
