@@ -30,6 +30,12 @@ Sections and keys (every key is optional; unknown keys are errors that list the 
     checkpoint_every = 0       # also save every N steps (0: at the end of each epoch only)
     eval_every = 0             # also score the eval split every N steps and before the first (0: epoch ends)
     max_steps = 0              # stop each epoch after N steps (0: the whole epoch)
+
+Every key is checked by one schema (:data:`SCHEMA`, :data:`DATA_SCHEMA` per ``data.kind``,
+:data:`OPTIMIZER_SCHEMA`) before anything runs: its type, its range, and for numbers finiteness within
+float32's range (``nan``, ``inf`` and ``1e39`` are refused). A ``module:function`` optimizer must name a
+Python function (importing the module is the only code run to find out). ``train.output`` must be a folder
+or creatable as one. A refusal is a :class:`ConfigError` naming the key, what it must be and the value.
 """
 
 from __future__ import annotations
