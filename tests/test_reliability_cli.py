@@ -103,8 +103,8 @@ BAD_CONFIGS = {
     "output under a file": (SYNTHETIC + REST + 'output = "{tmp}/a_file/out"\n', "train.output"),
     "optimizer a builtin": (SYNTHETIC + REST.replace("dim = 4", 'dim = 4\noptimizer = "os:getcwd"'),
                             "embedding.optimizer 'os:getcwd'"),
-    "optimizer a class": (SYNTHETIC + REST.replace("dim = 4", 'dim = 4\noptimizer = "tests.test_reliability_cli:Recorder"'),
-                          "embedding.optimizer"),
+    "optimizer a class": (SYNTHETIC + REST.replace(
+        "dim = 4", 'dim = 4\noptimizer = "tests.test_reliability_cli:Recorder"'), "embedding.optimizer"),
     "optimizer a callable object": (SYNTHETIC + REST.replace(
         "dim = 4", 'dim = 4\noptimizer = "tests.test_reliability_cli:RECORDER"'), "embedding.optimizer"),
     "csv with only a header": (csv_data("header.csv") + REST, "header.csv: no data rows"),

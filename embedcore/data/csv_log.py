@@ -117,7 +117,8 @@ def _trim(buf, s, e):
 @njit(cache=True)
 def _parse_float(buf, s, e):
     """``(status, value)`` of the decimal number in ``buf[s:e]`` (trimmed): status 0 ok, 1 malformed or not
-    finite in float32 (magnitude above ``_FLOAT32_MAX``), 2 empty. Exact (one rounding) for up to 18 significant digits and exponents within +-22."""
+    finite in float32 (magnitude above ``_FLOAT32_MAX``), 2 empty. Exact (one rounding) for up to 18
+    significant digits and exponents within +-22."""
     s, e = _trim(buf, s, e)
     if s == e:
         return 2, 0.0
@@ -324,7 +325,8 @@ def _cell_problem(cell, col):
         if not _INT.fullmatch(key):
             if key.startswith("-") and _INT.fullmatch(key[1:]):
                 return f"negative id {_plain(key)} in cell {shown}"
-            return f"id {excerpt(key)} in cell {shown} is not a non-negative integer (pass hash_buckets to hash strings)"
+            return (f"id {excerpt(key)} in cell {shown} is not a non-negative integer (pass hash_buckets to hash "
+                    f"strings)")
         if len(key.lstrip("+")) > _MAX_ID_DIGITS:
             return f"id {_plain(key)} in cell {shown} has more than {_MAX_ID_DIGITS} digits"
         if col.vocabulary is not None and int(key) >= col.vocabulary:
@@ -445,8 +447,8 @@ class CsvClickLog:
             categorical = [c for c in others if _CATEGORICAL_NAME.fullmatch(c)]
             unknown = [c for c in others if c not in dense and c not in categorical]
             if unknown:
-                raise DataFormatError(self.path, 1, f"cannot tell the role of columns {_names(unknown)}: name dense columns "
-                                                    f"I<k> or dense_*, categorical ones C<k> or cat_*, or pass "
+                raise DataFormatError(self.path, 1, f"cannot tell the role of columns {_names(unknown)}: name dense "
+                                                    f"columns I<k> or dense_*, categorical ones C<k> or cat_*, or pass "
                                                     f"categorical= and dense=")
         elif categorical is None:
             categorical = [c for c in others if c not in dense]
