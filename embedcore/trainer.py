@@ -59,7 +59,10 @@ def _build(config: dict):
         raise ConfigError(f"[data]: the training split of {dataset!r} is empty")
     check_fits(9 * dataset.n_samples("eval"), f"the scores of the eval split ({dataset.n_samples('eval'):,} "
                                               f"samples, 9 bytes each for the exact AUC)", error=ConfigError)
-    features = feature_configs(dataset.features, emb_cfg["dim"])
+    try:
+        features = feature_configs(dataset.features, emb_cfg["dim"])
+    except ValueError as e:  # a table configuration refused (TableConfig checks its sizes)
+        raise ConfigError(f"[embedding]: {e}") from None
     for name, spec in emb_cfg["tables"].items():
         features[name].table.optimizer = build_optimizer(spec, f"embedding.tables.{name}")
     optimizer = build_optimizer(emb_cfg)
