@@ -13,12 +13,14 @@ its physical row, its gain (combiner weight) and the activation row it feeds.
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 import numpy as np
 
 from .kernels.occurrences import (COMBINERS, activation_rows, fill_occurrences, first_non_finite, first_out_of_range,
                                  packed_views, splits_are_valid)
+from .memory_budget import check_fits
 
 __all__ = ["Ragged", "Sparse", "FeatureBatch", "TableBatch", "InputError", "to_feature_batch",
            "build_table_batch", "flatten", "flatten_like", "unflatten"]
@@ -48,15 +50,30 @@ class Ragged:
 
 
 class Sparse:
-    """A COO batch like ``tf.SparseTensor``: ``values[i]`` sits at ``indices[i] = (sample, position)``."""
+    """A COO batch like ``tf.SparseTensor``: ``values[i]`` sits at ``indices[i] = (sample, position)``.
+
+    ``dense_shape`` is ``(batch_size, width)``, two ints >= 0; anything else (a float such as 2.9, a bool, a
+    negative size) is kept as given and refused, naming the feature, when the batch is looked up. A sequence
+    feature's position holds one id: two entries at one index are refused there too.
+    """
 
     def __init__(self, indices, values, dense_shape):
         self.indices = np.asarray(indices)
         self.values = np.asarray(values)
-        self.dense_shape = tuple(int(d) for d in dense_shape)
+        try:
+            shape = tuple(dense_shape)
+        except TypeError:
+            shape = dense_shape
+        else:
+            shape = tuple(int(d) if _is_int(d) else d for d in shape)
+        self.dense_shape = shape
 
     def __repr__(self):
         return f"Sparse(indices={self.indices!r}, values={self.values!r}, dense_shape={self.dense_shape!r})"
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -137,6 +154,7 @@ class FeatureBatch:
     positions: np.ndarray | None  # int64 [N], position of each id within its sample; None: i - row_splits[b]
     name: str = ""           # the feature, for error messages
     given_ids: np.ndarray | None = None  # the ids as the caller gave them (their dtype), for error messages
+    repeated: tuple | None = None  # (sample, position, id, id) of the first index given twice (Sparse), or None
 
     @property
     def batch_size(self) -> int:
@@ -145,9 +163,36 @@ class FeatureBatch:
 
 def _int_array(values, name, what):
     values = np.asarray(values)
+    if values.dtype == object:
+        raise InputError(f"{what} of feature '{name}' must be integers of a NumPy integer dtype, got dtype object"
+                         f"{_first_non_int64(values.reshape(-1))}")
     if values.dtype == np.bool_ or values.dtype.kind not in "iu":
         raise InputError(f"{what} of feature '{name}' must be integers, got dtype {values.dtype}")
     return values
+
+
+def _first_non_int64(flat) -> str:
+    """The part of a message that names the first entry of an object array that is no 64-bit integer."""
+    for i, v in enumerate(flat):
+        if not _is_int(v):
+            return f" (holding {v!r:.60} of type {type(v).__name__} at flat index {i})"
+        if not -2 ** 63 <= int(v) < 2 ** 64:
+            return f" (holding {int(v)!r:.60} at flat index {i}, which does not fit in 64 bits)"
+    return " (Python ints: convert them with np.asarray(ids, np.int64))" if len(flat) else ""
+
+
+def _python_ints(flat):
+    """A list of Python/NumPy ints as an int64 array (uint64 when some are >= 2**63 and none negative), so that
+    NumPy never turns them into float64 (``np.asarray([1, 2**63])``) or objects; ``ValueError`` naming the
+    first id that fits in neither."""
+    flat = [int(v) for v in flat]
+    low, high = (min(flat), max(flat)) if flat else (0, 0)
+    if low >= -2 ** 63 and high < 2 ** 63:
+        return np.array(flat, np.int64)
+    if low >= 0 and high < 2 ** 64:
+        return np.array(flat, np.uint64)  # the range check then names the id
+    bad = next((k, v) for k, v in enumerate(flat) if not -2 ** 63 <= v < 2 ** 63)
+    raise ValueError(f"id {bad[1]!r:.60} (flat position {bad[0]}) does not fit in 64 bits")
 
 
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
@@ -159,7 +204,11 @@ def _float_array(values, name):
     except (ValueError, TypeError) as e:
         raise InputError(f"weights of feature '{name}' do not form an array: {e}") from None
     if values.dtype.kind not in "fiu" or values.dtype == np.bool_:
-        raise InputError(f"weights of feature '{name}' must be floats, got dtype {values.dtype}")
+        first = ""
+        if values.dtype == object and values.size:
+            v = values.reshape(-1)[0]
+            first = f" (the first is {v!r:.60}, of type {type(v).__name__})"
+        raise InputError(f"weights of feature '{name}' must be floats, got dtype {values.dtype}{first}")
     if values.size and values.dtype.itemsize > 4 or values.dtype.kind in "iu":
         wide = values.astype(np.float64).reshape(-1)
         big = np.isfinite(wide) & (np.abs(wide) > _FLOAT32_MAX)
@@ -189,32 +238,43 @@ def _check_splits(splits, n_values, name, what):
     return splits.astype(np.int64, copy=False)
 
 
+def _sample_ints(sample):
+    """One sample's ids as a list of Python ints, or None when it holds anything else (or is not flat)."""
+    if isinstance(sample, np.ndarray):
+        if sample.ndim != 1:
+            return None
+        if sample.dtype.kind in "iu" and sample.dtype != np.bool_:
+            return sample.tolist()
+        sample = sample.tolist() if sample.dtype == object else None
+        if sample is None:
+            return None
+    return list(sample) if all(_is_int(v) for v in sample) else None
+
+
 def _from_python_lists(ids, weights):
     """A list of samples (each a list/tuple/1-D array of ids) as Ragged, or a flat list as an array."""
     if ids and all(isinstance(x, (list, tuple, np.ndarray)) for x in ids):
-        samples = [np.asarray(x) for x in ids]
-        if any(x.ndim != 1 for x in samples):
-            raise ValueError("every sample must be a flat sequence of ids")
-        if all(x.size == 0 or (x.dtype.kind in "iu" and x.dtype != np.bool_) for x in samples):
-            # Concatenate as Python ints: mixing uint64 and int64 samples must not promote to float64.
-            flat = [int(v) for x in samples for v in x.tolist()]
-            low, high = (min(flat), max(flat)) if flat else (0, 0)
-            if low >= -2 ** 63 and high < 2 ** 63:
-                values = np.array(flat, np.int64)
-            elif low >= 0 and high < 2 ** 64:
-                values = np.array(flat, np.uint64)  # the range check then names the id
-            else:
-                raise ValueError(f"id {low if low < -2 ** 63 else high} does not fit in 64 bits")
-            lengths = [x.shape[0] for x in samples]
-            splits = np.zeros(len(samples) + 1, np.int64)
+        as_ints = [_sample_ints(x) for x in ids]
+        if all(x is not None for x in as_ints):
+            # Concatenated as Python ints: mixing uint64 and int64 samples (or a Python int of 2**63) must not
+            # promote to float64.
+            values = _python_ints([v for x in as_ints for v in x])
+            lengths = [len(x) for x in as_ints]
+            splits = np.zeros(len(as_ints) + 1, np.int64)
             np.cumsum(lengths, out=splits[1:])
             ids = Ragged(values, splits)
         else:
+            samples = [np.asarray(x) for x in ids]
+            if any(x.ndim != 1 for x in samples):
+                raise ValueError("every sample must be a flat sequence of ids")
             ids = Ragged.from_lists(samples)
     else:
         if any(isinstance(x, (list, tuple, np.ndarray)) for x in ids):
             raise ValueError("the list mixes samples (lists) and single ids")
-        ids = np.asarray(ids) if ids else np.zeros(0, np.int64)  # [] is a batch of no samples
+        if ids and all(_is_int(x) for x in ids):
+            ids = _python_ints(ids)  # NumPy would make [1, 2**63] float64 and [2**64] objects
+        else:
+            ids = np.asarray(ids) if ids else np.zeros(0, np.int64)  # [] is a batch of no samples
     if isinstance(weights, list):
         if isinstance(ids, Ragged):
             if len(weights) != ids.row_splits.shape[0] - 1 or \
@@ -302,9 +362,14 @@ def to_feature_batch(ids, weights, name: str, vocabulary_size: int, check_weight
 def _sparse_batch(sp: Sparse, weights, name) -> FeatureBatch:
     indices = _int_array(sp.indices, name, "sparse indices")
     values = _int_array(sp.values, name, "ids")
-    if len(sp.dense_shape) != 2 or not all(0 <= d < 2 ** 40 for d in sp.dense_shape):
-        raise InputError(f"sparse ids of feature '{name}' must have a 2-D dense_shape of sizes in [0, 2**40), "
-                         f"got {sp.dense_shape}")
+    shape = sp.dense_shape
+    if not isinstance(shape, tuple) or len(shape) != 2 or not all(type(d) is int and 0 <= d < 2 ** 40
+                                                                   for d in shape):
+        raise InputError(f"sparse ids of feature '{name}' must have a 2-D dense_shape of ints in [0, 2**40), "
+                         f"got {shape!r:.80}")
+    # The batch size is declared, not counted: its row_splits (and their counts) must fit before they exist.
+    check_fits(16 * shape[0] + 8, f"sparse ids of feature '{name}' with dense_shape {shape} (the row splits of "
+               f"{shape[0]:,} samples)", error=InputError)
     if values.ndim != 1:
         raise InputError(f"sparse ids of feature '{name}' need values of shape [N]; got {values.shape}")
     n = values.shape[0]
@@ -326,10 +391,17 @@ def _sparse_batch(sp: Sparse, weights, name) -> FeatureBatch:
             raise InputError(f"weights of feature '{name}' have {w.shape} values, ids have {values.shape}")
     order = np.lexsort((indices[:, 1], indices[:, 0])) if n else np.zeros(0, np.int64)
     rows = indices[order, 0].astype(np.int64)
+    positions = indices[order, 1].astype(np.int64)
     splits = np.zeros(b + 1, np.int64)
     np.cumsum(np.bincount(rows, minlength=b), out=splits[1:])
-    return FeatureBatch(values[order].astype(np.int64), splits, None if w is None else w[order],
-                        indices[order, 1].astype(np.int64))
+    ids = values[order].astype(np.int64)
+    repeated = None
+    if n > 1:
+        again = np.flatnonzero((rows[1:] == rows[:-1]) & (positions[1:] == positions[:-1]))
+        if again.size:
+            k = int(again[0])
+            repeated = (int(rows[k]), int(positions[k]), values[order[k]], values[order[k + 1]])
+    return FeatureBatch(ids, splits, None if w is None else w[order], positions, repeated=repeated)
 
 
 def _check_range(ids, name, vocabulary_size, original):
@@ -397,9 +469,17 @@ def build_table_batch(parts, workspace=None) -> TableBatch:
     n = 0
     rows_end = 0
     for batch, combiner, seq_len, row_offset, out_offset, vocabulary_size in parts:
+        if seq_len and batch.repeated is not None:
+            sample, position, first, second = batch.repeated
+            raise InputError(f"feature '{batch.name}': sparse index ({sample}, {position}) is given twice (ids "
+                             f"{first} and {second}); a position of a sequence feature holds one id")
         n += batch.ids.shape[0]
         n_out = out_offset + batch.batch_size * (seq_len if seq_len else 1)
         rows_end = max(rows_end, row_offset + vocabulary_size)
+    if parts:
+        # A batch's activation rows follow from its declared size (a Sparse dense_shape) times a sequence length.
+        check_fits(8 * (n_out + 1), f"the occurrence offsets of {n_out:,} activation rows (features "
+                   f"{[p[0].name for p in parts]})", error=InputError)
     rows = _array(workspace, "rows", n, np.int32 if rows_end <= ROW_TYPE_LIMIT else np.int64)
     unit = unit_gains(parts)
     packed = _NO_PAYLOAD if unit else _array(workspace, "packed", n, np.int64)
