@@ -19,6 +19,7 @@ update, then weight clipping (``clip_weight_min`` / ``clip_weight_max``).
 
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
 
@@ -63,6 +64,16 @@ def _check_float_or_callable(value, what: str):
         raise ValueError(f"{what} must be a float or a zero-argument callable. Received: {value!r}")
     if not callable(value):
         finite_float32(value, what)
+        return
+    try:
+        signature = inspect.signature(value)
+    except (TypeError, ValueError):  # a builtin without a signature: called as it is, once per step
+        return
+    try:
+        signature.bind()
+    except TypeError as exc:  # e.g. ``lambda step: ...``: it would fail at the first step, not here
+        raise ValueError(f"{what} must be a float or a zero-argument callable; {value!r:.80} cannot be called "
+                         f"without arguments: {exc}") from None
 
 
 def _check_finite(owner: str, positive=(), **values):
@@ -318,6 +329,7 @@ class _BuiltinOptimizer(Optimizer):
 
     _row = None
     _n_specific = 0
+    _specific_names = ()  # what each of the optimizer's own hyperparameters is, for messages
 
     def __init__(self, learning_rate, use_gradient_accumulation, clip_weight_min, clip_weight_max,
                  weight_decay_factor, multiply_weight_decay_factor_by_learning_rate, clipvalue,
@@ -395,8 +407,10 @@ class _BuiltinOptimizer(Optimizer):
         specific = tuple(self._specific(step))
         _finite_value(decay, "weight_decay_factor (times the learning rate)" if
                       self.multiply_weight_decay_factor_by_learning_rate else "weight_decay_factor", self)
+        names = type(self)._specific_names
         for k, v in enumerate(specific):
-            _finite_value(v, f"hyperparameter {_N_COMMON + k} of its row function", self)
+            what = f"hyperparameter {_N_COMMON + k} of its row function"
+            _finite_value(v, f"{names[k]} ({what})" if k < len(names) else what, self)
         return tuple(np.float32(v) for v in common + specific)
 
 
@@ -451,6 +465,7 @@ class AdagradMomentum(_BuiltinOptimizer):
     Slots ``accumulators`` and ``momenta`` start at 0.""" + _COMMON_DOC
     _row = adagrad_momentum_row
     _n_specific = 6
+    _specific_names = ("momentum", "use_nesterov", "-1 / exponent", "beta2", "1 - beta2", "epsilon")
     slot_names = ("accumulators", "momenta")
     slot_dims = (2, 2)
     slot_initializers = (0.0, 0.0)
@@ -490,6 +505,7 @@ class Adam(_BuiltinOptimizer):
     at 0.""" + _COMMON_DOC
     _row = adam_row
     _n_specific = 4
+    _specific_names = ("beta_1", "beta_2", "epsilon", "sum_inside_sqrt")
     slot_names = ("momenta", "velocities")
     slot_dims = (2, 2)
     slot_initializers = (0.0, 0.0)
@@ -528,6 +544,8 @@ class FTRL(_BuiltinOptimizer):
     ``initial_accumulator_value`` > 0) and ``linears`` (start at 0).""" + _COMMON_DOC
     _row = ftrl_row
     _n_specific = 5
+    _specific_names = ("-learning_rate_power", "l1_regularization_strength", "l2_regularization_strength", "beta",
+                       "multiply_linear_by_learning_rate")
     slot_names = ("accumulators", "linears")
     slot_dims = (2, 2)
 
@@ -576,6 +594,7 @@ class RowwiseAdagrad(_BuiltinOptimizer):
     _row = rowwise_adagrad_row
     _composes_options = False
     _n_specific = 1
+    _specific_names = ("epsilon",)
     slot_names = ("accumulators",)
     slot_dims = (1,)
 
