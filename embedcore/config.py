@@ -14,8 +14,6 @@ __all__ = ["TableConfig", "FeatureConfig", "COMBINERS"]
 
 COMBINERS = ("mean", "sum", "sqrtn")
 
-MAX_VOCABULARY_SIZE = 2 ** 62  # row ids, offsets of stacked tables and shard strides stay exact in int64
-MAX_DIM = 2 ** 31 - 1          # a row's length is an int32 in the kernels
 MAX_SEQUENCE_LENGTH = 2 ** 31 - 1  # an activation row is an int32 (kernels/occurrences.py)
 
 
@@ -27,9 +25,9 @@ class TableConfig:
     """One embedding table: ``vocabulary_size`` rows of ``dim`` float32 values.
 
     Args:
-        vocabulary_size: number of rows, an int in ``[1, 2**62]`` (whether the table fits in memory is checked
-            by the engine that allocates it).
-        dim: embedding width, an int in ``[1, 2**31 - 1]``.
+        vocabulary_size: number of rows, an int >= 1.
+        dim: embedding width, an int >= 1. Whether the table fits in memory is checked by the engine that
+            allocates it, not here.
         initializer: a callable ``(shape, dtype) -> array`` or an :mod:`embedcore.initializers` object;
             ``None`` means ``TruncatedNormal(mean=0, stddev=1/sqrt(dim))``.
         optimizer: an optimizer for this table; overrides the one given to :class:`~embedcore.Embedding`.
@@ -45,14 +43,8 @@ class TableConfig:
         if not _is_int(vocabulary_size) or vocabulary_size < 1:
             raise ValueError(f"{table}: Argument `vocabulary_size` must be an int and must be >= 1. Received: "
                              f"{vocabulary_size!r:.80}")
-        if vocabulary_size > MAX_VOCABULARY_SIZE:
-            raise ValueError(f"{table}: Argument `vocabulary_size` must be at most 2**62. Received: "
-                             f"{vocabulary_size!r:.80}")
         if not _is_int(dim) or dim < 1:
             raise ValueError(f"{table}: Argument `dim` (embedding dimension) must be an int and must be >= 1. "
-                             f"Received: {dim!r:.80}")
-        if dim > MAX_DIM:
-            raise ValueError(f"{table}: Argument `dim` (embedding dimension) must be at most 2**31 - 1. "
                              f"Received: {dim!r:.80}")
         if initializer is not None and not callable(initializer):
             raise ValueError(
