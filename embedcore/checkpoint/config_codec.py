@@ -399,7 +399,7 @@ def _check_features(node, where: str, tables: set, depth: int = 0) -> None:
     elif kind == "feature":
         f = _need_dict(body, f"{where}.feature", ["table", "max_sequence_length", "validate_weights_and_indices",
                                                   "output_shape", "name"])
-        if f["table"] not in tables:
+        if not isinstance(f["table"], str) or f["table"] not in tables:
             raise _fail(f"{where}.feature.table", f"one of the configured tables {sorted(tables)}", f["table"])
         need_int(f["max_sequence_length"], f"{where}.feature.max_sequence_length", 0, 2 ** 31 - 1)
         if not isinstance(f["validate_weights_and_indices"], bool):

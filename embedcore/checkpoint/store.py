@@ -317,7 +317,7 @@ def check_manifest(manifest, path: str, manifest_path: str) -> dict:
             shape = _need(entry.get("shape"), list, f"{w}.shape", "a list of integers")
             for d in shape:
                 need_int(d, f"{w}.shape", 0, _MAX_ROWS, fail=lambda w_, what, v: _bad(w_, f"made of {what}", shape))
-            if entry.get("dtype") not in _DTYPE_SIZES:
+            if not isinstance(entry.get("dtype"), str) or entry["dtype"] not in _DTYPE_SIZES:
                 raise _bad(f"{w}.dtype", f"one of {sorted(_DTYPE_SIZES)}", entry.get("dtype"))
             if not isinstance(entry.get("sha256"), str) or not _SHA256.fullmatch(entry["sha256"]):
                 raise _bad(f"{w}.sha256", "64 hex digits", entry.get("sha256"))
