@@ -506,12 +506,25 @@ def corrupt_leaf(draw, spec: FeatureSpec, leaf: Leaf, kind=None):
         idx = np.asarray(sp.indices).astype(np.int64)
         bsz, width = sp.dense_shape
         variants = ["shape_n3", "shape_1d", "float", "rank1_shape", "rank3_shape", "values_2d", "values_0d",
-                    "negative_shape", "huge_shape"]
+                    "negative_shape", "huge_shape", "float_shape", "bool_shape"]
         if n:
             variants += ["row_outside", "col_outside", "negative"]
+        if n and spec.seq_len:
+            variants.append("repeated_position")
         how = draw(st.sampled_from(variants))
+        event(f"sparse_indices: {how}")
         values, shape = sp.values, sp.dense_shape
-        if how == "row_outside":
+        if how == "repeated_position":  # a sequence position holds one id: a second one is refused, not summed
+            j = draw(st.integers(0, n - 1))
+            idx = np.concatenate([idx, idx[j:j + 1]])
+            values = np.concatenate([np.asarray(values).reshape(-1), np.asarray(values).reshape(-1)[j:j + 1]])
+            return ec.Sparse(idx, values, shape), None, [name, "given twice"]
+        if how == "float_shape":  # was: silently truncated by int()
+            k = draw(st.integers(0, 1))
+            shape = tuple(d + 0.5 if i == k else d for i, d in enumerate(shape))
+        elif how == "bool_shape":
+            shape = (True, width) if draw(st.booleans()) else (bsz, np.bool_(True))
+        elif how == "row_outside":
             idx[draw(st.integers(0, n - 1)), 0] = bsz + draw(st.integers(0, 2))
         elif how == "col_outside":
             idx[draw(st.integers(0, n - 1)), 1] = width + draw(st.integers(0, 2))
