@@ -325,9 +325,11 @@ def _literal(value, bare=False) -> str:
     elif np.isinf(x):
         text = "np.inf" if x > 0 else "-np.inf"
     else:
-        text = str(value)  # NumPy's shortest text that reads back as this float32/float64 ...
-        if float(text) != x or dtype.type(float(text)) != value:
-            text = repr(x)  # ... else the float64 text, exact for every float32
+        # NumPy's shortest text of the value, if the code ``np.float32(<text>)`` (a float64 literal rounded
+        # to float32) gives it back exactly, else the float64 text, exact for every float32
+        text = str(value)
+        if dtype.type(float(text)) != value:
+            text = repr(x)
     return text if bare else f"np.{dtype.name}({text})"
 
 
