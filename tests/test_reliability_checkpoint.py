@@ -17,6 +17,7 @@ import tempfile
 import textwrap
 import time
 
+import numba
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -581,3 +582,25 @@ def test_readers_racing_another_process_saving_see_one_whole_checkpoint(tmp_path
     print(f"\nconcurrent saves: {sum(opened.values())} opens {opened} while another process saved; "
           f"{sum(retries)} restarted on a newer CURRENT, none reported as corrupt")
     assert sum(opened.values()) >= 50
+
+
+@numba.njit
+def njit_sgd(gradient, embedding_table, slot_variables, learning_rate, hyperparameters):
+    """A row function compiled with numba.njit: a checkpoint may name it."""
+    return embedding_table - learning_rate * gradient
+
+
+def test_a_numba_compiled_row_function_is_still_restored(tmp_path):
+    emb = ec.Embedding({"f": ec.FeatureConfig(ec.TableConfig(10, 4, name="t"))}, ec.CustomOptimizer(njit_sgd, 0.1))
+    emb.save(tmp_path / "c")
+    back = ec.Embedding.restore(tmp_path / "c", allow_import=True)
+    assert back._optimizer.custom_computation is njit_sgd
+
+
+@pytest.mark.parametrize("step", [-1, 2.5, 2 ** 63, True])
+def test_a_step_that_could_not_be_read_back_is_not_saved(tmp_path, step):
+    emb = ec.Embedding({"f": ec.FeatureConfig(ec.TableConfig(10, 4, name="t"))}, ec.SGD(0.1))
+    emb.step = step
+    with pytest.raises(CheckpointError, match="cannot be stored: a checkpoint's step is an integer"):
+        emb.save(tmp_path / "c")
+    assert not (tmp_path / "c").exists() or not os.listdir(tmp_path / "c")

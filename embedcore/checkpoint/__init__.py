@@ -41,8 +41,13 @@ def engine_config(emb) -> dict:
     return config
 
 
-def check_save_inputs(extra, metadata) -> dict:
-    """``extra`` as a dict, after checking it and ``metadata`` can be stored (before anything is written)."""
+def check_save_inputs(extra, metadata, step=0) -> dict:
+    """``extra`` as a dict, after checking it, ``metadata`` and ``step`` can be stored (before anything is
+    written): a step that a reader would refuse (negative, fractional, beyond 2^63-1) is refused here."""
+    if isinstance(step, (bool, np.bool_)) or not isinstance(step, (int, np.integer)) or \
+            not 0 <= int(step) <= 2 ** 63 - 1:
+        raise CheckpointError(f"step {step!r:.80} cannot be stored: a checkpoint's step is an integer from 0 to "
+                              f"2**63-1")
     extra = dict(extra or {})
     for name, value in extra.items():
         if not isinstance(name, str) or not name or name == "__metadata__" or not isinstance(value, np.ndarray) \
@@ -84,7 +89,7 @@ def manifest_of(step: int, config: dict, entries: dict, extra_file, metadata) ->
 def save(emb, path, extra=None, metadata=None) -> str:
     """Write ``emb`` to the checkpoint directory ``path`` (see :meth:`embedcore.Embedding.save`)."""
     config = engine_config(emb)
-    extra = check_save_inputs(extra, metadata)
+    extra = check_save_inputs(extra, metadata, emb.step)
     writer = SnapshotWriter(path, emb.step)
     try:
         whole = {name: (0, 1, t.vocabulary_size) for name, t in emb._table_configs.items()}

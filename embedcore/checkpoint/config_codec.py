@@ -10,9 +10,10 @@ Importing is all a checkpoint can make happen. What an imported path names is ch
 a stored optimizer or initializer class must be a subclass of embedcore's :class:`~embedcore.Optimizer` or
 :class:`~embedcore.initializers.Initializer` (only those are ever called, with the stored arguments, and
 only with keyword arguments their constructor declares); a stored function must be a plain Python function
-(``def``), which decoding never calls: it becomes a row function, a learning-rate or initializer callable
-that the engine runs when training. Anything else (``os:system``, ``builtins:eval``, ``subprocess:Popen``,
-another library's class) is refused with :class:`CheckpointError` naming the manifest entry.
+(``def``, possibly compiled with ``numba.njit``), which decoding never calls: it becomes a row function, a
+learning-rate or initializer callable that the engine runs when training. Anything else (``os:system``,
+``builtins:eval``, ``subprocess:Popen``, another library's class) is refused with :class:`CheckpointError`
+naming the manifest entry.
 
 :func:`check_config` is the configuration's schema: every field's type and range, checked before anything
 is decoded, so a malformed configuration is always a :class:`CheckpointError`.
@@ -164,11 +165,19 @@ class FunctionResolver:
             raise CheckpointError(f"{where}: importing '{path}' failed: {type(e).__name__}: {e}") from None
         if base is not None:
             _check_class(found, base, where, path, "the checkpoint")
-        elif not isinstance(found, types.FunctionType):
+        elif not _is_python_function(found):
             raise CheckpointError(f"{where}: '{path}' is {_describe(found)}, not a Python function; a checkpoint may "
                                   f"name only Python functions (row functions, learning-rate and initializer "
                                   f"callables) and embedcore Optimizer/Initializer classes, so it is not used")
         return found
+
+
+def _is_python_function(obj) -> bool:
+    """A ``def``/``lambda`` function, or one compiled with ``numba.njit`` (still a Python function inside)."""
+    if isinstance(obj, types.FunctionType):
+        return True
+    import numba
+    return isinstance(obj, numba.core.registry.CPUDispatcher) and isinstance(obj.py_func, types.FunctionType)
 
 
 def _describe(obj) -> str:

@@ -48,7 +48,7 @@ def save(emb, path, extra, metadata) -> str:
     ex, rank, step = emb._exchange, emb.rank, emb.step
     writer, error, exc = None, None, None
     try:
-        extra = check_save_inputs(extra if rank == 0 else None, metadata)
+        extra = check_save_inputs(extra if rank == 0 else None, metadata, step)
         if rank == 0:
             writer = SnapshotWriter(path, step)
     except Exception as e:
