@@ -33,7 +33,7 @@ _LOGICAL = {"and": "logical_and", "or": "logical_or", "xor": "logical_xor"}
 _UNARY = {"neg": "neg", "abs": "abs", "sign": "sign", "sqrt": "sqrt", "rsqrt": "rsqrt", "square": "square",
           "exp": "exp", "log": "log"}
 _REDUCTIONS = {"reduce_sum": "sum", "reduce_max": "max", "reduce_min": "min"}
-_CALLS = {"pjit", "jit", "closed_call", "core_call", "remat", "checkpoint", "custom_jvp_call",
+_CALLS = {"pjit", "jit", "closed_call", "core_call", "remat", "remat2", "checkpoint", "custom_jvp_call",
           "custom_vjp_call", "custom_vjp_call_jaxpr"}
 _RESHAPES = {"squeeze", "reshape", "expand_dims", "broadcast_in_dim"}
 SUPPORTED_PRIMITIVES = tuple(sorted({*_BINARY, *_LOGICAL, *_UNARY, *_REDUCTIONS, *_CALLS, *_RESHAPES, "not",
