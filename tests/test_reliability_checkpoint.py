@@ -9,6 +9,7 @@ not files, declared sizes beyond the files and the machine, and readers racing a
 import json
 import math
 import os
+import re
 import resource
 import shutil
 import subprocess
@@ -604,3 +605,66 @@ def test_a_step_that_could_not_be_read_back_is_not_saved(tmp_path, step):
     with pytest.raises(CheckpointError, match="cannot be stored: a checkpoint's step is an integer"):
         emb.save(tmp_path / "c")
     assert not (tmp_path / "c").exists() or not os.listdir(tmp_path / "c")
+
+
+# -- the distributed checkpoint reads through the same checks ----------------------------------------------
+
+_SHARDED_CHILD = textwrap.dedent("""
+    import json, sys
+    import numpy as np
+    import embedcore as ec
+    from embedcore.checkpoint import CheckpointError
+    from embedcore.distributed import ShardedEmbedding
+    sys.path.insert(0, sys.argv[1])
+    from tests.test_reliability_checkpoint import make_engine
+    target = ShardedEmbedding(make_engine()._feature_config, ec.Adagrad(0.1), seed=4, timeout=30)
+    for path in json.loads(sys.argv[2]):
+        before, step = {n: t.copy() for n, t in target.embedding_tables.items()}, target.step
+        out = {}
+        for what, call in (("load", lambda: target.load(path, strict=False)),
+                           ("restore", lambda: ShardedEmbedding.restore(path, allow_import=True, timeout=30))):
+            try:
+                call()
+                out[what] = "loaded"
+            except CheckpointError as e:
+                out[what] = "CheckpointError: " + str(e)
+            except BaseException as e:  # every rank raises Refused, caused by the failing rank's own error
+                out[what] = type(e).__name__ + "(" + type(e.__cause__).__name__ + "): " + str(e)
+        out["unchanged"] = target.step == step and all(
+            np.array_equal(t, before[n]) for n, t in target.embedding_tables.items())
+        print(json.dumps(out), flush=True)
+""")
+
+
+def test_the_sharded_engine_refuses_the_same_checkpoints_and_changes_nothing(tmp_path, source):
+    pytest.importorskip("mpi4py")
+    marker = str(tmp_path / "marker")
+    cases = {"step": (lambda p: edit_manifest(p, _set(-1, "step")), r"step must be a step count"),
+             "seed": (lambda p: edit_manifest(p, _set(math.inf, "config", "seed")), r"config.seed must be an integer"),
+             "popen": (lambda p: edit_manifest(p, lambda m: [t.update(optimizer={"optimizer": "subprocess:Popen",
+                                                                                 "args": {"args": ["touch", marker]}})
+                                                             for t in m["config"]["tables"] if t["name"] == "b"] and m),
+                       "not a subclass of embedcore's Optimizer"),
+             "nan": (lambda p: rewrite_tensor(p, "a", "slot/accumulators",
+                                              lambda a: a.__setitem__((5, 0), np.nan)),
+                     r"table 'a' slot 'accumulators' holds NaN or Inf in 1 row\(s\), e.g. rows \[5\]")}
+    paths = []
+    for name, (make, _) in cases.items():
+        path = tmp_path / name
+        source.save(path)
+        make(path)
+        paths.append(str(path))
+    proc = subprocess.run([sys.executable, "-c", _SHARDED_CHILD, ROOT, json.dumps(paths)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    results = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
+    assert len(results) == len(cases), proc.stderr[-3000:]
+    for (name, (_, match)), result in zip(cases.items(), results):
+        if name == "popen":  # a non-strict load uses no optimizer from the checkpoint: it loads
+            assert result["load"] == "loaded"
+            assert re.search(match, result["restore"]), result
+            continue
+        assert result["unchanged"], (name, result)
+        for what in ("load", "restore"):
+            assert result[what].startswith(("CheckpointError: ", "Refused(CheckpointError): ")), (name, what, result)
+            assert re.search(match, result[what]), (name, what, result[what])
+    assert not os.path.exists(marker)
