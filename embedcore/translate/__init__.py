@@ -44,7 +44,7 @@ from ..compiler import RowFunctionError, describe
 from . import jaxpr, tensorflow_graph
 from .numpy_source import Program, TranslationError, ensure_source
 
-__all__ = ["to_numpy_row_function", "framework_of", "FRAMEWORKS", "Program", "TranslationError"]
+__all__ = ["to_numpy_row_function", "framework_of", "python_function", "FRAMEWORKS", "Program", "TranslationError"]
 
 FRAMEWORKS = ("auto", "numpy", "tensorflow", "jax")
 _TOP_LEVEL = {"tensorflow": "tensorflow", "tf_keras": "tensorflow", "jax": "jax", "jaxlib": "jax"}
@@ -65,6 +65,15 @@ def framework_of(fn) -> str:
             f"custom computation {describe(fn)} reads both TensorFlow and JAX names; say which it is written in "
             "with framework='tensorflow' or framework='jax'")
     return found.pop() if found else "numpy"
+
+
+def python_function(fn):
+    """The Python function behind a ``tf.function`` or ``jax.jit`` function (for its name), else ``fn``."""
+    if tensorflow_graph.is_tf_function(fn):
+        return tensorflow_graph.python_function(fn)
+    if jaxpr.is_jax_function(fn):
+        return jaxpr.python_function(fn)
+    return fn
 
 
 def _framework_of_value(value) -> str | None:
@@ -138,7 +147,7 @@ def to_numpy_row_function(fn, slot_dims=(), n_hyperparameters=0, framework="auto
         ensure_source(known)
         return known
     module = tensorflow_graph if framework == "tensorflow" else jaxpr
-    original = module.python_function(fn)
+    original = python_function(fn)
     name = getattr(original, "__name__", None) or type(fn).__name__
     qualname = getattr(original, "__qualname__", None) or name
     module_name = getattr(original, "__module__", None) or "embedcore.translate.generated"
