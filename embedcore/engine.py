@@ -22,8 +22,10 @@ from .kernels.aligned import aligned_empty
 from .kernels.dedup import group_rows, sum_by_blocks
 from .kernels.prefetch import rows_stay_cached
 from .kernels.rows import count_non_finite
-from .kernels.update import STATUS_GRADIENT, STATUS_LENGTH, STATUS_OUTPUT, compile_for, fused_update_kernel
+from .kernels.update import (STATUS_GRADIENT, STATUS_LENGTH, STATUS_OUTPUT, STATUS_RAISED, compile_for,
+                             fused_update_kernel)
 from .lookup import LookupContext, TableLookup, _FeatureSlot, _PhysicalTable
+from .memory_budget import check_fits
 from .optimizers import Optimizer
 
 __all__ = ["Embedding", "LookupContext", "UpdateReport", "NonFiniteError", "NON_FINITE_POLICIES"]
@@ -44,29 +46,42 @@ class UpdateReport:
         skipped: table name -> {"gradient": ids, "output": ids} (int64 arrays of table-local row ids) for
             the rows left unchanged because their summed gradient, or the optimizer's result, was NaN/Inf.
             Empty when every touched row was updated.
+        failed: table name -> {"raised": ids, "length": ids} for the rows left unchanged because the row
+            function raised an exception on them or returned rows of the wrong length (then
+            ``apply_gradients`` raises :class:`RowFunctionError`, which carries this report as ``.report``).
     """
 
     def __init__(self, step: int):
         self.step = step
         self.skipped = {}
+        self.failed = {}
 
     def _record(self, group, uniq, status, lazy):
         flagged = np.flatnonzero(status)  # no full-size temporary: a non-lazy status has a byte per table row
         codes = status[flagged]
-        keep = (codes == STATUS_GRADIENT) | (codes == STATUS_OUTPUT)
-        bad, codes = flagged[keep], codes[keep]
-        if bad.size == 0:
-            return
-        rows = uniq[bad] if lazy else bad
+        rows_of = uniq[flagged] if lazy else flagged
         offsets = np.asarray(group.offsets)
-        which = np.searchsorted(offsets, rows, side="right") - 1
-        for k, table in enumerate(group.tables):
-            mine = which == k
-            if mine.any():
-                local = rows[mine] - offsets[k]
-                self.skipped[table.name] = {
-                    "gradient": local[codes[mine] == STATUS_GRADIENT].astype(np.int64),
-                    "output": local[codes[mine] == STATUS_OUTPUT].astype(np.int64)}
+        which = np.searchsorted(offsets, rows_of, side="right") - 1
+        for into, kinds in ((self.skipped, (("gradient", STATUS_GRADIENT), ("output", STATUS_OUTPUT))),
+                            (self.failed, (("raised", STATUS_RAISED), ("length", STATUS_LENGTH)))):
+            keep = np.isin(codes, [code for _, code in kinds])
+            for k, table in enumerate(group.tables):
+                mine = keep & (which == k)
+                if mine.any():
+                    local = rows_of[mine] - offsets[k]
+                    into[table.name] = {key: local[codes[mine] == code].astype(np.int64) for key, code in kinds}
+
+    def describe_failed(self, function) -> str:
+        """The rows a row function failed on, table by table, for an error message."""
+        parts = []
+        for table, rows in self.failed.items():
+            for reason, what in (("raised", "raised an exception"), ("length", "returned rows of the wrong length")):
+                ids = rows[reason]
+                if ids.size:
+                    shown = ", ".join(str(int(i)) for i in ids[:5]) + (", ..." if ids.size > 5 else "")
+                    parts.append(f"table '{table}': {ids.size} row(s) left unchanged because {function} {what} "
+                                 f"on them: rows {shown}")
+        return "; ".join(parts)
 
     def describe(self) -> str:
         parts = []
@@ -117,7 +132,9 @@ class Embedding(TableLookup):
         self.seed = int(seed)
         self.step = 0
         self._lock = threading.Lock()
-        self._index_groups(self._stack(tables, optimizer, stack_tables))
+        groups = self._stack(tables, optimizer, stack_tables)
+        _check_storage_fits(groups)
+        self._index_groups(groups)
         for group in self._groups:
             self._build(group, fill)
 
@@ -220,10 +237,13 @@ class Embedding(TableLookup):
 
         ``strict`` requires the checkpoint's configuration to equal this engine's (optimizers and
         hyperparameters included); ``strict=False`` only requires the same tables, shapes and slots.
+        Contexts of lookups made before a successful ``load`` are refused by :meth:`apply_gradients` (their
+        activations came from the replaced tables).
         """
         from .checkpoint import load_into
         with self._exclusive("load"):
             load_into(self, path, strict=strict)
+            self._tables_replaced()
 
     @classmethod
     def restore(cls, path, *, functions=None, allow_import: bool = False, stack_tables: bool = True):
@@ -251,22 +271,27 @@ class Embedding(TableLookup):
         """Apply ``d loss / d activations`` (mirroring the activations) with each table's fused optimizer.
 
         Everything is validated before anything changes: a bad gradient raises :class:`InputError` naming
-        the feature, with tables, slots and ``step`` unchanged. Returns an :class:`UpdateReport`.
+        the feature, with tables, slots and ``step`` unchanged; so does a ``ctx`` that is not a context of
+        this engine's lookup against its current tables (another engine's, one looked up before a
+        ``load``), or one already applied. Returns an :class:`UpdateReport`.
 
         No NaN/Inf is ever written to a table or slot. With ``non_finite="raise"`` (the default) a NaN/Inf
         gradient is refused up front; a row whose summed gradient overflows float32, or for which the
         optimizer returns NaN/Inf, keeps its old values while the rest of the batch is applied, and then
         :class:`NonFiniteError` names the table and rows. With ``non_finite="skip"`` NaN/Inf gradients are
         accepted: every affected row is skipped, counted in ``skipped_rows`` and listed in the report.
+
+        A row function that raises an exception on some rows (or returns rows of the wrong length) is
+        handled the same way, whatever the policy and the number of threads: every other row is updated
+        exactly once, those rows keep their old values, ``step`` advances and the context is used up (a
+        retry is refused, so nothing is applied twice); then :class:`RowFunctionError` names the table and
+        the rows, and carries the report as ``.report``.
         """
-        if not isinstance(ctx, LookupContext) or ctx.engine_id != id(self):
-            raise InputError("ctx must be the context returned by this engine's lookup")
         with self._exclusive("apply_gradients"):
+            self._check_context(ctx)
             return self._apply(gradients, ctx)
 
     def _apply(self, gradients, ctx):
-        if ctx.consumed:
-            raise InputError("these activations' gradients were already applied; look up again")
         leaves = inputs.flatten_like(self._feature_config, gradients, "gradients")
         refuse = self.non_finite == "raise"
         # NaN/Inf are looked for once per physical table, in the gradient rows its update reads (the
@@ -291,7 +316,7 @@ class Embedding(TableLookup):
                 values[id(group.optimizer)] = group.optimizer.step_values(step)
         # Validation is over; from here on the tables change.
         report = UpdateReport(step)
-        wrong_length = []
+        failing = []
         for group, tb, d_act in work:
             ws = group.workspace
             summed = sum_by_blocks(tb.rows, group.n_rows, tb.packed, ws, tb.blocks, tb.out_ptr, d_act)
@@ -308,22 +333,25 @@ class Embedding(TableLookup):
             kernel = fused_update_kernel(group.row_function, lazy=lazy, dim=group.dim)
             if kernel(group.weights, group.slots, uniq, ptr, packed, d_act, lr, hyper, status):
                 report._record(group, uniq, status, lazy)
-                if np.any(status[np.flatnonzero(status)] == STATUS_LENGTH):
-                    wrong_length.append(group)
+                if np.isin(status[np.flatnonzero(status)], (STATUS_RAISED, STATUS_LENGTH)).any():
+                    failing.append(group)
         self.step = step
         ctx.consumed = True
         ctx.release()
         for table, rows in report.skipped.items():
             self.skipped_rows[table] = self.skipped_rows.get(table, 0) + sum(len(v) for v in rows.values())
-        if wrong_length:
-            group = wrong_length[0]
-            raise RowFunctionError(f"{describe(group.row_function.python_function)} returned rows of the wrong "
-                                   f"length for some row(s) of table(s) {[t.name for t in group.tables]}")
+        if failing:
+            functions = sorted({describe(group.row_function.python_function) for group in failing})
+            skipped = f"; also {report.describe()}" if report.skipped else ""
+            error = RowFunctionError(f"{report.describe_failed(' and '.join(functions))}{skipped}. The other rows "
+                                     f"were updated and step is now {step}; these gradients cannot be applied "
+                                     f"again (look up again)")
+            error.report = report
+            raise error
         if report.skipped and self.non_finite == "raise":
             raise NonFiniteError(report.describe() + f". The other rows were updated and step is now {step}; "
                                  f"Embedding(non_finite='skip') skips such rows and reports them instead")
         return report
-
 
     @staticmethod
     def _gradient_rows(g, group, tb, gradients, features):
@@ -345,6 +373,26 @@ class Embedding(TableLookup):
         for grad, s in mine:
             d_act[s.out_offset:s.out_offset + s.n_rows] = grad.reshape(s.n_rows, group.dim)
         return d_act
+
+
+def _check_storage_fits(groups) -> None:
+    """Refuse (``ValueError``) physical tables whose weights and slots (and, for a non-lazy optimizer, the
+    update's status byte per row) cannot fit in memory, each and all together, naming the tables and the
+    bytes, before anything is allocated."""
+    total, names = 0, []
+    for group in groups:
+        n_rows, dim = group.n_rows, group.dim
+        values = n_rows * dim + sum(n_rows * dim if d == 2 else n_rows for d in group.optimizer.slot_dims)
+        nbytes = 4 * values + (0 if group.optimizer.lazy else n_rows)
+        n_slots = len(group.optimizer.slot_dims)
+        tables = [t.name for t in group.tables]
+        what = (f"table(s) {tables} ({n_rows:,} rows x {dim:,} float32 values"
+                f"{f', plus {n_slots} slot(s)' if n_slots else ''})")
+        check_fits(nbytes, what)
+        total += nbytes
+        names += tables
+    if len(groups) > 1:
+        check_fits(total, f"the tables {names} and their slots together")
 
 
 def _consecutive(gradients, n_rows, dim):

@@ -22,7 +22,8 @@ Semantics: step 3 applies the gradients of the activations that step 1 read, so 
 tables updated by step ``t``; each ``ctx`` is applied at most once. ``train_step`` is traced once per
 distinct shape of its arguments: keep the batch size (and ``max_sequence_length``) fixed, padding the last
 batch, or each new shape compiles again. Errors in step 3 (NaN/Inf or wrongly shaped gradients, wrong
-structure) raise :class:`embedcore.InputError` and leave tables, slots and ``emb.step`` unchanged.
+structure, a ``ctx`` of another engine or of a lookup made before ``emb.load()``) raise
+:class:`embedcore.InputError` and leave tables, slots and ``emb.step`` unchanged.
 
 Copies (measured with jax 0.10.2 on CPU):
 

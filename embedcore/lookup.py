@@ -8,6 +8,7 @@ memory-mapped from a checkpoint.
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from dataclasses import dataclass, field
 
@@ -23,6 +24,20 @@ from .optimizers import Optimizer
 __all__ = ["TableLookup", "LookupContext"]
 
 _MAX_ACTIVATION_ROWS = 2 ** 31  # an occurrence carries its activation row in 32 bits (kernels/occurrences.py)
+_GENERATIONS = itertools.count(1)  # table generations, never repeated within a process
+
+
+class _EngineToken:
+    """The identity of one engine, held by the engine and by every context its lookups return.
+
+    A context keeps its token alive, so no other engine can ever hold the same one (unlike ``id()``, which
+    CPython reuses once an object is freed); the weak reference only tells a message whose engine it was.
+    """
+
+    __slots__ = ("engine", "__weakref__")
+
+    def __init__(self, engine):
+        self.engine = weakref.ref(engine)
 
 
 @dataclass
@@ -63,11 +78,16 @@ class _FeatureSlot:
 class LookupContext:
     """What :meth:`Embedding.apply_gradients` needs from the lookup that produced the activations.
 
+    It is bound to its engine by an unforgeable token and to the generation of that engine's tables (which
+    changes whenever they are replaced, e.g. by ``load``): an engine refuses the context of another engine,
+    one looked up before its tables were replaced, and one already applied or released.
+
     Its table batches live in workspaces leased from the engine's pools; :meth:`release` (called once the
     gradients are applied, or when the context is garbage-collected) returns them for the next lookup.
     """
 
-    engine_id: int
+    engine_token: _EngineToken
+    generation: int
     table_batches: list
     features: list
     consumed: bool = False
@@ -105,11 +125,38 @@ class TableLookup:
         return tables
 
     def _index_groups(self, groups):
+        """Take ``groups`` as the physical tables: a new layout, so every earlier context is refused."""
+        self._token = _EngineToken(self)
+        self._generation = next(_GENERATIONS)
         self._groups = groups
         self._group_of = {}
         for g, group in enumerate(groups):
             for table, offset in zip(group.tables, group.offsets):
                 self._group_of[id(table)] = (g, offset)
+
+    def _tables_replaced(self) -> None:
+        """Record that the tables' contents were replaced as a whole (``load``): contexts looked up before
+        refer to other values and are refused from now on."""
+        self._generation = next(_GENERATIONS)
+
+    def _check_context(self, ctx, kind=None) -> None:
+        """Refuse (:class:`InputError`) a ``ctx`` that is not a context of ``kind`` returned by this engine's
+        lookup against its current tables, or that was applied (or released) already; nothing changes."""
+        kind = LookupContext if kind is None else kind
+        if not isinstance(ctx, kind):
+            raise InputError(f"ctx must be the context returned by this engine's lookup, got "
+                             f"{type(ctx).__name__} (nothing was updated)")
+        if ctx.engine_token is not self._token:
+            owner = ctx.engine_token.engine() if isinstance(ctx.engine_token, _EngineToken) else None
+            whose = "another engine, since freed" if owner is None else f"another engine, {type(owner).__name__}"
+            raise InputError(f"ctx must be the context returned by this engine's lookup; this one was returned by "
+                             f"{whose} (nothing was updated)")
+        if ctx.consumed or ctx.table_batches is None:
+            raise InputError("these activations' gradients were already applied (or their context released); "
+                             "look up again (nothing was updated)")
+        if ctx.generation != self._generation:
+            raise InputError("ctx was returned by a lookup made before this engine's tables were replaced (load): "
+                             "its activations are of the old tables; look up again (nothing was updated)")
 
     def _collect_tables(self):
         tables, seen = [], set()
@@ -191,7 +238,8 @@ class TableLookup:
         return slots, parts
 
     def lookup(self, features, weights=None):
-        slots, parts = self._prepare(features, weights)
+        token, generation = self._token, self._generation  # before the tables are read: a load meanwhile
+        slots, parts = self._prepare(features, weights)   # makes this context stale, never current
         table_batches, acts, leases = [], [], []
         for group, group_parts in zip(self._groups, parts):
             tb = None
@@ -209,5 +257,5 @@ class TableLookup:
             table_batches.append(tb)
             acts.append(act)
         activations = [acts[s.group][s.out_offset:s.out_offset + s.n_rows].reshape(s.shape) for s in slots]
-        ctx = LookupContext(id(self), table_batches, slots, leases=leases)
+        ctx = LookupContext(token, generation, table_batches, slots, leases=leases)
         return inputs.unflatten(self._feature_config, activations), ctx

@@ -24,7 +24,8 @@ Semantics, step by step (as FBGEMM's table-batched embeddings do it, "optimizer 
   ``requires_grad_(False)``, forward is a lookup only: the activations do not require grad and nothing is
   ever updated.
 * Bad ids or weights raise :class:`embedcore.InputError` from forward; bad (NaN/Inf) gradients raise it
-  from ``loss.backward()``; in both cases tables, slots and ``step`` are unchanged.
+  from ``loss.backward()``, and so does the backward of a forward made before ``embedding.load()`` (its
+  activations came from the replaced tables); in all these cases tables, slots and ``step`` are unchanged.
 """
 
 from __future__ import annotations

@@ -40,11 +40,10 @@ from ..checkpoint.config_codec import encode_engine_config
 from ..compiler import RowFunctionError, describe
 from ..config import FeatureConfig, TableConfig
 from ..engine import Embedding, NonFiniteError, UpdateReport, _check_gradient
-from ..inputs import InputError
 from ..kernels.aligned import aligned_zeros
 from ..kernels.dedup import unique_rows
 from ..kernels.rows import gather_combine, sum_gradients
-from ..kernels.update import STATUS_LENGTH, update_kernel
+from ..kernels.update import STATUS_LENGTH, STATUS_RAISED, update_kernel
 from ..kernels.workspace import Workspace
 from ..lookup import LookupContext, TableLookup, _PhysicalTable
 from . import checkpoint as _checkpoint
@@ -55,7 +54,7 @@ from .sharding import rotation, shard_of
 
 __all__ = ["ShardedEmbedding", "ShardedLookupContext", "DistributedError"]
 
-_WRONG_LENGTH = "[row function] "
+_ROW_FUNCTION = "[row function] "  # marks an agreed message about a failing row function
 
 
 def _world_comm(comm):
@@ -241,10 +240,12 @@ class ShardedEmbedding(TableLookup):
         """Load this rank's rows of a checkpoint written by any number of ranks (or one process).
 
         Verified on every rank before anything changes; refused on every rank if any rank finds it corrupt
-        or incompatible, or if the ranks read different checkpoints.
+        or incompatible, or if the ranks read different checkpoints. Contexts of lookups made before a
+        successful ``load`` are refused by :meth:`apply_gradients`.
         """
         with self._exclusive("load"):
             _checkpoint.load(self, path, strict)
+            self._tables_replaced()
 
     @classmethod
     def restore(cls, path, *, comm=None, functions=None, allow_import: bool = False, timeout: float = 120.0):
@@ -286,7 +287,8 @@ class ShardedEmbedding(TableLookup):
         self._lookups = route.seq
         self._pending = weakref.ref(route)
         activations = [acts[s.group][s.out_offset:s.out_offset + s.n_rows].reshape(s.shape) for s in slots]
-        ctx = ShardedLookupContext(id(self), [g["tb"] for g in route.groups], slots, route=route)
+        ctx = ShardedLookupContext(self._token, self._generation, [g["tb"] for g in route.groups], slots,
+                                   route=route)
         return inputs.unflatten(self._feature_config, activations), ctx
 
     def _fetch(self, route, send_ids):
@@ -324,10 +326,7 @@ class ShardedEmbedding(TableLookup):
         """The checked gradients and every local optimizer's learning rate and hyperparameters for the next
         step: all evaluated before the ranks agree (callables once per step on every rank, whether or not
         this rank owns rows of the batch, and a failing one refused everywhere with nothing changed)."""
-        if not isinstance(ctx, ShardedLookupContext) or ctx.engine_id != id(self):
-            raise InputError("ctx must be the context returned by this engine's lookup")
-        if ctx.consumed:
-            raise InputError("these activations' gradients were already applied; look up again")
+        self._check_context(ctx, ShardedLookupContext)
         leaves = inputs.flatten_like(self._feature_config, gradients, "gradients")
         refuse = self.non_finite == "raise"
         checked = [_check_gradient(grad, s, refuse) for grad, s in zip(leaves, ctx.features)]
@@ -346,23 +345,25 @@ class ShardedEmbedding(TableLookup):
         route = ctx.route
         step = self.step + 1
         with self._going_ahead("apply_gradients"):
-            report, wrong_length = self._exchange_and_update(route, checked, ctx.features, step, values)
+            report, failing = self._exchange_and_update(route, checked, ctx.features, step, values)
         self.step = step
         ctx.consumed = True
         if self._pending is not None and self._pending() is route:
             self._pending = None
         for name, rows in report.skipped.items():
             self.skipped_rows[name] = self.skipped_rows.get(name, 0) + sum(len(v) for v in rows.values())
-        message = "; ".join(([_WRONG_LENGTH + wrong_length] if wrong_length else []) +
+        message = "; ".join(([_ROW_FUNCTION + report.describe_failed(failing)] if failing else []) +
                             ([report.describe()] if report.skipped and self.non_finite == "raise" else [])) or None
         try:
             self._exchange.agree(message, "the update",
                                  outcome="reported rows left unchanged or a failing row function")
         except Refused as e:  # a timeout or a failed exchange stays a DistributedError
-            kind = RowFunctionError if _WRONG_LENGTH in str(e) else NonFiniteError
-            raise kind(f"{e}. The other rows were updated and step is now {step} on every rank" +
-                       ("; non_finite='skip' skips NaN/Inf rows and reports them instead"
-                        if kind is NonFiniteError else "")) from None
+            kind = RowFunctionError if _ROW_FUNCTION in str(e) else NonFiniteError
+            error = kind(f"{e}. The other rows were updated and step is now {step} on every rank" +
+                         ("; non_finite='skip' skips NaN/Inf rows and reports them instead"
+                          if kind is NonFiniteError else "; these gradients cannot be applied again"))
+            error.report = report  # this rank's rows
+            raise error from None
         return report
 
     def _exchange_and_update(self, route: Route, checked, features, step, values):
@@ -384,10 +385,11 @@ class ShardedEmbedding(TableLookup):
     def _update_shards(self, route: Route, sums_in, step, values):
         """Run each local physical table's fused kernel on the gradient sums this rank received.
 
-        Returns the report (global row ids) and a description of a row function's wrong-length result, if any.
+        Returns the report (global row ids) and the names of the row functions that failed on some rows of
+        this rank's shards (raised, or returned rows of the wrong length: ``report.failed``), if any.
         """
         report = UpdateReport(step)
-        wrong_length = None
+        failing = set()
         for lg, group in enumerate(self.local._groups):
             lo, hi = int(route.group_ptr[lg]), int(route.group_ptr[lg + 1])
             lazy = group.optimizer.lazy
@@ -405,16 +407,16 @@ class ShardedEmbedding(TableLookup):
                                                          d_act, lr, hyper, status)
             if not lazy:
                 status[self._layout.placeholders[lg]] = 0  # placeholder rows are not table rows
-            if wrong_length is None and np.any(status[np.flatnonzero(status)] == STATUS_LENGTH):
-                wrong_length = (f"{describe(group.row_function.python_function)} returned rows of the wrong "
-                                f"length for some row(s) of table(s) {[t.name for t in group.tables]}")
+            if np.isin(status[np.flatnonzero(status)], (STATUS_RAISED, STATUS_LENGTH)).any():
+                failing.add(describe(group.row_function.python_function))
             self._record_skips(report, group, uniq, status, lazy)
-        return report, wrong_length
+        return report, " and ".join(sorted(failing))
 
     def _record_skips(self, report, group, uniq, status, lazy):
         """Like ``UpdateReport._record``, but with global row ids."""
         local = UpdateReport(report.step)
         local._record(group, uniq, status, lazy)
-        for name, rows in local.skipped.items():
-            shard = self.shards[name]
-            report.skipped[name] = {k: shard.first + shard.stride * v for k, v in rows.items()}
+        for into, found in ((report.skipped, local.skipped), (report.failed, local.failed)):
+            for name, rows in found.items():
+                shard = self.shards[name]
+                into[name] = {k: shard.first + shard.stride * v for k, v in rows.items()}

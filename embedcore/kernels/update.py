@@ -35,6 +35,18 @@ returns how many rows it flagged:
     STATUS_OUTPUT (2)    f returned NaN/Inf; the row, its slots untouched
     STATUS_LENGTH (3)    f returned a row of the wrong length (a programming error, reported by the engine);
                          the row, its slots untouched
+    STATUS_RAISED (4)    f raised an exception (a programming error, reported by the engine); the row, its
+                         slots untouched
+
+So every row of the batch is either updated exactly once or left untouched and flagged, whatever ``f`` does
+on any row and however many threads run. An exception cannot cross a ``prange`` loop (Numba runs a loop
+that may raise serially, or loses the exception with the rest of that thread's chunk), cannot be caught
+around code that Numba inlined, and a ``try`` in the loop's body makes Numba run the loop serially too. So
+each chunk's rows are updated by a generated function of its own, ``update_rows``, which records the row it
+is at; ``guarded_rows`` calls it (not inlined) inside ``try``/``except`` and, should the row function raise,
+flags that row and calls it again for the rest of the chunk. The loop calls ``guarded_rows`` per chunk.
+(Numba does not free what the row function allocated before it raised: a failing row may leak its
+temporaries.)
 """
 
 from __future__ import annotations
@@ -51,14 +63,14 @@ from .row_vector import block_width
 from .rows import copy_row, fixed_length, sequential_sum, sequential_sum_fixed
 
 __all__ = ["update_kernel", "fused_update_kernel", "compile_for", "all_finite", "balanced_chunks", "CHUNK_ROWS", "ROWS_AHEAD",
-           "OCCURRENCES_AHEAD", "STATUS_GRADIENT", "STATUS_OUTPUT", "STATUS_LENGTH"]
+           "OCCURRENCES_AHEAD", "STATUS_GRADIENT", "STATUS_OUTPUT", "STATUS_LENGTH", "STATUS_RAISED"]
 
 CHUNK_ROWS = 256
 ROWS_AHEAD = 4          # unique rows whose table and slot rows are prefetched ahead of the current one
 OCCURRENCES_AHEAD = 8   # occurrences whose gradient rows are prefetched ahead of the current one, when
 PREFETCH_MIN_BYTES = 16 << 20  # the gradients are at least this large (smaller ones stay in the last-level
                                # cache, where the prefetches cost more than they save: TBE shape 3.0 -> 3.8 ms)
-STATUS_GRADIENT, STATUS_OUTPUT, STATUS_LENGTH = 1, 2, 3
+STATUS_GRADIENT, STATUS_OUTPUT, STATUS_LENGTH, STATUS_RAISED = 1, 2, 3, 4
 
 
 ROW_COST = 8  # a row's update costs about as much as summing this many occurrences into it
@@ -132,81 +144,118 @@ def _into_row_impl(dst, value):
 
 
 _TEMPLATE = '''
+@row_jit
+def update_rows(table, {slot_params}uniq, ptr, src_row, src_gain, d_act, learning_rate, hyperparameters, status,
+                lo, hi, ahead, progress):
+{unpack_dim}
+    n_unique = uniq.shape[0]
+{scratch}
+{loop}
+
+
+@row_jit
+def guarded_rows(table, {slot_params}uniq, ptr, src_row, src_gain, d_act, learning_rate, hyperparameters, status,
+                 lo, hi, ahead):
+    progress = np.zeros(2, np.int64)  # the row being updated, how many rows were flagged
+    start = lo
+    while start < hi:
+        try:
+            update_rows(table, {slot_params}uniq, ptr, src_row, src_gain, d_act, learning_rate, hyperparameters,
+                        status, start, hi, ahead, progress)
+            start = hi
+        except Exception:  # the row function raised on this row: it stays untouched, the next rows go on
+            status[progress[0]] = STATUS_RAISED
+            progress[1] += 1
+            start = progress[0] + 1
+    return progress[1]
+
+
 def kernel(table, slots, uniq, ptr, packed, d_act, learning_rate, hyperparameters, status):
 {unpack}
     src_row, src_gain = occurrence_views(packed)  # activation rows and gains (None: all 1; kernels/occurrences.py)
-    n_unique = uniq.shape[0]
 {dim}
     ahead = OCCURRENCES_AHEAD if d_act.size * 4 >= PREFETCH_MIN_BYTES else 0
-{loop}
+{chunks}
     return flags.sum()
 '''
 
-# Per chunk: one scratch row for the gradient and one for each new row / slot row (none per table row).
-_SCRATCH = '''        g_sum = np.empty((1, dim), np.float32)
-        g_row = g_sum[0]
-        w_new = np.empty(dim, np.float32)
+# Per call of update_rows: one scratch row for the gradient and one for each new row / slot row (none per
+# table row).
+_SCRATCH = '''    g_sum = np.empty((1, dim), np.float32)
+    g_row = g_sum[0]
+    w_new = np.empty(dim, np.float32)
 {slot_scratch}'''
 
 # Lazy: unique rows in chunks of equal work (occurrences + ROW_COST per row): hot rows hold thousands of
 # occurrences, and chunks of equal row counts left one thread with most of the work.
-_LAZY_LOOP = '''
+_LAZY_CHUNKS = '''
     bounds = balanced_chunks(ptr, CHUNK)
     n_chunks = bounds.shape[0] - 1
     flags = np.zeros(n_chunks, np.int64)
     for c in prange(n_chunks):
-{scratch}
-        for u in range(bounds[c], bounds[c + 1]):
-            if u + ROWS_AHEAD < n_unique:
-{prefetch}
-            uu = _U(u)  # unsigned subscripts (kernels/rows.py says why)
-            r = _U(uniq[uu])
-            item = u
-            {row_sum}(g_sum, 0, ptr[uu], ptr[uu + _U(1)], src_row, src_gain, d_act, ahead, {dim_args})
-{body}
+        flags[c] = guarded_rows(table, {slot_args}uniq, ptr, src_row, src_gain, d_act, learning_rate,
+                                hyperparameters, status, bounds[c], bounds[c + 1], ahead)
 '''
 
+_LAZY_LOOP = '''    for u in range(lo, hi):
+        progress[0] = u
+        if u + ROWS_AHEAD < n_unique:
+{prefetch}
+        uu = _U(u)  # unsigned subscripts (kernels/rows.py says why)
+        r = _U(uniq[uu])
+        item = u
+        {row_sum}(g_sum, 0, ptr[uu], ptr[uu + _U(1)], src_row, src_gain, d_act, ahead, {dim_args})
+{body}'''
+
 # Dense: every row of the table, in chunks; rows the batch did not touch get a zero gradient.
-_DENSE_LOOP = '''
+_DENSE_CHUNKS = '''
     n_rows = table.shape[0]
     n_chunks = (n_rows + CHUNK - 1) // CHUNK
     flags = np.zeros(n_chunks, np.int64)
     for c in prange(n_chunks):
         lo = c * CHUNK
         hi = min(n_rows, lo + CHUNK)
-{scratch}
-        u = np.searchsorted(uniq, lo)
-        for r in range(lo, hi):
-            item = r
-            if u < n_unique and uniq[u] == r:
-                {row_sum}(g_sum, 0, ptr[u], ptr[u + 1], src_row, src_gain, d_act, ahead, {dim_args})
-                u += 1
-            else:
-                g_row[:] = 0.0
-{body}
+        flags[c] = guarded_rows(table, {slot_args}uniq, ptr, src_row, src_gain, d_act, learning_rate,
+                                hyperparameters, status, lo, hi, ahead)
 '''
+
+_DENSE_LOOP = '''    u = np.searchsorted(uniq, lo)
+    for r in range(lo, hi):
+        progress[0] = r
+        item = r
+        if u < n_unique and uniq[u] == r:
+            {row_sum}(g_sum, 0, ptr[u], ptr[u + 1], src_row, src_gain, d_act, ahead, {dim_args})
+            u += 1
+        else:
+            g_row[:] = 0.0
+{body}'''
 
 
 def _indent(lines, depth):
     return "\n".join(" " * (4 * depth) + line for line in lines)
 
 
-def _scratch(slot_dims, elementwise):
+def _scratch_rows(slot_dims, elementwise):
+    """The scratch rows ``update_rows`` computes into, besides ``w_new``."""
     rows = [f"n{k}" for k, d in enumerate(slot_dims) if d == 2]
     if not elementwise:  # the function's results, narrowed to float32, checked before they are stored
         rows += ["o0"] + [f"o{k + 1}" for k, d in enumerate(slot_dims) if d == 2]
-    lines = [f"        {name} = np.empty(dim, np.float32)" for name in rows]
+    return rows
+
+
+def _scratch(slot_dims, elementwise):
+    lines = [f"    {name} = np.empty(dim, np.float32)" for name in _scratch_rows(slot_dims, elementwise)]
     return _SCRATCH.format(slot_scratch="\n".join(lines) + ("\n" if lines else ""))
 
 
 def _prefetch(slot_dims):
     lines = ["next_row = uniq[u + ROWS_AHEAD]", "prefetch_row(table, next_row)"]
     lines += [f"prefetch_row(s{k}, next_row)" for k in range(len(slot_dims))]
-    return _indent(lines, 4)
+    return _indent(lines, 3)
 
 
 def _flag(code):
-    return [f"    status[item] = {code}", "    flags[c] += 1", "    continue"]
+    return [f"    status[item] = {code}", "    progress[1] += 1", "    continue"]
 
 
 def _body(slot_dims, elementwise):
@@ -270,11 +319,15 @@ def kernel_source(row_function, lazy=True, dim=None) -> str:
     # With a constant row length the gradient is summed in registers (kernels/row_vector.py).
     row_sum, dim_args = (("sequential_sum", "dim") if dim is None
                          else ("sequential_sum_fixed", f"dim, {block_width(dim)}"))
+    slot_args = "".join(f"s{k}, " for k in range(len(slot_dims)))
     loop = (_LAZY_LOOP if lazy else _DENSE_LOOP).format(
-        row_sum=row_sum, dim_args=dim_args,
-        scratch=_scratch(slot_dims, row_function.elementwise), prefetch=_prefetch(slot_dims),
-        body=_indent(_body(slot_dims, row_function.elementwise), 3))
-    return _TEMPLATE.format(unpack=_indent(unpack, 1), dim=_dim(dim), loop=loop)
+        row_sum=row_sum, dim_args=dim_args, prefetch=_prefetch(slot_dims),
+        body=_indent(_body(slot_dims, row_function.elementwise), 2))
+    chunks = (_LAZY_CHUNKS if lazy else _DENSE_CHUNKS).format(slot_args=slot_args)
+    rows_dim = _indent([f"dim = {int(dim)}" if dim is not None else "dim = table.shape[1]"], 1)
+    return _TEMPLATE.format(unpack=_indent(unpack, 1), dim=_dim(dim), chunks=chunks, loop=loop,
+                            slot_params=slot_args, unpack_dim=rows_dim,
+                            scratch=_scratch(slot_dims, row_function.elementwise))
 
 
 def kernel_namespace(row_function) -> dict:
@@ -282,11 +335,11 @@ def kernel_namespace(row_function) -> dict:
     return {"np": np, "prange": prange, "fn": row_function.dispatcher, "into_row": into_row,
             "all_finite": all_finite, "copy_row": copy_row, "sequential_sum": sequential_sum,
             "sequential_sum_fixed": sequential_sum_fixed, "prefetch_row": prefetch_row, "_U": np.uint64,
-            "balanced_chunks": balanced_chunks,
+            "balanced_chunks": balanced_chunks, "row_jit": numba.njit(error_model="numpy"),
             "CHUNK": CHUNK_ROWS, "ROWS_AHEAD": ROWS_AHEAD, "OCCURRENCES_AHEAD": OCCURRENCES_AHEAD,
             "PREFETCH_MIN_BYTES": PREFETCH_MIN_BYTES, "occurrence_views": occurrence_views,
             "STATUS_GRADIENT": STATUS_GRADIENT,
-            "STATUS_OUTPUT": STATUS_OUTPUT, "STATUS_LENGTH": STATUS_LENGTH}
+            "STATUS_OUTPUT": STATUS_OUTPUT, "STATUS_LENGTH": STATUS_LENGTH, "STATUS_RAISED": STATUS_RAISED}
 
 
 def fused_update_kernel(row_function, lazy=True, dim=None):
