@@ -25,7 +25,7 @@ import numbers
 
 import numpy as np
 
-from . import compiler
+from . import compiler, translate
 from .common_options import N_COMMON, clip, with_common_options
 from .initializers import FLOAT32_MAX, Initializer, finite_float32
 from .kernels.sum_of_squares import sum_of_squares
@@ -177,7 +177,9 @@ class CustomOptimizer(Optimizer):
     Args:
         custom_computation: ``f(gradient, embedding_table, slot_variables, learning_rate, hyperparameters)``
             written with NumPy; see the module docstring for the contract. It may start with
-            ``del slot_variables, hyperparameters`` as in TensorFlow's examples.
+            ``del slot_variables, hyperparameters`` as in TensorFlow's examples. A ``tf.function``, a
+            function of TensorFlow ops or one over ``jax.numpy`` is translated to a NumPy row function once
+            (:mod:`embedcore.translate`, which also says how the framework is recognised).
         learning_rate: a float or a zero-argument callable, evaluated once per ``apply_gradients``.
         slot_names: names of the optimizer's slot variables.
         slot_initializers: one per slot: a float constant, an :mod:`embedcore.initializers` object, or a
@@ -190,8 +192,10 @@ class CustomOptimizer(Optimizer):
                  hyperparameters=None, slot_dims=None):
         if not callable(custom_computation):
             raise compiler.RowFunctionError(f"custom_computation must be callable. Received: {custom_computation!r}")
-        compiler.check_row_function(custom_computation)
-        owner = f"CustomOptimizer({compiler.describe(custom_computation)})"
+        framework = translate.framework_of(custom_computation)
+        if framework == "numpy":
+            compiler.check_row_function(custom_computation)
+        owner = f"CustomOptimizer({compiler.describe(translate.python_function(custom_computation))})"
         _check_float_or_callable(learning_rate, f"{owner}: learning_rate")
         slot_names = tuple(slot_names or ())
         slot_initializers = tuple(slot_initializers or ())
@@ -221,10 +225,13 @@ class CustomOptimizer(Optimizer):
                                        for k, v in enumerate(slot_initializers))
         self.slot_dims = tuple(int(d) for d in slot_dims)
         self.hyperparameters = hyperparameters
+        # traced with this optimizer's slot_dims and number of hyperparameters; a NumPy function is itself
+        self._row_function = translate.to_numpy_row_function(custom_computation, self.slot_dims,
+                                                             len(hyperparameters), framework=framework)
         self._check_constants()
 
     def row_function(self):
-        return self.custom_computation
+        return self._row_function
 
     @property
     def n_hyperparameters(self):

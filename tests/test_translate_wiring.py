@@ -1,10 +1,7 @@
 """``ec.CustomOptimizer(custom_computation=<TensorFlow or JAX function>)`` directly, as TensorFlow's page writes it.
 
-WAITING FOR THE WIRING PATCH: these tests fail until ``embedcore/optimizers.py`` calls
-``embedcore.translate`` in ``CustomOptimizer.__init__`` (the small diff in the translate report of issue 25,
-section 1). That is expected; they pass once it is applied. Everything else about the translation is tested
-in tests/test_translate_tensorflow.py and tests/test_translate_jax.py through
-``to_numpy_row_function``.
+The translation itself is tested in tests/test_translate_tensorflow.py and tests/test_translate_jax.py through
+``to_numpy_row_function``; these tests check that ``CustomOptimizer`` hands such functions to it.
 """
 
 import inspect
