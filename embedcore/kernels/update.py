@@ -159,6 +159,7 @@ def guarded_rows(table, {slot_params}uniq, ptr, src_row, src_gain, d_act, learni
     progress = np.zeros(2, np.int64)  # the row being updated, how many rows were flagged
     start = lo
     while start < hi:
+        progress[0] = start  # so a failure before the first row (its scratch) flags that row, never an earlier one
         try:
             update_rows(table, {slot_params}uniq, ptr, src_row, src_gain, d_act, learning_rate, hyperparameters,
                         status, start, hi, ahead, progress)
