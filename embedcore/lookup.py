@@ -19,10 +19,12 @@ from .config import FeatureConfig
 from .inputs import InputError
 from .kernels.rows import gather_combine
 from .kernels.workspace import ArrayPool, Workspace, WorkspacePool
+from .memory_budget import check_fits
 from .optimizers import Optimizer
 
 __all__ = ["TableLookup", "LookupContext"]
 
+_CHECKED_ACTIVATION_BYTES = 1 << 26  # activations larger than this are checked against the machine's memory
 _MAX_ACTIVATION_ROWS = 2 ** 31  # an occurrence carries its activation row in 32 bits (kernels/occurrences.py)
 _GENERATIONS = itertools.count(1)  # table generations, never repeated within a process
 
@@ -235,6 +237,9 @@ class TableLookup:
             if out_rows[g] >= _MAX_ACTIVATION_ROWS:
                 raise InputError(f"feature '{name}': the batch gives {out_rows[g]:,} activation rows for one "
                                  f"physical table, more than {_MAX_ACTIVATION_ROWS - 1:,}")
+        activation_bytes = sum(4 * n * group.dim for n, group in zip(out_rows, self._groups))
+        if activation_bytes > _CHECKED_ACTIVATION_BYTES:  # below it, reading the machine's memory would cost more
+            check_fits(activation_bytes, f"the activations of this batch ({sum(out_rows):,} rows)", InputError)
         return slots, parts
 
     def lookup(self, features, weights=None):

@@ -10,34 +10,53 @@ what the machine has.
 from __future__ import annotations
 
 import os
+import time
 
 __all__ = ["check_fits", "available_bytes", "format_bytes"]
 
 
+_REREAD_SECONDS = 1.0
+_last = (None, -_REREAD_SECONDS, 0)  # (EMBEDCORE_MEMORY_LIMIT as read, when, bytes available)
+
+
 def available_bytes() -> int:
     """Memory a new allocation can use: ``MemAvailable`` from ``/proc/meminfo`` where it exists (free memory
-    plus reclaimable caches), else the machine's physical memory. ``EMBEDCORE_MEMORY_LIMIT`` (bytes) caps it."""
-    limit = None
-    try:
-        with open("/proc/meminfo", "rb") as f:
-            for line in f.read(1 << 16).decode("ascii", "replace").splitlines():
-                if line.startswith("MemAvailable:"):
-                    limit = int(line.split()[1]) * 1024
-                    break
-    except (OSError, ValueError, IndexError):
-        limit = None
-    if limit is None:
-        try:
-            limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        except (AttributeError, ValueError, OSError):
-            limit = 1 << 62
+    plus reclaimable caches), else the machine's physical memory. ``EMBEDCORE_MEMORY_LIMIT`` (bytes) caps it.
+
+    Read again at most once a second (checks run on every lookup; reading ``/proc/meminfo`` costs tens of
+    microseconds and a few KB of strings), or at once when ``EMBEDCORE_MEMORY_LIMIT`` changed."""
+    global _last
     cap = os.environ.get("EMBEDCORE_MEMORY_LIMIT")
+    now = time.monotonic()
+    if _last[0] == cap and now - _last[1] < _REREAD_SECONDS:
+        return _last[2]
+    limit = _read_available()
     if cap:
         try:
             limit = min(limit, int(cap))
         except ValueError:
             pass
+    _last = (cap, now, limit)
     return limit
+
+
+_MEMINFO = bytearray(16384)  # read into, so that a check allocates next to nothing (tests bound a step's memory)
+
+
+def _read_available() -> int:
+    try:
+        with open("/proc/meminfo", "rb", buffering=0) as f:
+            n = f.readinto(_MEMINFO)
+        at = _MEMINFO.find(b"MemAvailable:", 0, n)
+        if at >= 0:
+            end = _MEMINFO.find(b"kB", at, n)
+            return int(_MEMINFO[at + len(b"MemAvailable:"):end]) * 1024
+    except (OSError, ValueError):
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return 1 << 62
 
 
 def format_bytes(n: int) -> str:

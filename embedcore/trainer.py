@@ -35,7 +35,7 @@ import numpy as np
 from . import __version__
 from .blas_threads import blas_threads
 from .memory_budget import check_fits
-from .checkpoint import CheckpointError, open_snapshot, read_extra
+from .checkpoint import CheckpointError, read_current, read_extra
 from .data import feature_configs
 from .engine import Embedding
 from .metrics import BinaryMetrics
@@ -166,8 +166,7 @@ def _save(emb, model, path, state, config):
 
 def _resume(emb, model, path, config, state):
     """Load the engine, the dense model and the trainer's position from ``path``, refusing a changed run."""
-    try:
-        snap = open_snapshot(path)
+    def read(snap):  # everything is read and checked before the engine changes (load is the last step)
         saved = snap.manifest.get("metadata") or {}
         if "trainer" not in saved or "run" not in saved:
             raise CheckpointError("it was not written by the trainer (no trainer metadata)")
@@ -178,8 +177,12 @@ def _resume(emb, model, path, config, state):
                              if current[section].get(key) != saved["run"].get(section, {}).get(key))
             raise CheckpointError(f"the run was started with other settings ({', '.join(changed)} differ); only "
                                   f"train.epochs, output, checkpoint_every and eval_every may change on resume")
-        emb.load(snap)
         arrays, _ = read_extra(snap)
+        emb.load(snap)
+        return saved, arrays
+
+    try:
+        saved, arrays = read_current(path, read)  # a save by another process meanwhile: read the new one
         losses = arrays.pop(_LOSSES)
         try:
             model.load_state_dict(arrays)

@@ -502,3 +502,17 @@ def test_sharded_contexts_row_functions_and_sizes(tmp_path):
     assert zero["one_process_failed"] == [5, 6]
     assert zero["rows_changed"] == [1, 2, 3, 4, 7, 8, 9, 10]
     assert zero["tables_match_one_process"]
+
+def test_a_batch_whose_activations_cannot_fit_is_refused_before_anything_is_leased(monkeypatch):
+    # 300,000 samples of a 64-wide table: 76.8 MB of activations, against a 70 MB budget.
+    emb = ec.Embedding({"f": ec.FeatureConfig(ec.TableConfig(10, 64, name="t"))}, ec.SGD(0.1))
+    before = emb.embedding_tables["t"].copy()
+    ids = np.zeros(300_000, np.int64)
+    monkeypatch.setenv("EMBEDCORE_MEMORY_LIMIT", str(70 * 10 ** 6))
+    with pytest.raises(ec.InputError, match=r"activations of this batch \(300,000 rows\) would take .*"
+                                            r"\(76,800,000 bytes\)"):
+        emb({"f": ids})
+    monkeypatch.setenv("EMBEDCORE_MEMORY_LIMIT", str(80 * 10 ** 6))
+    acts, ctx = emb({"f": ids})
+    np.testing.assert_array_equal(acts["f"], np.broadcast_to(before[0], (300_000, 64)))
+    assert np.array_equal(emb.embedding_tables["t"], before)
