@@ -3,6 +3,20 @@
 The configuration model mirrors ``tf.tpu.experimental.embedding``: :class:`TableConfig`,
 :class:`FeatureConfig`, built-in optimizers and :class:`CustomOptimizer`, whose per-row function is
 compiled with Numba and applied in place to exactly the rows each batch touched.
+
+Layout. The core never imports the application, the bench or a framework front; ``optimizers`` hands
+TensorFlow or JAX custom computations to ``translate``:
+
+* core: ``config``, ``initializers``, ``optimizers`` (with ``common_options``, ``compiler``,
+  ``split_reductions``, ``compile_cache``), ``inputs``, ``tuning``, ``memory_budget``, ``kernels/``,
+  ``lookup`` and ``engine`` (:class:`Embedding`), ``checkpoint/``, ``serving``, ``distributed/``; this
+  package exports its API.
+* adapters, at top level beside the core they wrap: ``torch`` and ``jax`` (the framework fronts) and
+  ``translate/`` (TensorFlow and JAX custom computations to NumPy row functions).
+* ``app/``: an application built on the core: the trainer and its run configuration, the NumPy DLRM
+  ``models/``, the ``data/`` readers, ``metrics``, ``plot``, ``progress``, ``quickstart`` and the ``cli``
+  (``embedcore`` / ``python -m embedcore``).
+* ``bench/``: ``embedcore bench``, the head-to-head measurements.
 """
 
 from .checkpoint import CheckpointError

@@ -9,7 +9,7 @@ import sys
 import numpy as np
 
 import embedcore as ec
-from embedcore.quickstart import custom_adagrad
+from embedcore.app.quickstart import custom_adagrad
 
 
 def make_engine():

@@ -13,7 +13,7 @@ import pytest
 
 import embedcore as ec
 from embedcore.checkpoint import CheckpointError, open_snapshot, read_extra
-from embedcore.quickstart import custom_adagrad, custom_sgd
+from embedcore.app.quickstart import custom_adagrad, custom_sgd
 
 from .harness import rewrite_manifest
 
@@ -311,10 +311,10 @@ def test_resized_table_is_refused_even_when_not_strict(tmp_path):
 
 def test_functions_are_imported_only_when_allowed(saved):
     _, path = saved
-    with pytest.raises(CheckpointError, match=r"never imports code.*functions=\{'embedcore.quickstart:custom_adagrad'"):
+    with pytest.raises(CheckpointError, match=r"never imports code.*functions=\{'embedcore.app.quickstart:custom_adagrad'"):
         ec.Embedding.restore(path)
     assert ec.Embedding.restore(path, allow_import=True).step == 2
-    assert ec.Embedding.restore(path, functions={"embedcore.quickstart:custom_adagrad": custom_adagrad}).step == 2
+    assert ec.Embedding.restore(path, functions={"embedcore.app.quickstart:custom_adagrad": custom_adagrad}).step == 2
 
 
 def test_unimportable_functions_need_the_callers_engine(tmp_path):
@@ -328,7 +328,7 @@ def test_unimportable_functions_need_the_callers_engine(tmp_path):
 
 def test_a_module_path_that_does_not_import_is_a_clear_error(saved):
     _, path = saved
-    rewrite_manifest(path, lambda t: t.replace("embedcore.quickstart:custom_adagrad", "no_such_module_xyz:f"))
+    rewrite_manifest(path, lambda t: t.replace("embedcore.app.quickstart:custom_adagrad", "no_such_module_xyz:f"))
     with pytest.raises(CheckpointError, match="cannot import 'no_such_module_xyz:f'"):
         ec.Embedding.restore(path, allow_import=True)
 
@@ -349,7 +349,7 @@ def test_restore_accepts_a_replacement_function(saved):
         accumulator = slot_variables[0] + gradient * gradient
         return embedding_table - learning_rate * gradient / np.sqrt(accumulator), accumulator
 
-    back = ec.Embedding.restore(path, functions={"embedcore.quickstart:custom_adagrad": my_adagrad})
+    back = ec.Embedding.restore(path, functions={"embedcore.app.quickstart:custom_adagrad": my_adagrad})
     assert back.tables["items"].optimizer.custom_computation is my_adagrad
     assert_same_state(back, emb)
     with pytest.raises(CheckpointError, match="has no import path"):

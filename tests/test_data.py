@@ -8,13 +8,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import embedcore as ec
-from embedcore.data import (Batch, CsvClickLog, DataFormatError, FeatureSpec, MovieLens, SyntheticClickLog,
+from embedcore.app.data import (Batch, CsvClickLog, DataFormatError, FeatureSpec, MovieLens, SyntheticClickLog,
                             feature_configs, rebatch)
-from embedcore.data.batch import eval_mask, hash_uniform
-from embedcore.data.csv_log import crc32
-from embedcore.data.movielens import _parse_chunk, _parse_line
-from embedcore.data.synthetic import BLOCK, DEFAULT_MULTI_HOT
-from embedcore.metrics import BinaryMetrics, auc, log_loss
+from embedcore.app.data.batch import eval_mask, hash_uniform
+from embedcore.app.data.csv_log import crc32
+from embedcore.app.data.movielens import _parse_chunk, _parse_line
+from embedcore.app.data.synthetic import BLOCK, DEFAULT_MULTI_HOT
+from embedcore.app.metrics import BinaryMetrics, auc, log_loss
 
 
 # ----------------------------------------------------------------------------------------------------------

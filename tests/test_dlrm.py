@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from embedcore.models import DLRM, MLP, SGD, Adagrad, Adam, Linear, bce_with_logits, sigmoid
+from embedcore.app.models import DLRM, MLP, SGD, Adagrad, Adam, Linear, bce_with_logits, sigmoid
 
 # (n_dense, number of features, dim, bottom, top, batch)
 SHAPES = [

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from embedcore.metrics import BinaryMetrics, auc, log_loss
+from embedcore.app.metrics import BinaryMetrics, auc, log_loss
 
 
 def brute_auc(labels, scores):

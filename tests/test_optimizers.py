@@ -7,7 +7,7 @@ import pytest
 
 import embedcore as ec
 from embedcore.kernels.update import update_kernel
-from embedcore.quickstart import custom_adagrad, custom_sgd
+from embedcore.app.quickstart import custom_adagrad, custom_sgd
 
 from . import reference as ref
 from .harness import OracleRun

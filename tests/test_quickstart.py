@@ -5,8 +5,8 @@ import sys
 
 import pytest
 
-from embedcore.cli import main
-from embedcore.quickstart import run
+from embedcore.app.cli import main
+from embedcore.app.quickstart import run
 
 
 def test_quickstart_learns_the_planted_values():

@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 import embedcore as ec
 from embedcore.checkpoint import CheckpointError, open_snapshot, read_extra
 from embedcore.checkpoint.tensor_file import open_tensors, read_header, write_tensors
-from embedcore.quickstart import custom_sgd
+from embedcore.app.quickstart import custom_sgd
 
 from .harness import rewrite_manifest
 
@@ -200,7 +200,7 @@ _JSON = st.one_of(
     st.none(), st.booleans(), st.integers(-2 ** 70, 2 ** 70), st.sampled_from([0, 1, -1, 2, 2 ** 63, 10 ** 30]),
     st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=4),
     st.sampled_from(["Adagrad", "SGD", "sum", "raise", "skip", "weights", "float32", "table-0000.safetensors",
-                     "os:system", "subprocess:Popen", "embedcore.quickstart:custom_adagrad"]),
+                     "os:system", "subprocess:Popen", "embedcore.app.quickstart:custom_adagrad"]),
     st.just([]), st.just({}), st.lists(st.integers(-3, 30), max_size=3),
     st.dictionaries(st.sampled_from(["tuple", "function", "optimizer", "args", "feature", "x"]),
                     st.integers(0, 3), max_size=2))

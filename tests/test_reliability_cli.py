@@ -19,12 +19,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from embedcore.checkpoint.config_codec import constructor_parameters
-from embedcore.cli import main
-from embedcore.data import CsvClickLog, DataFormatError, MovieLens
-from embedcore.metrics import BinaryMetrics
-from embedcore.models import DLRM
-from embedcore.models.layers import Linear
-from embedcore.run_config import DATA_SCHEMA, DATASETS, DEFAULTS, SCHEMA, ConfigError, check, merge
+from embedcore.app.cli import main
+from embedcore.app.data import CsvClickLog, DataFormatError, MovieLens
+from embedcore.app.metrics import BinaryMetrics
+from embedcore.app.models import DLRM
+from embedcore.app.models.layers import Linear
+from embedcore.app.run_config import DATA_SCHEMA, DATASETS, DEFAULTS, SCHEMA, ConfigError, check, merge
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -261,7 +261,7 @@ def test_an_undefined_auc_keeps_training_and_writes_everything(tmp_path, capsys,
 def test_genuine_bugs_keep_their_traceback(tmp_path, capsys, monkeypatch):
     """Only embedcore's error classes become error lines: a plain ValueError or KeyError from a bug in the
     training loop propagates with its traceback."""
-    import embedcore.trainer as trainer
+    import embedcore.app.trainer as trainer
 
     def broken(logits, labels):
         raise ValueError("a bug, not a user error")
@@ -275,7 +275,7 @@ def test_genuine_bugs_keep_their_traceback(tmp_path, capsys, monkeypatch):
 
 
 def test_an_interrupt_is_one_line_and_status_130(tmp_path, capsys, monkeypatch):
-    import embedcore.trainer as trainer
+    import embedcore.app.trainer as trainer
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
@@ -286,7 +286,7 @@ def test_an_interrupt_is_one_line_and_status_130(tmp_path, capsys, monkeypatch):
 
 
 def test_a_multi_line_message_is_one_line(tmp_path, capsys, monkeypatch):
-    import embedcore.trainer as trainer
+    import embedcore.app.trainer as trainer
     from embedcore.compiler import RowFunctionError
 
     def fails(*args, **kwargs):

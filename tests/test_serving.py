@@ -83,7 +83,7 @@ def test_serving_reads_no_slots_and_imports_nothing(tmp_path):
     emb.save(path)
     # Point the custom computation at a module that cannot exist and corrupt every slot tensor's bytes:
     # serving neither imports the one nor reads the other; training restore refuses both.
-    rewrite_manifest(path, lambda t: t.replace("embedcore.quickstart:custom_adagrad", "not_a_module_abc:f"))
+    rewrite_manifest(path, lambda t: t.replace("embedcore.app.quickstart:custom_adagrad", "not_a_module_abc:f"))
     snap = open_snapshot(path)
     from embedcore.checkpoint.tensor_file import read_header
     for entry in snap.manifest["tables"].values():

@@ -8,9 +8,9 @@ import pytest
 
 import embedcore as ec
 from embedcore.checkpoint import read_extra
-from embedcore.cli import main
-from embedcore.run_config import DEFAULTS, ConfigError, load_config, merge
-from embedcore.trainer import run
+from embedcore.app.cli import main
+from embedcore.app.run_config import DEFAULTS, ConfigError, load_config, merge
+from embedcore.app.trainer import run
 
 SMALL_DATA = {"kind": "synthetic", "n_train": 3000, "n_eval": 1000, "seed": 3,
               "vocabulary_sizes": [50, 200, 1000, 30], "n_dense": 4,
@@ -19,7 +19,7 @@ SMALL_DATA = {"kind": "synthetic", "n_train": 3000, "n_eval": 1000, "seed": 3,
 
 def small_config(tmp_path, **train):
     config = merge(DEFAULTS, {"data": SMALL_DATA,
-                              "embedding": {"dim": 4, "optimizer": "embedcore.quickstart:custom_adagrad",
+                              "embedding": {"dim": 4, "optimizer": "embedcore.app.quickstart:custom_adagrad",
                                             "learning_rate": 0.3, "slot_names": ["accumulators"],
                                             "slot_initializers": [0.1],
                                             "tables": {"C3": {"optimizer": "sgd", "learning_rate": 0.1}}},
@@ -102,7 +102,7 @@ def test_resume_mid_epoch_after_a_crash(tmp_path, monkeypatch):
     """A run that dies mid-epoch resumes from its last step checkpoint and ends bit-identical."""
     quiet = {"out": lambda s: None, "progress_stream": open(os.devnull, "w")}
     straight = run(small_config(tmp_path / "a"), **quiet)
-    import embedcore.trainer as trainer
+    import embedcore.app.trainer as trainer
     real = trainer.bce_with_logits
     calls = {"n": 0}
 
@@ -148,7 +148,7 @@ def test_demo_command_on_a_tiny_run(tmp_path, capsys):
     assert code == 0
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     assert len(metrics["dataset"]["features"]) == 26 and metrics["dataset"]["n_dense"] == 13
-    assert metrics["config"]["embedding"]["optimizer"] == "embedcore.quickstart:custom_adagrad"
+    assert metrics["config"]["embedding"]["optimizer"] == "embedcore.app.quickstart:custom_adagrad"
     assert (tmp_path / "learning_curve.png").exists()
     out = capsys.readouterr().out
     assert "teacher optimum" in out and "AUC" in out

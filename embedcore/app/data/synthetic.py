@@ -30,8 +30,8 @@ import math
 import numpy as np
 from numba import njit
 
-from ..inputs import Ragged
-from ..memory_budget import check_fits
+from ...inputs import Ragged
+from ...memory_budget import check_fits
 from ..metrics import BinaryMetrics
 from .batch import Batch, FeatureSpec, check_batch_size, check_split, rebatch
 

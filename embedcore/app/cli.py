@@ -11,7 +11,7 @@ import sys
 # accumulator of 0.1 would shrink the first steps a hundredfold.
 DEMO_OVERRIDES = {
     "data": {"kind": "synthetic", "n_train": 300_000, "n_eval": 50_000, "seed": 0},
-    "embedding": {"dim": 16, "optimizer": "embedcore.quickstart:custom_adagrad", "learning_rate": 0.05,
+    "embedding": {"dim": 16, "optimizer": "embedcore.app.quickstart:custom_adagrad", "learning_rate": 0.05,
                   "slot_names": ["accumulators"], "slot_initializers": [0.001]},
     "train": {"epochs": 3, "batch_size": 1024, "output": "runs/demo", "eval_every": 50},
 }
@@ -45,7 +45,7 @@ def _parser() -> argparse.ArgumentParser:
                            f"{DEMO_VOCABULARY_SCALE}; 1 needs far more samples to learn)")
     demo.add_argument("--resume", action="store_true", help="continue from the output folder's checkpoint")
     train = sub.add_parser("train", help="train on your data with your choices, from a TOML or JSON config "
-                                         "(see embedcore.run_config)")
+                                         "(see embedcore.app.run_config)")
     train.add_argument("--config", required=True, help="a .toml or .json run configuration")
     train.add_argument("--output", default=None, help="output folder (overrides train.output)")
     train.add_argument("--resume", action="store_true", help="continue from the output folder's checkpoint")
@@ -80,12 +80,12 @@ def user_errors() -> tuple:
     error classes (bad configuration, data file, batch, checkpoint, row function, non-finite update) and
     the operating system's (a folder that cannot be written). ``main`` reports them as one ``error:`` line
     and exit status 2; anything else is a bug and keeps its traceback."""
-    from .checkpoint import CheckpointError
-    from .checkpoint.tensor_file import TensorFileError
-    from .compiler import RowFunctionError
+    from ..checkpoint import CheckpointError
+    from ..checkpoint.tensor_file import TensorFileError
+    from ..compiler import RowFunctionError
     from .data import DataFormatError
-    from .engine import NonFiniteError
-    from .inputs import InputError
+    from ..engine import NonFiniteError
+    from ..inputs import InputError
     from .run_config import ConfigError
     return (ConfigError, DataFormatError, InputError, CheckpointError, TensorFileError, RowFunctionError,
             NonFiniteError, OSError)
@@ -108,7 +108,7 @@ def main(argv=None) -> int:
     """Run one command; returns the exit status (2 with one ``error:`` line on stderr for a user error)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["bench"]:
-        from .bench.harness import main as bench
+        from ..bench.harness import main as bench
         return bench(argv[1:])
     parser = _parser()
     args = parser.parse_args(argv)

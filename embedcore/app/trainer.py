@@ -13,10 +13,10 @@ synthetic data), a checkpoint of tables, slots, dense weights and data position 
 ``metrics.json`` is rewritten atomically; ``learning_curve.png`` is drawn at the end. ``resume=True``
 continues from the checkpoint and gives bit-identical results to a run that never stopped.
 
-Before anything is written, the configuration is checked (:func:`embedcore.run_config.check`), the data
+Before anything is written, the configuration is checked (:func:`embedcore.app.run_config.check`), the data
 read, and every large allocation sized by it (the tables with their slots, the dense layers, the eval
-scores) checked against the machine's memory; a refusal raises :class:`~embedcore.run_config.ConfigError`
-(or the reader's :class:`~embedcore.data.DataFormatError`) and leaves no output folder behind. A metric that
+scores) checked against the machine's memory; a refusal raises :class:`~embedcore.app.run_config.ConfigError`
+(or the reader's :class:`~embedcore.app.data.DataFormatError`) and leaves no output folder behind. A metric that
 is undefined (AUC of an eval split with one class, any metric of an empty eval split) is ``null`` in
 ``metrics.json`` and "undefined" in the printed line; training goes on.
 """
@@ -32,12 +32,12 @@ import time
 
 import numpy as np
 
-from . import __version__
+from .. import __version__
 from .blas_threads import blas_threads
-from .memory_budget import check_fits
-from .checkpoint import CheckpointError, read_current, read_extra
+from ..memory_budget import check_fits
+from ..checkpoint import CheckpointError, read_current, read_extra
 from .data import feature_configs
-from .engine import Embedding
+from ..engine import Embedding
 from .metrics import BinaryMetrics
 from .models import DLRM, bce_with_logits, sigmoid
 from .plot import learning_curve
@@ -195,9 +195,9 @@ def _resume(emb, model, path, config, state):
 
 
 def run(config: dict, resume: bool = False, out=print, progress_stream=None, title: str | None = None) -> dict:
-    """Train as ``config`` says (see :mod:`embedcore.run_config`); returns the metrics also written to disk.
+    """Train as ``config`` says (see :mod:`embedcore.app.run_config`); returns the metrics also written to disk.
 
-    NumPy's BLAS runs on one thread meanwhile (see :mod:`embedcore.blas_threads`).
+    NumPy's BLAS runs on one thread meanwhile (see :mod:`embedcore.app.blas_threads`).
     """
     check(config)
     with blas_threads(1):

@@ -20,7 +20,7 @@ batches follow the file order.
 The whole file is held in memory (about 33 bytes per rating, more while parsing): a file that could not fit
 (four times its size, see :func:`embedcore.memory_budget.check_fits`) or that is not a regular file (a
 FIFO, a device) is refused before it is read. Error messages quote at most
-:data:`~embedcore.data.batch.EXCERPT_CHARS` characters of a bad line. Parsing is vectorised
+:data:`~embedcore.app.data.batch.EXCERPT_CHARS` characters of a bad line. Parsing is vectorised
 per chunk of lines (``np.loadtxt``); a chunk that does not parse cleanly is re-read line by line to report
 the first bad line.
 """
@@ -34,7 +34,7 @@ import stat
 
 import numpy as np
 
-from ..memory_budget import check_fits
+from ...memory_budget import check_fits
 from .batch import (Batch, DataFormatError, FeatureSpec, check_batch_size, check_fraction, check_split, eval_mask,
                     excerpt)
 

@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from ..memory_budget import check_fits
+from ...memory_budget import check_fits
 
 _INITS = ("he", "glorot")
 _ACTIVATIONS = (None, "relu")

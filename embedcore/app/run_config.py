@@ -50,8 +50,8 @@ import tomllib
 
 import numpy as np
 
-from . import optimizers as _optimizers
-from .checkpoint.config_codec import constructor_parameters, import_function
+from .. import optimizers as _optimizers
+from ..checkpoint.config_codec import constructor_parameters, import_function
 from .data import CsvClickLog, MovieLens, SyntheticClickLog
 from .data.batch import EXCERPT_CHARS
 from .models import dense_optimizers as _dense

@@ -34,7 +34,7 @@ shapes, vocabularies and split sizes); each ``batches`` call makes another. Only
 (``chunk_bytes``) is in memory at a time; a Numba kernel parses the bytes. Split: data row ``i`` (0-based,
 blank lines skipped) is in eval when ``hash_uniform(i, seed) < eval_fraction``; batches follow the file
 order. Errors raise :class:`DataFormatError` naming the file, the line (the header is line 1) and the
-column, and quote at most :data:`~embedcore.data.batch.EXCERPT_CHARS` characters of a bad cell or line.
+column, and quote at most :data:`~embedcore.app.data.batch.EXCERPT_CHARS` characters of a bad cell or line.
 A file without data rows, a path that is not a regular file (a FIFO, a device) and a line longer than
 64 MiB are refused the same way; nothing is read without bound.
 """
@@ -50,8 +50,8 @@ from dataclasses import dataclass
 import numpy as np
 from numba import njit
 
-from ..inputs import Ragged
-from ..memory_budget import check_fits
+from ...inputs import Ragged
+from ...memory_budget import check_fits
 from .batch import (Batch, DataFormatError, FeatureSpec, check_batch_size, check_fraction, check_split, eval_mask,
                     EXCERPT_CHARS, excerpt, rebatch)
 

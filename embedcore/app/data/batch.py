@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..inputs import Ragged
+from ...inputs import Ragged
 
 __all__ = ["FeatureSpec", "Batch", "DataFormatError", "feature_configs", "rebatch", "hash_uniform",
            "eval_mask", "SPLITS", "excerpt", "EXCERPT_CHARS"]
@@ -92,7 +92,7 @@ class FeatureSpec:
 def feature_configs(features, dim, optimizer=None, initializer=None) -> dict:
     """``{name: FeatureConfig}`` with one table per feature (``vocabulary_size`` rows of ``dim``, the
     feature's combiner), ready for ``Embedding(feature_configs(ds.features, dim), optimizer)``."""
-    from ..config import FeatureConfig, TableConfig
+    from ...config import FeatureConfig, TableConfig
     return {f.name: FeatureConfig(TableConfig(f.vocabulary_size, dim, initializer=initializer, optimizer=optimizer,
                                               combiner=f.combiner, name=f.name)) for f in features}
 

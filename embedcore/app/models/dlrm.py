@@ -21,7 +21,7 @@ from typing import Mapping, NamedTuple, Optional, Sequence
 
 import numpy as np
 
-from ..memory_budget import check_fits
+from ...memory_budget import check_fits
 from .dense_optimizers import Adam, DenseOptimizer
 from .layers import MLP, _check_float_dtype
 
@@ -108,7 +108,7 @@ class DLRM:
                              f"(got feature_names={names!r})")
         self.optimizer = Adam(0.001) if dense_optimizer is None else dense_optimizer
         if not isinstance(self.optimizer, DenseOptimizer):
-            raise TypeError(f"DLRM: dense_optimizer must be an embedcore.models DenseOptimizer, got "
+            raise TypeError(f"DLRM: dense_optimizer must be an embedcore.app.models DenseOptimizer, got "
                             f"{type(self.optimizer).__name__}")
         self._check_fits(top_in)
         rng = np.random.default_rng(seed)
