@@ -183,7 +183,7 @@ def _environment(args, log):
     import numba
     import numpy as np
 
-    from embedcore.blas_threads import set_blas_threads
+    from embedcore.app.blas_threads import set_blas_threads
 
     from .machine import allocator_name, mem_available_gb
     numba_threads = min(args.threads, numba.config.NUMBA_NUM_THREADS)
