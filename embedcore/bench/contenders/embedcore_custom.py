@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 import embedcore as ec
-from embedcore.quickstart import custom_adagrad, custom_sgd  # TensorFlow's two documented examples
+from embedcore.app.quickstart import custom_adagrad, custom_sgd  # TensorFlow's two documented examples
 
 from .embedcore_engine import EmbedcoreContender, fbgemm_adagrad_row
 
