@@ -33,7 +33,7 @@ WORKER = textwrap.dedent('''
     import numpy as np
     import embedcore as ec
     from embedcore.bench.contenders.embedcore_custom import custom_rowwise_adagrad
-    from embedcore.quickstart import custom_adagrad
+    from embedcore.app.quickstart import custom_adagrad
     from embedcore.kernels.update import fused_update_kernel
     import_s = time.perf_counter() - t_import
     optimizers = {
