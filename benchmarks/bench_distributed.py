@@ -114,7 +114,7 @@ def _parser():
 # Workload
 
 def make_dataset(scale, seed):
-    from embedcore.data.synthetic import DEFAULT_VOCABULARY_SIZES, SyntheticClickLog
+    from embedcore.app.data.synthetic import DEFAULT_VOCABULARY_SIZES, SyntheticClickLog
     vocab = [max(10, round(v * scale)) for v in DEFAULT_VOCABULARY_SIZES]
     return SyntheticClickLog(n_train=1, n_eval=1, seed=seed, vocabulary_sizes=vocab)
 
@@ -188,7 +188,7 @@ def run(args):
     from mpi4py import MPI
     import numba
     import embedcore as ec
-    from embedcore.data.batch import feature_configs
+    from embedcore.app.data.batch import feature_configs
     from embedcore.distributed import ShardedEmbedding
     if args.wait == "yield":
         from embedcore.distributed.exchange import Exchanger
