@@ -88,7 +88,7 @@ AGREEMENT_BYTES = 24                      # one all-reduce of the agreement: err
 
 def sample_demo(scale, batch=1024, n_batches=64, seed=0):
     """Unique ids and occurrences per table per batch of the demo's data at a vocabulary scale."""
-    from embedcore.data.synthetic import DEFAULT_VOCABULARY_SIZES, SyntheticClickLog
+    from embedcore.app.data.synthetic import DEFAULT_VOCABULARY_SIZES, SyntheticClickLog
     from embedcore.inputs import Ragged
     vocab = [max(10, round(v * scale)) for v in DEFAULT_VOCABULARY_SIZES]
     ds = SyntheticClickLog(n_train=1, n_eval=1, seed=seed, vocabulary_sizes=vocab)
