@@ -515,7 +515,7 @@ def test_grouping_block_by_block_equals_the_global_sort(spec, seed, row_type, pa
     assert expected[2].dtype == payload_type
     workspace = Workspace()
     for _ in range(2):  # a second call reuses the workspace's tables
-        got = dedup._group_by_blocks(rows, base, packed, blocks, workspace)[:3]
+        got = dedup.group_by_blocks(rows, base, packed, blocks, workspace)[:3]
         assert got[2].dtype == payload_type
         for e, g in zip(expected, got):
             np.testing.assert_array_equal(g, e)
@@ -527,12 +527,12 @@ def test_grouping_block_by_block_equals_the_global_sort(spec, seed, row_type, pa
 def test_group_rows_takes_the_block_path_only_where_it_pays():
     from embedcore.kernels import dedup
     n = dedup.PARALLEL_MIN
-    assert dedup._blocks_worth_it(np.arange(9, dtype=np.int64) * (n // 8), n, 2)
-    assert not dedup._blocks_worth_it(np.arange(9, dtype=np.int64) * (n // 8), n, 1)  # one thread
-    assert not dedup._blocks_worth_it(np.array([0, n], np.int64), n, 2)  # one block: nothing in parallel
-    assert not dedup._blocks_worth_it(np.array([0, 10, n], np.int64), n, 2)  # one block holds nearly all
-    assert not dedup._blocks_worth_it(np.array([0, 10, 20], np.int64), 20, 2)  # too small to be parallel
-    assert not dedup._blocks_worth_it(None, n, 2)
+    assert dedup.blocks_worth_it(np.arange(9, dtype=np.int64) * (n // 8), n, 2)
+    assert not dedup.blocks_worth_it(np.arange(9, dtype=np.int64) * (n // 8), n, 1)  # one thread
+    assert not dedup.blocks_worth_it(np.array([0, n], np.int64), n, 2)  # one block: nothing in parallel
+    assert not dedup.blocks_worth_it(np.array([0, 10, n], np.int64), n, 2)  # one block holds nearly all
+    assert not dedup.blocks_worth_it(np.array([0, 10, 20], np.int64), 20, 2)  # too small to be parallel
+    assert not dedup.blocks_worth_it(None, n, 2)
 
 
 def test_table_batches_mark_blocks_of_disjoint_row_ranges():
@@ -569,19 +569,19 @@ def test_table_batch_rows_are_int32_below_2_31_rows_and_int64_from_there():
 def _train_both_ways(monkeypatch, features, steps):
     """Train one engine with the block path allowed and one with it refused, on the same ``steps`` (a list
     of ``(ids, weights or None, gradients)``), with 2 threads; returns each engine's tables and
-    accumulators after every step, whether the block path was open on every call, and what each call of
-    ``sum_by_blocks`` gave (True: sums, False: None, the batch grouped instead)."""
+    accumulators after every step, whether the block path was open on every call, and what each attempt of
+    the first engine to sum by blocks gave (True: sums, False: None, the batch grouped instead; a call
+    that waits after a refused block does not try)."""
     import numba
-    from embedcore import engine
     from embedcore.kernels import dedup
     results, calls, summed = [], [], []
-    sum_by_blocks = engine.sum_by_blocks
+    sum_blocks = dedup.sum_blocks
 
     def recorded(*args):
-        got = sum_by_blocks(*args)
+        got = sum_blocks(*args)
         summed.append(got is not None)
         return got
-    monkeypatch.setattr(engine, "sum_by_blocks", recorded)
+    monkeypatch.setattr(dedup, "sum_blocks", recorded)
 
     def state(emb):
         return ({k: v.copy() for k, v in emb.embedding_tables.items()},
@@ -589,9 +589,9 @@ def _train_both_ways(monkeypatch, features, steps):
     before = numba.get_num_threads()
     numba.set_num_threads(min(2, numba.config.NUMBA_NUM_THREADS))
     try:
-        original = dedup._blocks_worth_it
+        original = dedup.blocks_worth_it
         for blocks in (True, False):
-            monkeypatch.setattr(dedup, "_blocks_worth_it",
+            monkeypatch.setattr(dedup, "blocks_worth_it",
                                 lambda *a, blocks=blocks: calls.append(original(*a)) or (blocks and calls[-1]))
             emb = ec.Embedding(features, ec.Adagrad(0.1))
             assert emb.num_physical_tables == 1
@@ -601,13 +601,15 @@ def _train_both_ways(monkeypatch, features, steps):
                 emb.apply_gradients(grads, ctx)
                 states.append(state(emb))
             results.append(states)
+            if blocks:
+                first_engine = list(summed)
     finally:
         numba.set_num_threads(before)
     for blocks_state, sort_state in zip(results[0][1:], results[1][1:]):
         for by_blocks, by_sort in zip(blocks_state, sort_state):
             for name in by_blocks:
                 np.testing.assert_array_equal(by_blocks[name], by_sort[name], err_msg=name)
-    return results[0], bool(calls) and all(calls), summed[:len(steps)]
+    return results[0], bool(calls) and all(calls), first_engine
 
 
 def test_stacked_tables_train_the_same_whichever_way_occurrences_are_grouped(monkeypatch):
@@ -667,7 +669,7 @@ def test_stacked_tables_with_gains_and_sequences_train_the_same_whichever_way_gr
     steps = [step(False), step(True), step(False)]
     monkeypatch.setattr(dedup, "PARALLEL_MIN", 0)
     states, blocks_open, summed = _train_both_ways(monkeypatch, features, steps)
-    assert blocks_open and summed == [True, False, False]  # after the refused block, the next calls wait
+    assert blocks_open and summed == [True, False]  # after the refused block, the next calls wait (sort)
     for (before, _), (after, _) in zip(states, states[1:]):
         assert any(not np.array_equal(before[k], after[k]) for k in after)  # every step trained
 
@@ -721,7 +723,7 @@ def test_clustered_hashes_and_many_distinct_rows_fall_back_to_sorting_and_later_
     for row_type, payload_type in ((np.int64, np.int64), (np.int32, np.int64), (np.int32, np.int32)):
         packed = rng.integers(np.iinfo(payload_type).min, np.iinfo(payload_type).max, rows.shape[0], payload_type)
         typed = rows.astype(row_type)
-        uniq, ptr, sorted_packed, n_sorted = dedup._group_by_blocks(typed, 1 << 23, packed, blocks, workspace)
+        uniq, ptr, sorted_packed, n_sorted = dedup.group_by_blocks(typed, 1 << 23, packed, blocks, workspace)
         assert n_sorted == 1  # the clustered block; the other hashed
         expected, counts = np.unique(rows, return_counts=True)
         np.testing.assert_array_equal(uniq, expected)
@@ -730,21 +732,72 @@ def test_clustered_hashes_and_many_distinct_rows_fall_back_to_sorting_and_later_
         np.testing.assert_array_equal(sorted_packed, packed[np.argsort(rows, kind="stable")])
     # Without payloads (one occurrence per activation row): the sorted block takes its activation rows too.
     out_ptr = np.arange(rows.shape[0] + 1, dtype=np.int64)
-    uniq, ptr, grouped, n_sorted = dedup._group_by_blocks(rows.astype(np.int32), 1 << 23, None, blocks, workspace,
+    uniq, ptr, grouped, n_sorted = dedup.group_by_blocks(rows.astype(np.int32), 1 << 23, None, blocks, workspace,
                                                           out_ptr)
     assert n_sorted == 1 and grouped.dtype == np.int32
     np.testing.assert_array_equal(grouped, np.argsort(rows, kind="stable"))
 
     # The memory of the fallback, whatever the thread count (the block path itself is forced here).
-    monkeypatch.setattr(dedup, "_blocks_worth_it", lambda *a: True)
+    monkeypatch.setattr(dedup, "blocks_worth_it", lambda *a: True)
     calls = []
-    original = dedup._group_by_blocks
-    monkeypatch.setattr(dedup, "_group_by_blocks", lambda *a: calls.append(1) or original(*a))
+    original = dedup.group_by_blocks
+    monkeypatch.setattr(dedup, "group_by_blocks", lambda *a: calls.append(1) or original(*a))
     wide = np.concatenate([rng.integers(0, 40_000, 40_000), 40_000 + rng.integers(0, 40_000, 40_000)])
     for _ in range(dedup.RETRY_AFTER + 2):
         uniq, ptr, _ = dedup.group_rows(wide, 80_000, wide, workspace, np.array([0, 40_000, 80_000], np.int64))
         np.testing.assert_array_equal(uniq, np.unique(wide))
     assert len(calls) == 2  # tried, sorted blocks; RETRY_AFTER calls sorted; tried again
+
+
+def test_grouper_sums_stacked_blocks_groups_the_rest_and_waits_after_a_refused_block(monkeypatch):
+    """The Grouper gives the update what the engine's block sums or grouping give (bit for bit the global
+    sort's sums); after a call whose block had too many distinct rows to hash, the next RETRY_AFTER calls
+    sort outright, then blocks are tried again. Unstacked tables, and Tuning(sum_by_blocks=False), group."""
+    import numba
+    from embedcore import inputs
+    from embedcore.kernels import dedup
+    from embedcore.kernels.grouping import RETRY_AFTER, Grouper
+    from embedcore.tuning import Tuning
+    rng = np.random.default_rng(21)
+
+    def batch(spread):
+        parts = []
+        for t, (offset, vocabulary) in enumerate([(0, 300), (300, 40_000)]):
+            ids = rng.integers(0, vocabulary, 40_000) if spread and t else rng.zipf(1.8, 40_000) % vocabulary
+            fb = inputs.to_feature_batch(ids.astype(np.int64), None, f"f{t}", vocabulary)
+            parts.append((fb, "sum", 0, offset, t * 40_000, vocabulary))
+        return inputs.build_table_batch(parts)
+
+    def gradient_sums(grouped, dim=3):
+        out = np.zeros((grouped.uniq.shape[0], dim), np.float32)
+        rows_of = grouped.packed if grouped.packed.dtype == np.int32 else grouped.packed & 0xFFFFFFFF
+        for u in range(grouped.uniq.shape[0]):
+            for k in range(grouped.ptr[u], grouped.ptr[u + 1]):
+                out[u] += grouped.d_act[rows_of[k]]
+        return out
+    monkeypatch.setattr(dedup, "blocks_worth_it", lambda *a: True)
+    before = numba.get_num_threads()
+    numba.set_num_threads(min(2, numba.config.NUMBA_NUM_THREADS))
+    try:
+        assert not Grouper(Tuning(), stacked=False).sums_by_blocks
+        assert not Grouper(Tuning(sum_by_blocks=False), stacked=True).sums_by_blocks
+        grouper = Grouper(Tuning(), stacked=True)
+        assert grouper.sums_by_blocks == (numba.get_num_threads() > 1)
+        kinds = []
+        for spread in [False, True] + [False] * (RETRY_AFTER + 1):
+            tb = batch(spread)
+            d_act = rng.standard_normal((tb.n_out, 3)).astype(np.float32)
+            got = grouper.group(tb, 40_300, Workspace(), d_act)
+            kinds.append("summed" if got.d_act is not d_act else "grouped")
+            if spread:
+                assert grouper.sorts_left == RETRY_AFTER
+            expected = Grouper(Tuning(sum_by_blocks=False)).group(tb, 40_300, Workspace(), d_act)
+            np.testing.assert_array_equal(got.uniq, np.unique(tb.rows))
+            np.testing.assert_array_equal(got.uniq, expected.uniq)
+            np.testing.assert_array_equal(gradient_sums(got), gradient_sums(expected))
+        assert kinds == ["summed", "grouped"] + ["grouped"] * RETRY_AFTER + ["summed"]
+    finally:
+        numba.set_num_threads(before)
 
 
 def test_blocks_are_shared_out_largest_first_and_checked():
@@ -811,7 +864,7 @@ def test_block_layout_is_kept_for_the_same_blocks_and_rebuilt_for_others():
     layouts = []
     for blocks in cases + cases:
         rows = np.concatenate([2_000 * k + rng.integers(0, 700, blocks[k + 1] - blocks[k]) for k in range(3)])
-        uniq, ptr, sorted_packed, _ = dedup._group_by_blocks(rows, 10_000, rows, blocks, workspace)
+        uniq, ptr, sorted_packed, _ = dedup.group_by_blocks(rows, 10_000, rows, blocks, workspace)
         expected, counts = np.unique(rows, return_counts=True)
         np.testing.assert_array_equal(uniq, expected)
         np.testing.assert_array_equal(np.diff(ptr), counts)
@@ -948,7 +1001,7 @@ def test_hash_grouping_takes_narrow_types_where_they_fit_and_wide_ones_elsewhere
     for types in (None, (np.int64, np.int32), (np.int32, np.int32), (np.int64, np.uint16)):
         monkeypatch.setattr(dedup, "hash_types", rule if types is None else lambda *a, types=types: types)
         for row_type in (np.int32, np.int64):
-            uniq, ptr, grouped, n_sorted = dedup._group_by_blocks(rows.astype(row_type), 2_000, payload, blocks,
+            uniq, ptr, grouped, n_sorted = dedup.group_by_blocks(rows.astype(row_type), 2_000, payload, blocks,
                                                                   Workspace())
             assert n_sorted == 0
             for e, g in zip(expected, (uniq, ptr, grouped)):
@@ -986,7 +1039,7 @@ def test_grouping_without_payloads_writes_each_occurrences_activation_row(spec, 
     try:
         results = [dedup.group_rows(rows, base, None, Workspace(), blocks, out_ptr),
                    dedup.group_rows(rows, base, None, Workspace(), None, out_ptr),
-                   dedup._group_by_blocks(rows, base, None, blocks, Workspace(), out_ptr)[:3]]
+                   dedup.group_by_blocks(rows, base, None, blocks, Workspace(), out_ptr)[:3]]
     finally:
         numba.set_num_threads(before)
     for got in results:
@@ -1060,7 +1113,7 @@ def test_gradients_summed_block_by_block_are_the_sequential_sums(vocabularies, p
         dedup.PARALLEL_MIN = smallest
     expected_uniq, expected = _sequential_sums_reference(rows, gains, out_row, d_act)
     if got is None:  # blocks too uneven, or one with too many distinct rows to hash: the caller groups
-        assert not dedup._blocks_worth_it(blocks, n, 2) or any(len(np.unique(rows[lo:hi])) > max(16, (hi - lo) // 32) for lo, hi in zip(starts, starts[1:]))
+        assert not dedup.blocks_worth_it(blocks, n, 2) or any(len(np.unique(rows[lo:hi])) > max(16, (hi - lo) // 32) for lo, hi in zip(starts, starts[1:]))
         return
     uniq, ptr, index, sums = got
     np.testing.assert_array_equal(uniq, expected_uniq)

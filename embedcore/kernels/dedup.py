@@ -27,7 +27,8 @@ from .occurrences import activation_rows, occurrence_views
 from .rows import gain_at
 
 
-__all__ = ["unique_rows", "group_rows", "sum_by_blocks", "DIGIT_BITS", "PARALLEL_MIN"]
+__all__ = ["unique_rows", "group_rows", "sum_by_blocks", "sum_blocks", "group_by_blocks", "group_sorted",
+           "blocks_worth_it", "checked_batch", "DIGIT_BITS", "PARALLEL_MIN"]
 
 DIGIT_BITS = 11
 _RADIX = 1 << DIGIT_BITS
@@ -481,7 +482,7 @@ def _sum_blocks(rows, payload, blocks, schedule, schedule_ptr, limits, table_lo,
     return total
 
 
-def _blocks_worth_it(blocks, n, threads):
+def blocks_worth_it(blocks, n, threads):
     """Whether grouping block by block keeps every thread busy: enough blocks, none over its thread's share."""
     if blocks is None or threads < 2 or n < PARALLEL_MIN or len(blocks) - 1 < threads:
         return False
@@ -523,15 +524,19 @@ def _block_layout(blocks, threads, workspace):
     return layout
 
 
-def hash_types(row_type, largest_limit):
+def hash_types(row_type, largest_limit, narrow=True):
     """``(key type, id type)`` of the hash grouping: keys in the rows' type, and the distinct rows' ids (per
     slot and per occurrence) as uint16 where no block may hold more than 2**16 distinct rows, else int32.
-    The smaller the types, the fewer bytes the hash table takes in L1 and the occurrences' ids in memory."""
+    The smaller the types, the fewer bytes the hash table takes in L1 and the occurrences' ids in memory.
+    ``narrow`` False (``Tuning.narrow_hash_types``): int64 keys and int32 ids whatever the batch."""
+    if not narrow:
+        return np.int64, np.int32
     return row_type, (np.uint16 if largest_limit <= 1 << 16 else np.int32)
 
 
-def _group_by_blocks(rows, n_rows, payload, blocks, workspace, out_ptr=None):
-    """:func:`group_rows` block by block (``_group_blocks``); also returns how many blocks were sorted."""
+def group_by_blocks(rows, n_rows, payload, blocks, workspace, out_ptr=None, narrow_types=True):
+    """``(uniq, ptr, sorted_payload, n_sorted)``: :func:`group_rows` block by block (``_group_blocks``), for a
+    batch :func:`checked_batch` passed; also returns how many blocks had to be sorted instead of hashed."""
     n = rows.shape[0]
     implied = payload is None
     if implied:  # each block's activation rows: its occurrences' range in out_ptr (empty rows anywhere)
@@ -541,7 +546,7 @@ def _group_by_blocks(rows, n_rows, payload, blocks, workspace, out_ptr=None):
         act_bounds = _NO_BOUNDS
     limits, table_bits, table_lo, n_slots, schedule, schedule_ptr = _block_layout(blocks, numba.get_num_threads(),
                                                                                   workspace)
-    key_type, id_type = hash_types(rows.dtype, int(limits.max()))
+    key_type, id_type = hash_types(rows.dtype, int(limits.max()), narrow_types)
     keys = workspace.array("hash_keys", n_slots, key_type)
     p = payload.dtype  # the permutations of the distinct rows share the payload's buffers (a block that is
     names = _PAYLOAD_BUFFERS[p]  # sorted instead sorts its payload in them), in its integer type
@@ -572,10 +577,18 @@ def sum_by_blocks(rows, n_rows, packed, workspace, blocks, out_ptr, d_act):
     when the update sums grouped occurrences), in the order of :func:`embedcore.kernels.rows.sequential_sum`.
     ``ptr`` is ``0, 1, ..., len(uniq)`` and ``index`` int32: the update kernel takes them as grouped
     occurrences of one occurrence per row (every gain 1), whose sums are the sums themselves."""
-    if blocks is None or workspace.state.get("blocks_wait", 0) > 0 or \
-            not _blocks_worth_it(blocks, rows.shape[0], numba.get_num_threads()):
+    if workspace.state.get("blocks_wait", 0) > 0:
         return None
-    rows, packed, blocks, out_ptr = _checked_batch(rows, packed, blocks, out_ptr)
+    return sum_blocks(rows, n_rows, packed, workspace, blocks, out_ptr, d_act)
+
+
+def sum_blocks(rows, n_rows, packed, workspace, blocks, out_ptr, d_act, narrow_types=True):
+    """:func:`sum_by_blocks` whatever the calls before (no retry counter: :class:`~embedcore.kernels.grouping.
+    Grouper` keeps it); None when the batch should be grouped instead (one thread, no blocks, blocks too
+    uneven, a block with too many distinct rows to hash). ``narrow_types`` as for :func:`hash_types`."""
+    if blocks is None or not blocks_worth_it(blocks, rows.shape[0], numba.get_num_threads()):
+        return None
+    rows, packed, blocks, out_ptr = checked_batch(rows, packed, blocks, out_ptr)
     d_act = np.ascontiguousarray(d_act, np.float32)
     implied = packed is None
     if implied:
@@ -595,8 +608,8 @@ def sum_by_blocks(rows, n_rows, packed, workspace, blocks, out_ptr, d_act):
     sums_lo = np.zeros(limits.shape[0], np.int64)
     np.cumsum(limits[:-1], out=sums_lo[1:])
     sums = workspace.array("block_sums", (int(limits.sum()), d_act.shape[1]), np.float32)
-    key_type, id_type = hash_types(rows.dtype, int(limits.max()))
-    names = _PAYLOAD_BUFFERS[np.dtype(np.int32)]  # the distinct rows' permutations, as in _group_by_blocks
+    key_type, id_type = hash_types(rows.dtype, int(limits.max()), narrow_types)
+    names = _PAYLOAD_BUFFERS[np.dtype(np.int32)]  # the distinct rows' permutations, as in group_by_blocks
     arrays = [workspace.array(name, n, dtype) for name, dtype in (
         ("hash_first", rows.dtype), ("sort_words_b", np.int64), ("sort_keys_a", rows.dtype),
         (names[0], np.int32), ("sort_keys_b", rows.dtype), (names[1], np.int32), ("uniq", np.int64))]
@@ -660,7 +673,7 @@ def unique_rows(rows: np.ndarray, n_rows: int, workspace):
     return _sort(rows, n_rows, _NO_PAYLOAD, True, workspace)  # the indices are the payload
 
 
-def _checked_batch(rows, packed, blocks, out_ptr):
+def checked_batch(rows, packed, blocks, out_ptr):
     """``(rows, packed, blocks, out_ptr)`` as the kernels take them, after the structural checks that keep
     their unchecked subscripts in bounds; raises ValueError for a malformed batch."""
     rows = _row_array(rows)
@@ -695,15 +708,21 @@ def group_rows(rows: np.ndarray, n_rows: int, packed, workspace, blocks=None, ou
 
     ``blocks`` (optional, int64 occurrence offsets ``[0, ..., n]``): every block's rows lie below the next
     block's, so the blocks can be grouped independently (see ``_group_blocks``); the result is the same."""
-    rows, packed, blocks, out_ptr = _checked_batch(rows, packed, blocks, out_ptr)
+    rows, packed, blocks, out_ptr = checked_batch(rows, packed, blocks, out_ptr)
     # After a call in which a block held too many distinct rows to hash, the next RETRY_AFTER calls sort.
     wait = workspace.state.get("blocks_wait", 0)
     if blocks is not None and wait > 0:
         workspace.state["blocks_wait"] = wait - 1
-    elif _blocks_worth_it(blocks, rows.shape[0], numba.get_num_threads()):
-        uniq, ptr, sorted_packed, n_sorted = _group_by_blocks(rows, n_rows, packed, blocks, workspace, out_ptr)
+    elif blocks_worth_it(blocks, rows.shape[0], numba.get_num_threads()):
+        uniq, ptr, sorted_packed, n_sorted = group_by_blocks(rows, n_rows, packed, blocks, workspace, out_ptr)
         workspace.state["blocks_wait"] = RETRY_AFTER if n_sorted else 0
         return uniq, ptr, sorted_packed
+    return group_sorted(rows, n_rows, packed, workspace, out_ptr)
+
+
+def group_sorted(rows, n_rows, packed, workspace, out_ptr=None):
+    """``(uniq, ptr, sorted_packed)`` of :func:`group_rows` by the global sort, for a batch that
+    :func:`checked_batch` passed (``packed`` None: the activation rows of ``out_ptr`` are the payload)."""
     if packed is None:  # the sort carries a payload: the activation rows, written out first
         packed = workspace.array("activation_rows", rows.shape[0], np.int32)
         activation_rows(out_ptr, 0, out_ptr.shape[0] - 1, packed)
