@@ -21,6 +21,7 @@ import numpy as np
 from .kernels.occurrences import (COMBINERS, activation_rows, fill_occurrences, first_non_finite, first_out_of_range,
                                  packed_views, splits_are_valid)
 from .memory_budget import check_fits
+from .tuning import DEFAULT_TUNING, Tuning
 
 __all__ = ["Ragged", "Sparse", "FeatureBatch", "TableBatch", "InputError", "to_feature_batch",
            "build_table_batch", "flatten", "flatten_like", "unflatten"]
@@ -426,7 +427,7 @@ class TableBatch:
     ``act[a] = sum over o in out_ptr[a]:out_ptr[a+1] of gains[o] * table[rows[o]]``.
     """
 
-    rows: np.ndarray      # int32 [N] physical row (int64 where a row reaches 2**31: ROW_TYPE_LIMIT)
+    rows: np.ndarray      # int32 [N] physical row (int64 from Tuning.row_type_limit rows on)
     packed: np.ndarray    # int64 [N] activation row << 32 | the gain's float32 bits (kernels/occurrences.py), or
                           # None when every gain is 1 (out_ptr tells each occurrence's activation row)
     out_ptr: np.ndarray   # int64 [n_out + 1]
@@ -449,10 +450,7 @@ class TableBatch:
         return out_row
 
 
-ROW_TYPE_LIMIT = 2 ** 31  # physical rows below this are int32 (half the bytes to write, sort and gather by)
-
-
-def build_table_batch(parts, workspace=None) -> TableBatch:
+def build_table_batch(parts, workspace=None, tuning: Tuning = DEFAULT_TUNING) -> TableBatch:
     """Concatenate features of one physical table (into ``workspace``'s arrays when given, else new ones).
 
     ``parts``: ``(FeatureBatch, combiner, max_sequence_length, row_offset, out_offset, vocabulary_size)``
@@ -464,6 +462,10 @@ def build_table_batch(parts, workspace=None) -> TableBatch:
     :class:`InputError` naming the feature and the id. When every gain is 1 (:func:`unit_gains`) no
     payload is written (``packed`` None: ``out_ptr`` tells each occurrence's activation row), else packed
     int64 words.
+
+    ``tuning`` (speed only, the occurrences are the same): ``row_type_limit`` (rows int32 below it, else
+    int64), ``unit_gain_payloads`` (False: packed words even when every gain is 1) and
+    ``parallel_layout_min`` (pooled features of at least this many ids laid out by all threads).
     """
     n_out = 0
     n = 0
@@ -480,8 +482,8 @@ def build_table_batch(parts, workspace=None) -> TableBatch:
         # A batch's activation rows follow from its declared size (a Sparse dense_shape) times a sequence length.
         check_fits(8 * (n_out + 1), f"the occurrence offsets of {n_out:,} activation rows (features "
                    f"{[p[0].name for p in parts]})", error=InputError)
-    rows = _array(workspace, "rows", n, np.int32 if rows_end <= ROW_TYPE_LIMIT else np.int64)
-    unit = unit_gains(parts)
+    rows = _array(workspace, "rows", n, np.int32 if rows_end <= tuning.row_type_limit else np.int64)
+    unit = tuning.unit_gain_payloads and unit_gains(parts)
     packed = _NO_PAYLOAD if unit else _array(workspace, "packed", n, np.int64)
     out_ptr = _array(workspace, "out_ptr", n_out + 1, np.int64)
     out_ptr[0] = 0
@@ -496,7 +498,7 @@ def build_table_batch(parts, workspace=None) -> TableBatch:
         count, in_range = fill_occurrences(np.ascontiguousarray(batch.ids, np.int64),
                                            np.ascontiguousarray(batch.row_splits, np.int64), weights, positions,
                                            COMBINERS[combiner], seq_len or 0, row_offset, out_offset, at, rows,
-                                           packed, out_ptr, vocabulary_size)
+                                           packed, out_ptr, vocabulary_size, tuning.parallel_layout_min)
         if not in_range:
             _check_range(batch.ids, batch.name, vocabulary_size, batch.given_ids)
             raise AssertionError(f"feature '{batch.name}': the layout found an id outside [0, {vocabulary_size}) "

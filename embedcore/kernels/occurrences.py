@@ -154,18 +154,19 @@ def _fill_pooled_parallel(ids, splits, weights, combiner, row_offset, out_offset
 
 
 def fill_occurrences(ids, splits, weights, positions, combiner, seq_len, row_offset, out_offset, start, rows,
-                     packed, out_ptr, vocabulary_size):
+                     packed, out_ptr, vocabulary_size, parallel_min=None):
     """Write one feature's occurrences at ``start`` (and its activation rows' ``out_ptr`` entries); returns
     ``(count, in_range)``: how many it wrote, and whether every id (dropped ones too) lies in
     ``[0, vocabulary_size)``, checked in the same pass (when not, the rows written are meaningless and must
     not be read). ``weights`` and ``positions`` may be empty: weights 1, positions ``i - splits[b]``.
     ``packed`` may be empty (nothing written) for a feature whose gains are all 1.
-    Pooled features of at least ``PARALLEL_MIN`` ids are laid out by all threads, each a range of samples."""
+    Pooled features of at least ``parallel_min`` ids (``Tuning.parallel_layout_min``; None: ``PARALLEL_MIN``)
+    are laid out by all threads, each a range of samples; the occurrences are the same either way."""
     if packed.shape[0] == 0 and ids.shape[0] and (weights.shape[0] or (seq_len == 0 and
                                                                       combiner != COMBINERS["sum"])):
         raise ValueError("only a feature whose gains are all 1 may be laid out without payloads")
     threads = numba.get_num_threads()
-    if seq_len == 0 and ids.shape[0] >= PARALLEL_MIN and threads > 1:
+    if seq_len == 0 and ids.shape[0] >= (PARALLEL_MIN if parallel_min is None else parallel_min) and threads > 1:
         largest = _fill_pooled_parallel(ids, splits, weights, combiner, row_offset, out_offset, start, rows,
                                         packed, out_ptr, 4 * threads)
         count = ids.shape[0]
