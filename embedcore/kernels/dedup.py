@@ -19,6 +19,8 @@ writes each word's payload beside it (a sort carrying a separate key and payload
 payloads after the sort took 0.13-0.42 ms of its own).
 """
 
+from typing import NamedTuple
+
 import numba
 import numpy as np
 from numba import njit, prange
@@ -264,6 +266,44 @@ _MULTIPLIER = np.uint64(0x9E3779B97F4A7C15)  # Fibonacci hashing: the top bits o
 _EMPTY = -1
 
 
+class BlockBatch(NamedTuple):
+    """A batch of blocks as the block kernels read it."""
+    rows: np.ndarray        # int32/int64 physical row of every occurrence
+    payload: np.ndarray     # each occurrence's payload (int64 packed word or int32 activation row), or empty
+    blocks: np.ndarray      # int64 occurrence offsets [0, ..., n] of blocks of disjoint, increasing row ranges
+    implied: bool           # no payload: occurrence o's activation row a has out_ptr[a] <= o < out_ptr[a + 1]
+    out_ptr: np.ndarray     # int64 CSR of the activation rows' occurrences (read when ``implied``)
+    act_bounds: np.ndarray  # int64 first activation row of every block, and the end (when ``implied``)
+
+
+class BlockPlan(NamedTuple):
+    """How the blocks are hashed and shared out (:func:`_block_layout`; depends on the block sizes alone)."""
+    schedule: np.ndarray      # int64 blocks in the order the threads take them
+    schedule_ptr: np.ndarray  # int64 thread p takes schedule[schedule_ptr[p]:schedule_ptr[p + 1]]
+    limits: np.ndarray        # int64 most distinct rows a block may hash
+    table_lo: np.ndarray      # int64 first slot of every block's hash table
+    table_bits: np.ndarray    # int64 log2 of every block's hash table size
+    n_bits: int               # bits of the largest row (the sort passes)
+
+
+class HashScratch(NamedTuple):
+    """The blocks' hash tables (``keys`` and ``ids``, all blocks' tables side by side) and, from each block's
+    first occurrence on, its distinct rows in order of first occurrence and their counts."""
+    keys: np.ndarray    # a row per slot, or _EMPTY
+    ids: np.ndarray     # the slot's distinct-row number within its block
+    sid: np.ndarray     # every occurrence's distinct-row number
+    first: np.ndarray   # the distinct rows, in order of first occurrence
+    counts: np.ndarray  # occurrences per distinct row, then positions or rows of sums
+
+
+class SortScratch(NamedTuple):
+    """The serial sort's two key buffers and two payload buffers (a block sorts from its first occurrence)."""
+    keys_a: np.ndarray
+    payload_a: np.ndarray
+    keys_b: np.ndarray
+    payload_b: np.ndarray
+
+
 @njit(cache=True, inline="always")
 def _slot(row, bits):
     return np.int64((np.uint64(row) * _MULTIPLIER) >> np.uint64(64 - bits))
@@ -280,11 +320,12 @@ def _distinct_limit(n_occurrences):
 
 
 @njit(cache=True, inline="always")
-def _hash_count(rows, lo, hi, limit, bits, t, keys, ids, sid, first, counts):
+def _hash_count(rows, lo, hi, limit, bits, t, hashing):
     """The hash pass of a block, occurrences ``lo:hi``: each distinct row, in order of first occurrence, to
     ``first[lo:]`` with its number of occurrences in ``counts[lo:]``, and each occurrence's distinct-row id to
     ``sid``; returns the number of distinct rows, or -1 when there are more than ``limit`` or probing took
     more than ``PROBE_BUDGET`` extra steps per occurrence."""
+    keys, ids, sid, first, counts = hashing
     mask = (1 << bits) - 1
     keys[t:t + mask + 1] = _EMPTY  # a fresh table, which also brings it into the cache (a kept one came cold)
     n_unique = 0
@@ -316,25 +357,26 @@ def _hash_count(rows, lo, hi, limit, bits, t, keys, ids, sid, first, counts):
 
 
 @njit(cache=True, inline="always")
-def _sort_distinct(first, lo, n_unique, n_bits, sort_a, perm_a, sort_b, perm_b):
+def _sort_distinct(first, lo, n_unique, n_bits, sorting):
     """The distinct rows ``first[lo:lo + n_unique]`` of a hashed block, ascending, and the permutation that
     sorts them (the sort's buffers from ``lo`` on)."""
     hi = lo + n_unique
-    return _sort_serial(first[lo:hi], perm_a[lo:hi], True, n_bits, sort_a[lo:hi], perm_a[lo:hi], sort_b[lo:hi],
-                        perm_b[lo:hi])
+    return _sort_serial(first[lo:hi], sorting.payload_a[lo:hi], True, n_bits, sorting.keys_a[lo:hi],
+                        sorting.payload_a[lo:hi], sorting.keys_b[lo:hi], sorting.payload_b[lo:hi])
 
 
 @njit(cache=True, inline="always")
-def _hash_block(rows, payload, lo, hi, limit, bits, t, keys, ids, sid, first, counts, n_bits, sort_a, perm_a,
-                sort_b, perm_b, uniq, ptr, out, implied, out_ptr, a_lo, a_hi):
-    """Group occurrences ``lo:hi`` by hashing (:func:`_hash_count`): distinct rows to ``uniq[lo:]``
-    (ascending), their first occurrence's position to ``ptr[lo:]``, payloads grouped to ``out[lo:hi]``
-    (``implied``: no payload array, each occurrence's activation row instead, from ``out_ptr``: the block's
-    activation rows are ``a_lo:a_hi``); returns the number of distinct rows, or -1 (see :func:`_hash_count`)."""
-    n_unique = _hash_count(rows, lo, hi, limit, bits, t, keys, ids, sid, first, counts)
+def _hash_block(batch, b, plan, hashing, sorting, uniq, ptr, out):
+    """Group block ``b``'s occurrences ``lo:hi`` by hashing (:func:`_hash_count`): distinct rows to
+    ``uniq[lo:]`` (ascending), their first occurrence's position to ``ptr[lo:]``, payloads grouped to
+    ``out[lo:hi]`` (``batch.implied``: no payload array, each occurrence's activation row instead, from
+    ``out_ptr``); returns the number of distinct rows, or -1 (see :func:`_hash_count`)."""
+    lo, hi = batch.blocks[b], batch.blocks[b + 1]
+    n_unique = _hash_count(batch.rows, lo, hi, plan.limits[b], plan.table_bits[b], plan.table_lo[b], hashing)
     if n_unique < 0:
         return -1
-    sorted_rows, perm = _sort_distinct(first, lo, n_unique, n_bits, sort_a, perm_a, sort_b, perm_b)
+    counts, sid, out_ptr = hashing.counts, hashing.sid, batch.out_ptr
+    sorted_rows, perm = _sort_distinct(hashing.first, lo, n_unique, plan.n_bits, sorting)
     at = lo
     for k in range(n_unique):  # counts become each distinct row's next output position
         u = perm[k]
@@ -343,14 +385,15 @@ def _hash_block(rows, payload, lo, hi, limit, bits, t, keys, ids, sid, first, co
         c = counts[lo + u]
         counts[lo + u] = at
         at += c
-    if implied:
-        for a in range(a_lo, a_hi):
+    if batch.implied:
+        for a in range(batch.act_bounds[b], batch.act_bounds[b + 1]):
             for o in range(out_ptr[_U(a)], out_ptr[_U(a + 1)]):
                 cu = _U(lo + sid[_U(o)])
                 at = counts[cu]
                 out[_U(at)] = a
                 counts[cu] = at + 1
         return n_unique
+    payload = batch.payload
     for o in range(lo, hi):
         ou = _U(o)
         cu = _U(lo + sid[ou])
@@ -361,10 +404,11 @@ def _hash_block(rows, payload, lo, hi, limit, bits, t, keys, ids, sid, first, co
 
 
 @njit(cache=True, inline="always")
-def _sort_block(rows, payload, lo, hi, n_bits, keys_a, payload_a, keys_b, payload_b, uniq, ptr, out):
+def _sort_block(rows, payload, lo, hi, n_bits, sorting, uniq, ptr, out):
     """Group occurrences ``lo:hi`` by the serial sort, with :func:`_hash_block`'s outputs."""
-    sorted_keys, sorted_payload = _sort_serial(rows[lo:hi], payload[lo:hi], False, n_bits, keys_a[lo:hi],
-                                               payload_a[lo:hi], keys_b[lo:hi], payload_b[lo:hi])
+    sorted_keys, sorted_payload = _sort_serial(rows[lo:hi], payload[lo:hi], False, n_bits, sorting.keys_a[lo:hi],
+                                               sorting.payload_a[lo:hi], sorting.keys_b[lo:hi],
+                                               sorting.payload_b[lo:hi])
     n_unique = 0
     for k in range(hi - lo):
         out[lo + k] = sorted_payload[k]
@@ -376,30 +420,27 @@ def _sort_block(rows, payload, lo, hi, n_bits, keys_a, payload_a, keys_b, payloa
 
 
 @njit(cache=True, parallel=True)
-def _group_blocks(rows, payload, blocks, schedule, schedule_ptr, limits, table_lo, table_bits, n_bits, keys, ids,
-                  sid, first, counts, sort_a, perm_a, sort_b, perm_b, out, uniq, ptr, implied, out_ptr, act_bounds):
+def _group_blocks(batch, plan, hashing, sorting, out, uniq, ptr):
     """Every block grouped on its own, in parallel, its distinct rows and offsets written to ``uniq`` and
     ``ptr`` at its first occurrence's position, then moved down to follow the previous blocks' (a block
     holds no more distinct rows than occurrences, so nothing is overwritten before it is moved). Returns
     the number of distinct rows and the number of blocks that had to be sorted. Thread ``p`` groups the
-    blocks ``schedule[schedule_ptr[p]:schedule_ptr[p + 1]]``."""
+    blocks ``plan.schedule[plan.schedule_ptr[p]:plan.schedule_ptr[p + 1]]``."""
+    blocks, schedule, schedule_ptr = batch.blocks, plan.schedule, plan.schedule_ptr
     n_blocks = blocks.shape[0] - 1
     n_unique = np.empty(n_blocks, np.int64)
     sorted_blocks = np.zeros(n_blocks, np.int64)
     for p in prange(schedule_ptr.shape[0] - 1):
         for i in range(schedule_ptr[p], schedule_ptr[p + 1]):
             b = schedule[i]
-            lo, hi = blocks[b], blocks[b + 1]
-            a_lo, a_hi = (act_bounds[b], act_bounds[b + 1]) if implied else (0, 0)
-            got = _hash_block(rows, payload, lo, hi, limits[b], table_bits[b], table_lo[b], keys, ids, sid, first,
-                              counts, n_bits, sort_a, perm_a, sort_b, perm_b, uniq, ptr, out, implied, out_ptr,
-                              a_lo, a_hi)
+            got = _hash_block(batch, b, plan, hashing, sorting, uniq, ptr, out)
             if got < 0:
-                if implied:  # the activation rows as the payload, sorted in place (read before written)
-                    activation_rows(out_ptr, a_lo, a_hi, out)
-                    got = _sort_block(rows, out, lo, hi, n_bits, sort_a, perm_a, sort_b, perm_b, uniq, ptr, out)
+                lo, hi = blocks[b], blocks[b + 1]
+                if batch.implied:  # the activation rows as the payload, sorted in place (read before written)
+                    activation_rows(batch.out_ptr, batch.act_bounds[b], batch.act_bounds[b + 1], out)
+                    got = _sort_block(batch.rows, out, lo, hi, plan.n_bits, sorting, uniq, ptr, out)
                 else:
-                    got = _sort_block(rows, payload, lo, hi, n_bits, sort_a, perm_a, sort_b, perm_b, uniq, ptr, out)
+                    got = _sort_block(batch.rows, batch.payload, lo, hi, plan.n_bits, sorting, uniq, ptr, out)
                 sorted_blocks[b] = 1
             n_unique[b] = got
     total = 0
@@ -414,17 +455,18 @@ def _group_blocks(rows, payload, blocks, schedule, schedule_ptr, limits, table_l
 
 
 @njit(cache=True, inline="always")
-def _sum_block(rows, payload, lo, hi, limit, bits, t, keys, ids, sid, first, counts, n_bits, sort_a, perm_a,
-               sort_b, perm_b, uniq, implied, out_ptr, a_lo, a_hi, d_act, sums, s_lo):
-    """The gradient sums of block ``lo:hi``'s distinct rows: the rows to ``uniq[lo:]`` (ascending, as
+def _sum_block(batch, b, plan, hashing, sorting, uniq, d_act, sums, s_lo):
+    """The gradient sums of block ``b``'s (occurrences ``lo:hi``) distinct rows: the rows to ``uniq[lo:]`` (ascending, as
     :func:`_hash_block`), and the sum of distinct row ``uniq[lo + k]``'s gradient to ``sums[s_lo + k]``,
     every occurrence's ``gain * d_act[activation row]`` added as the occurrences come (the order of
     ``rows.sequential_sum`` over grouped occurrences, from -0.0, which adds exactly as starting from the
     first); returns the number of distinct rows, or -1 (see :func:`_hash_count`)."""
-    n_unique = _hash_count(rows, lo, hi, limit, bits, t, keys, ids, sid, first, counts)
+    lo, hi = batch.blocks[b], batch.blocks[b + 1]
+    n_unique = _hash_count(batch.rows, lo, hi, plan.limits[b], plan.table_bits[b], plan.table_lo[b], hashing)
     if n_unique < 0:
         return -1
-    sorted_rows, perm = _sort_distinct(first, lo, n_unique, n_bits, sort_a, perm_a, sort_b, perm_b)
+    counts, sid, out_ptr = hashing.counts, hashing.sid, batch.out_ptr
+    sorted_rows, perm = _sort_distinct(hashing.first, lo, n_unique, plan.n_bits, sorting)
     for k in range(n_unique):  # counts become each distinct row's row of sums
         uniq[lo + k] = sorted_rows[k]
         counts[lo + perm[k]] = s_lo + k
@@ -432,8 +474,8 @@ def _sum_block(rows, payload, lo, hi, limit, bits, t, keys, ids, sid, first, cou
     for k in range(s_lo, s_lo + n_unique):
         for j in range(dim):
             sums[_U(k), _U(j)] = -0.0
-    if implied:  # every gain 1: each activation row's gradient read once, added to its occurrences' rows
-        for a in range(a_lo, a_hi):
+    if batch.implied:  # every gain 1: each activation row's gradient read once, added to its occurrences' rows
+        for a in range(batch.act_bounds[b], batch.act_bounds[b + 1]):
             au = _U(a)
             for o in range(out_ptr[au], out_ptr[au + _U(1)]):
                 su = _U(counts[_U(lo + sid[_U(o)])])
@@ -441,7 +483,7 @@ def _sum_block(rows, payload, lo, hi, limit, bits, t, keys, ids, sid, first, cou
                     ju = _U(j)
                     sums[su, ju] += d_act[au, ju]
         return n_unique
-    src_row, src_gain = occurrence_views(payload)
+    src_row, src_gain = occurrence_views(batch.payload)
     for o in range(lo, hi):
         ou = _U(o)
         su = _U(counts[_U(lo + sid[ou])])
@@ -454,22 +496,18 @@ def _sum_block(rows, payload, lo, hi, limit, bits, t, keys, ids, sid, first, cou
 
 
 @njit(cache=True, parallel=True)
-def _sum_blocks(rows, payload, blocks, schedule, schedule_ptr, limits, table_lo, table_bits, n_bits, keys, ids,
-                sid, first, counts, sort_a, perm_a, sort_b, perm_b, uniq, index, implied, out_ptr, act_bounds,
-                d_act, sums, sums_lo):
+def _sum_blocks(batch, plan, hashing, sorting, uniq, index, d_act, sums, sums_lo):
     """:func:`_sum_block` for every block, in parallel (thread ``p`` takes the blocks
-    ``schedule[schedule_ptr[p]:schedule_ptr[p + 1]]``), then the distinct rows moved down to follow the
-    previous blocks' and ``index[u]``, the row of sums of ``uniq[u]``, written; returns the number of
-    distinct rows, or -1 when a block could not be hashed."""
+    ``plan.schedule[plan.schedule_ptr[p]:plan.schedule_ptr[p + 1]]``), then the distinct rows moved down to
+    follow the previous blocks' and ``index[u]``, the row of sums of ``uniq[u]``, written; returns the number
+    of distinct rows, or -1 when a block could not be hashed."""
+    blocks, schedule, schedule_ptr = batch.blocks, plan.schedule, plan.schedule_ptr
     n_blocks = blocks.shape[0] - 1
     n_unique = np.empty(n_blocks, np.int64)
     for p in prange(schedule_ptr.shape[0] - 1):
         for i in range(schedule_ptr[p], schedule_ptr[p + 1]):
             b = schedule[i]
-            a_lo, a_hi = (act_bounds[b], act_bounds[b + 1]) if implied else (0, 0)
-            n_unique[b] = _sum_block(rows, payload, blocks[b], blocks[b + 1], limits[b], table_bits[b],
-                                     table_lo[b], keys, ids, sid, first, counts, n_bits, sort_a, perm_a, sort_b,
-                                     perm_b, uniq, implied, out_ptr, a_lo, a_hi, d_act, sums, sums_lo[b])
+            n_unique[b] = _sum_block(batch, b, plan, hashing, sorting, uniq, d_act, sums, sums_lo[b])
     if n_unique.min() < 0:
         return -1
     total = 0
@@ -534,32 +572,49 @@ def hash_types(row_type, largest_limit, narrow=True):
     return row_type, (np.uint16 if largest_limit <= 1 << 16 else np.int32)
 
 
+def _hash_scratch(workspace, n, n_slots, row_type, key_type, id_type) -> HashScratch:
+    """The hash grouping's scratch; its counts share the word sort's second buffer (never used at once)."""
+    return HashScratch(workspace.array("hash_keys", n_slots, key_type), workspace.array("hash_ids", n_slots, id_type),
+                       workspace.array("hash_sid", n, id_type), workspace.array("hash_first", n, row_type),
+                       workspace.array("sort_words_b", n, np.int64))
+
+
+def _sort_scratch(workspace, n, row_type, payload_type) -> SortScratch:
+    """The serial sort's buffers, one set per payload type (batches of both kinds in turn reallocate
+    nothing); a hashed block sorts its distinct rows' permutation in them."""
+    names = _PAYLOAD_BUFFERS[np.dtype(payload_type)]
+    return SortScratch(workspace.array("sort_keys_a", n, row_type), workspace.array(names[0], n, payload_type),
+                       workspace.array("sort_keys_b", n, row_type), workspace.array(names[1], n, payload_type))
+
+
+def _blocks_setup(rows, n_rows, payload, blocks, out_ptr, act_bounds, workspace, narrow_types):
+    """``(batch, plan, hashing, limits)`` of the block kernels, scratch from ``workspace``."""
+    implied = payload is None
+    batch = BlockBatch(rows, _NO_ROWS if implied else payload, blocks, implied,
+                       _NO_BOUNDS if out_ptr is None or not implied else out_ptr, act_bounds)
+    limits, table_bits, table_lo, n_slots, schedule, schedule_ptr = _block_layout(blocks, numba.get_num_threads(),
+                                                                                  workspace)
+    plan = BlockPlan(schedule, schedule_ptr, limits, table_lo, table_bits, max(1, int(n_rows - 1).bit_length()))
+    key_type, id_type = hash_types(rows.dtype, int(limits.max()), narrow_types)
+    hashing = _hash_scratch(workspace, rows.shape[0], n_slots, rows.dtype, key_type, id_type)
+    return batch, plan, hashing, limits
+
+
 def group_by_blocks(rows, n_rows, payload, blocks, workspace, out_ptr=None, narrow_types=True):
     """``(uniq, ptr, sorted_payload, n_sorted)``: :func:`group_rows` block by block (``_group_blocks``), for a
     batch :func:`checked_batch` passed; also returns how many blocks had to be sorted instead of hashed."""
     n = rows.shape[0]
-    implied = payload is None
-    if implied:  # each block's activation rows: its occurrences' range in out_ptr (empty rows anywhere)
-        act_bounds = np.searchsorted(out_ptr, blocks, "left")
-        payload = _NO_ROWS
-    else:
-        act_bounds = _NO_BOUNDS
-    limits, table_bits, table_lo, n_slots, schedule, schedule_ptr = _block_layout(blocks, numba.get_num_threads(),
-                                                                                  workspace)
-    key_type, id_type = hash_types(rows.dtype, int(limits.max()), narrow_types)
-    keys = workspace.array("hash_keys", n_slots, key_type)
-    p = payload.dtype  # the permutations of the distinct rows share the payload's buffers (a block that is
-    names = _PAYLOAD_BUFFERS[p]  # sorted instead sorts its payload in them), in its integer type
-    arrays = [workspace.array(name, n, dtype) for name, dtype in (  # all shared with _sort's paths
-        ("hash_first", rows.dtype), ("sort_words_b", np.int64), ("sort_keys_a", rows.dtype),
-        (names[0], p), ("sort_keys_b", rows.dtype), (names[1], p), (names[2], p), ("uniq", np.int64))]
+    # each block's activation rows, when there is no payload: its occurrences' range in out_ptr
+    act_bounds = np.searchsorted(out_ptr, blocks, "left") if payload is None else _NO_BOUNDS
+    batch, plan, hashing, _ = _blocks_setup(rows, n_rows, payload, blocks, out_ptr, act_bounds, workspace,
+                                            narrow_types)
+    p = batch.payload.dtype  # a block that is sorted instead sorts its payload in the payload type's buffers
+    sorting = _sort_scratch(workspace, n, rows.dtype, p)
+    out = workspace.array(_PAYLOAD_BUFFERS[p][2], n, p)
+    uniq = workspace.array("uniq", n, np.int64)
     ptr = workspace.array("ptr", n + 1, np.int64)
-    n_bits = max(1, int(n_rows - 1).bit_length())
-    n_unique, n_sorted = _group_blocks(rows, payload, blocks, schedule, schedule_ptr, limits, table_lo, table_bits,
-                                       n_bits, keys, workspace.array("hash_ids", n_slots, id_type),
-                                       workspace.array("hash_sid", n, id_type), *arrays, ptr, implied,
-                                       _NO_BOUNDS if out_ptr is None else out_ptr, act_bounds)
-    return arrays[-1][:n_unique], ptr[:n_unique + 1], arrays[-2], int(n_sorted)
+    n_unique, n_sorted = _group_blocks(batch, plan, hashing, sorting, out, uniq, ptr)
+    return uniq[:n_unique], ptr[:n_unique + 1], out, int(n_sorted)
 
 
 def sum_by_blocks(rows, n_rows, packed, workspace, blocks, out_ptr, d_act):
@@ -596,32 +651,24 @@ def sum_blocks(rows, n_rows, packed, workspace, blocks, out_ptr, d_act, narrow_t
         if d_act.ndim != 2 or d_act.shape[0] != out_ptr.shape[0] - 1 or np.any(out_ptr[act_bounds] != blocks):
             raise ValueError(f"d_act must hold the {out_ptr.shape[0] - 1} activation rows of out_ptr, and "
                              f"every activation row's occurrences must lie within one block")
-        payload = _NO_ROWS
     else:
         if d_act.ndim != 2:
             raise ValueError(f"d_act must be [activation rows, dim], got shape {d_act.shape}")
-        payload = packed
         act_bounds = out_ptr = _NO_BOUNDS
+    payload = packed
     n = rows.shape[0]
-    limits, table_bits, table_lo, n_slots, schedule, schedule_ptr = _block_layout(blocks, numba.get_num_threads(),
-                                                                                  workspace)
+    batch, plan, hashing, limits = _blocks_setup(rows, n_rows, payload, blocks, out_ptr, act_bounds, workspace,
+                                                 narrow_types)
     sums_lo = np.zeros(limits.shape[0], np.int64)
     np.cumsum(limits[:-1], out=sums_lo[1:])
     sums = workspace.array("block_sums", (int(limits.sum()), d_act.shape[1]), np.float32)
-    key_type, id_type = hash_types(rows.dtype, int(limits.max()), narrow_types)
-    names = _PAYLOAD_BUFFERS[np.dtype(np.int32)]  # the distinct rows' permutations, as in group_by_blocks
-    arrays = [workspace.array(name, n, dtype) for name, dtype in (
-        ("hash_first", rows.dtype), ("sort_words_b", np.int64), ("sort_keys_a", rows.dtype),
-        (names[0], np.int32), ("sort_keys_b", rows.dtype), (names[1], np.int32), ("uniq", np.int64))]
+    sorting = _sort_scratch(workspace, n, rows.dtype, np.int32)  # the distinct rows' permutations
+    uniq = workspace.array("uniq", n, np.int64)
     index = workspace.array("block_sums_index", n, np.int32)
-    n_bits = max(1, int(n_rows - 1).bit_length())
-    total = _sum_blocks(rows, payload, blocks, schedule, schedule_ptr, limits, table_lo, table_bits, n_bits,
-                        workspace.array("hash_keys", n_slots, key_type), workspace.array("hash_ids", n_slots, id_type),
-                        workspace.array("hash_sid", n, id_type), *arrays, index, implied, out_ptr, act_bounds,
-                        d_act, sums, sums_lo)
+    total = _sum_blocks(batch, plan, hashing, sorting, uniq, index, d_act, sums, sums_lo)
     if total < 0:
         return None
-    return arrays[-1][:total], np.arange(total + 1, dtype=np.int64), index[:total], sums
+    return uniq[:total], np.arange(total + 1, dtype=np.int64), index[:total], sums
 
 
 def _sort(rows, n_rows, payload, index_payload, workspace):
@@ -639,11 +686,8 @@ def _sort(rows, n_rows, payload, index_payload, workspace):
         n_unique = _group_words(words, uniq, ptr, threads)
         return uniq[:n_unique], ptr[:n_unique + 1], sorted_payload
     # Small batches (and tables of more than 2**31 rows): a serial sort carrying a key and a payload.
-    p = payload.dtype
-    names = _PAYLOAD_BUFFERS[p]
-    buffers = [workspace.array(name, n, dtype) for name, dtype in (
-        ("sort_keys_a", rows.dtype), (names[0], p), ("sort_keys_b", rows.dtype), (names[1], p))]
-    sorted_keys, sorted_payload = _sort_serial(rows, payload, index_payload, n_bits, *buffers)
+    sorted_keys, sorted_payload = _sort_serial(rows, payload, index_payload, n_bits,
+                                               *_sort_scratch(workspace, n, rows.dtype, payload.dtype))
     n_unique = _group(sorted_keys, uniq, ptr)
     return uniq[:n_unique], ptr[:n_unique + 1], sorted_payload
 
