@@ -1,102 +1,134 @@
-"""The options every built-in optimizer shares, composed around its per-row recipe only where enabled.
+"""The options every built-in optimizer shares, as composable rewrites of its per-row recipe.
 
-TensorFlow's TPU embedding optimizers take the same four options; they act in this order around the
-optimizer's own update (its *recipe*, a per-row function of the contract in :mod:`embedcore.optimizers`):
+TensorFlow's TPU embedding optimizers take the same options; they act in this order around the
+optimizer's own update (its *recipe*, see :mod:`embedcore.optimizers`):
 
 1. gradient clipping: ``g <- clip(g, clip_gradient_min, clip_gradient_max)``;
 2. decoupled weight decay of the touched rows: ``w <- w - weight_decay * w``;
-3. the recipe: ``(w', slots') = recipe(g, w, slots, lr, hyperparameters)``;
+3. the recipe: ``(w', slots') = recipe(g, w, slots, lr, <its named hyperparameters>)``;
 4. weight clipping: ``w' <- clip(w', clip_weight_min, clip_weight_max)``.
 
-Their values are the first five hyperparameters ``(clip_gradient_min, clip_gradient_max, weight_decay,
-clip_weight_min, clip_weight_max)``; a recipe's own start at index 5. :func:`with_common_options` builds the
-row function with only the enabled steps, so an optimizer without clipping or decay computes none of it
-(each step costs as much arithmetic as a cheap optimizer's whole update).
+Their values are the first five hyperparameters, named :data:`COMMON_NAMES`; a recipe's own follow. Each
+option is a :class:`~embedcore.compiler.Rewrite` of one value of the recipe, and :func:`with_common_options`
+binds a recipe with only the enabled ones, so an optimizer without clipping or decay computes none of it
+(each step costs as much arithmetic as a cheap optimizer's whole update). The rewrites are NumPy
+expressions, so the element-wise proof and the reduction split see them like the recipe's own code.
+:func:`check_common_options` validates the constructor arguments, once for every built-in.
 """
 
 from __future__ import annotations
 
+import numbers
+
 import numpy as np
-from numba import njit, types
-from numba.extending import overload
+from numba import njit
 
-__all__ = ["N_COMMON", "clip", "with_common_options"]
+from .compiler import Rewrite, bind_recipe
+from .initializers import finite_float32
 
-N_COMMON = 5
+__all__ = ["N_COMMON", "COMMON_NAMES", "CLIP_GRADIENT", "DECAY_WEIGHTS", "CLIP_WEIGHTS", "clip", "enabled_options",
+           "with_common_options", "check_common_options", "common_values"]
+
+COMMON_NAMES = ("clip_gradient_min", "clip_gradient_max", "weight_decay", "clip_weight_min", "clip_weight_max")
+N_COMMON = len(COMMON_NAMES)
+
+CLIP_GRADIENT = Rewrite("gradient", "np.minimum(np.maximum(x, clip_gradient_min), clip_gradient_max)")
+DECAY_WEIGHTS = Rewrite("embedding_table", "x - weight_decay * x")
+CLIP_WEIGHTS = Rewrite("new_row", "np.minimum(np.maximum(x, clip_weight_min), clip_weight_max)")
 
 
 @njit(inline="always")
 def clip(x, low, high):
+    """``min(max(x, low), high)`` element by element (for recipes; NumPy's definition of clip)."""
     return np.minimum(np.maximum(x, low), high)
-
-
-@njit(inline="always")
-def _unchanged(value, hyperparameters):
-    return value
-
-
-@njit(inline="always")
-def _clip_gradient(gradient, hyperparameters):
-    return clip(gradient, hyperparameters[0], hyperparameters[1])
-
-
-@njit(inline="always")
-def _decay_weights(embedding_table, hyperparameters):
-    return embedding_table - hyperparameters[2] * embedding_table
-
-
-def _clip_new_row(out, hyperparameters):
-    """A recipe's result with its new row (the result, or the first entry of a tuple) clipped."""
-    raise NotImplementedError("only callable from jitted code")
-
-
-@overload(_clip_new_row, inline="always")
-def _clip_new_row_impl(out, hyperparameters):
-    if not isinstance(out, types.BaseTuple):
-        def impl_row(out, hyperparameters):
-            return clip(out, hyperparameters[3], hyperparameters[4])
-        return impl_row
-    if len(out) == 2:
-        def impl_one_slot(out, hyperparameters):
-            return clip(out[0], hyperparameters[3], hyperparameters[4]), out[1]
-        return impl_one_slot
-    if len(out) == 3:
-        def impl_two_slots(out, hyperparameters):
-            return clip(out[0], hyperparameters[3], hyperparameters[4]), out[1], out[2]
-        return impl_two_slots
-    return None
-
-
-@njit(inline="always")
-def _clip_weights(out, hyperparameters):
-    return _clip_new_row(out, hyperparameters)
 
 
 _COMPOSED: dict = {}
 
 
-def with_common_options(recipe, clip_gradient: bool, decay: bool, clip_weights: bool):
-    """The per-row function that runs ``recipe`` with the enabled common options (the same object for
-    the same arguments, so equal optimizers share one compilation)."""
-    key = (recipe, bool(clip_gradient), bool(decay), bool(clip_weights))
+def with_common_options(recipe, own_names, clip_gradient: bool, decay: bool, clip_weights: bool):
+    """The contract's per-row function running ``recipe`` (hyperparameters ``COMMON_NAMES + own_names``) with
+    the enabled common options; the same object for the same arguments, so equal optimizers share one
+    compilation."""
+    key = (recipe, tuple(own_names), bool(clip_gradient), bool(decay), bool(clip_weights))
     row = _COMPOSED.get(key)
-    if row is not None:
-        return row
-    core = njit(inline="always", error_model="numpy")(recipe)
-    prepare_gradient = _clip_gradient if clip_gradient else _unchanged
-    prepare_weights = _decay_weights if decay else _unchanged
-    finish = _clip_weights if clip_weights else _unchanged
-
-    def row(gradient, embedding_table, slot_variables, learning_rate, hyperparameters):
-        return finish(core(prepare_gradient(gradient, hyperparameters),
-                           prepare_weights(embedding_table, hyperparameters),
-                           slot_variables, learning_rate, hyperparameters), hyperparameters)
-
-    enabled = [name for name, on in (("clip_gradient", clip_gradient), ("weight_decay", decay),
-                                     ("clip_weights", clip_weights)) if on]
-    row.__name__ = recipe.__name__
-    row.__qualname__ = recipe.__qualname__ + (f"[{', '.join(enabled)}]" if enabled else "")
-    row.__module__ = recipe.__module__
-    row.__doc__ = recipe.__doc__
-    _COMPOSED[key] = row
+    if row is None:
+        enabled = [(name, rewrite) for name, rewrite, on in (("clip_gradient", CLIP_GRADIENT, clip_gradient),
+                                                             ("weight_decay", DECAY_WEIGHTS, decay),
+                                                             ("clip_weights", CLIP_WEIGHTS, clip_weights)) if on]
+        row = _COMPOSED[key] = bind_recipe(recipe, COMMON_NAMES + tuple(own_names), [r for _, r in enabled],
+                                           label=", ".join(name for name, _ in enabled))
     return row
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def check_common_options(name, use_gradient_accumulation=True, clip_weight_min=None, clip_weight_max=None,
+                         weight_decay_factor=None, multiply_weight_decay_factor_by_learning_rate=None,
+                         clipvalue=None, slot_variable_creation_fn=None, low_dimensional_packing_status=False):
+    """The common options' attributes for the optimizer called ``name``, validated as TensorFlow does
+    (``ValueError`` naming ``name`` otherwise). ``clipvalue`` (a float c for [-c, c], or a ``(min, max)``
+    tuple whose entries may be None) becomes ``clip_gradient_min`` / ``clip_gradient_max``."""
+    if not use_gradient_accumulation and clipvalue is not None:
+        raise ValueError(f"{name}: when `use_gradient_accumulation` is False, gradient clipping cannot be "
+                         f"used and `clipvalue` should be left as None. Received: {clipvalue!r}")
+    if slot_variable_creation_fn is not None:
+        raise ValueError(f"{name}: slot_variable_creation_fn creates TensorFlow variables and is not "
+                         f"supported; slots are created by the engine")
+    if clipvalue is None:
+        bounds = (None, None)
+    elif isinstance(clipvalue, tuple):
+        if len(clipvalue) != 2:
+            raise ValueError(f"{name}: clipvalue must be a float or a (min, max) tuple. Received: {clipvalue!r}")
+        bounds = clipvalue
+    else:
+        if not _is_number(clipvalue) or clipvalue < 0:
+            raise ValueError(f"{name}: a scalar clipvalue must be a float >= 0. Received: {clipvalue!r}")
+        bounds = (-clipvalue, clipvalue)
+    for what, value in (("clipvalue", bounds[0]), ("clipvalue", bounds[1]), ("clip_weight_min", clip_weight_min),
+                        ("clip_weight_max", clip_weight_max)):
+        if value is not None and not _is_number(value):
+            raise ValueError(f"{name}: {what} must be a float or None. Received: {value!r}")
+    if None not in bounds and bounds[0] > bounds[1]:
+        raise ValueError(f"{name}: clipvalue minimum {bounds[0]} is greater than its maximum {bounds[1]}")
+    if clip_weight_min is not None and clip_weight_max is not None and clip_weight_min > clip_weight_max:
+        raise ValueError(f"{name}: clip_weight_min ({clip_weight_min}) is greater than clip_weight_max "
+                         f"({clip_weight_max})")
+    if weight_decay_factor is not None and (not _is_number(weight_decay_factor) or weight_decay_factor < 0):
+        raise ValueError(f"{name}: weight_decay_factor must be a float >= 0 or None. "
+                         f"Received: {weight_decay_factor!r}")
+    # A bound of +-inf means none: say None (the value reaches the row function as a float32).
+    for what, value in (("clipvalue_min", bounds[0]), ("clipvalue_max", bounds[1]),
+                        ("clip_weight_min", clip_weight_min), ("clip_weight_max", clip_weight_max),
+                        ("weight_decay_factor", weight_decay_factor)):
+        if value is not None:
+            finite_float32(value, f"{name}: {what}")
+    return {"use_gradient_accumulation": bool(use_gradient_accumulation),
+            "clip_gradient_min": bounds[0], "clip_gradient_max": bounds[1],
+            "clip_weight_min": clip_weight_min, "clip_weight_max": clip_weight_max,
+            "weight_decay_factor": weight_decay_factor,
+            "multiply_weight_decay_factor_by_learning_rate": bool(multiply_weight_decay_factor_by_learning_rate),
+            "low_dimensional_packing_status": low_dimensional_packing_status}
+
+
+def enabled_options(optimizer) -> dict:
+    """Which rewrites an optimizer with these attributes needs (the keywords of :func:`with_common_options`)."""
+    return {"clip_gradient": optimizer.clip_gradient_min is not None or optimizer.clip_gradient_max is not None,
+            "decay": bool(optimizer.weight_decay_factor),
+            "clip_weights": optimizer.clip_weight_min is not None or optimizer.clip_weight_max is not None}
+
+
+def common_values(optimizer, learning_rate) -> dict:
+    """This step's values of :data:`COMMON_NAMES` for an optimizer with these attributes (a missing bound
+    is +-inf; the decay factor times ``learning_rate`` if asked)."""
+    decay = optimizer.weight_decay_factor or 0.0
+    if optimizer.multiply_weight_decay_factor_by_learning_rate:
+        decay *= float(learning_rate)
+    inf = float("inf")
+    return {"clip_gradient_min": -inf if optimizer.clip_gradient_min is None else optimizer.clip_gradient_min,
+            "clip_gradient_max": inf if optimizer.clip_gradient_max is None else optimizer.clip_gradient_max,
+            "weight_decay": decay,
+            "clip_weight_min": -inf if optimizer.clip_weight_min is None else optimizer.clip_weight_min,
+            "clip_weight_max": inf if optimizer.clip_weight_max is None else optimizer.clip_weight_max}

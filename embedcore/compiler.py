@@ -1,6 +1,8 @@
 """Turn a user's per-row optimizer function into Numba code, and decide how it may run.
 
-Three steps, each explained where it happens:
+Built-in optimizers are *recipes* with named hyperparameters; :func:`bind_recipe` writes each as a function of
+the contract, its names bound to constant indices of the ``hyperparameters`` tuple. Then three steps, each
+explained where it happens:
 
 1. :func:`strip_del` removes ``del name`` statements (TensorFlow's documented custom computations begin
    with ``del slot_variables, hyperparameters``, which Numba refuses to compile).
@@ -15,8 +17,10 @@ Three steps, each explained where it happens:
 from __future__ import annotations
 
 import ast
+import copy
 import hashlib
 import inspect
+import linecache
 import operator
 import textwrap
 import types as pytypes
@@ -28,10 +32,10 @@ from numba import types
 from numba.core import ir
 
 from . import compile_cache
-from .split_reductions import NotSplittable, split_reductions
+from .split_reductions import NotSplittable, is_elementwise_numpy, split_reductions
 
 __all__ = ["RowFunctionError", "CompiledRowFunction", "compile_row_function", "compile_cached", "strip_del",
-           "is_elementwise", "describe", "check_row_function"]
+           "is_elementwise", "describe", "check_row_function", "bind_recipe", "Rewrite"]
 
 
 class RowFunctionError(ValueError):
@@ -62,6 +66,91 @@ def check_row_function(fn) -> None:
     except TypeError as exc:
         raise RowFunctionError(f"custom computation {describe(fn)} cannot be called with the five arguments "
                                f"{_CONTRACT}: {exc}") from None
+
+
+@dataclass(frozen=True)
+class Rewrite:
+    """A NumPy expression of ``x`` (and of hyperparameter names) that replaces one value of a recipe:
+    its ``gradient`` or ``embedding_table`` argument before the recipe runs, or its ``new_row`` result."""
+
+    target: str        # "gradient", "embedding_table" or "new_row"
+    expression: str    # e.g. "x - weight_decay * x"
+
+    def apply(self, node):
+        """The expression's AST with ``x`` replaced by ``node``."""
+        tree = ast.parse(self.expression, mode="eval").body
+
+        class Substitute(ast.NodeTransformer):
+            def visit_Name(self, name):
+                return copy.deepcopy(node) if name.id == "x" else name
+        return Substitute().visit(tree)
+
+    def names(self):
+        return {n.id for n in ast.walk(ast.parse(self.expression, mode="eval")) if isinstance(n, ast.Name)} - {"x"}
+
+
+def bind_recipe(recipe, names, rewrites=(), label=""):
+    """The contract's function ``f(gradient, embedding_table, slot_variables, learning_rate, hyperparameters)``
+    that runs ``recipe(gradient, embedding_table, slot_variables, learning_rate, <named hyperparameters>)``
+    with each named parameter bound to ``hyperparameters[names.index(name)]``, and ``rewrites`` applied.
+
+    The binding happens in the generated source (``beta_1 = hyperparameters[6]``, then the recipe's own
+    statements), so the compiled code indexes the tuple with constants, as a hand-written function would, and
+    the compiler's analyses (element-wise proof, reduction split) see one straight-line function. The source
+    is registered with :mod:`linecache`, so ``inspect.getsource`` and the disk cache's fingerprint read it
+    like any other function's. ``label`` is appended to the qualified name (``explain`` shows it).
+    """
+    names = tuple(names)
+    fdef = ast.parse(textwrap.dedent(inspect.getsource(recipe))).body[0]
+    params = [a.arg for a in fdef.args.args]
+    if len(params) < 4 or fdef.args.vararg or fdef.args.kwarg or fdef.args.kwonlyargs:
+        raise RowFunctionError(f"recipe {describe(recipe)} must take (gradient, embedding_table, slot_variables, "
+                               f"learning_rate, <hyperparameter names>)")
+    gradient, table, slots, lr = params[:4]
+    own = params[4:]
+    unknown = [p for p in own if p not in names]
+    if unknown:
+        raise RowFunctionError(f"recipe {describe(recipe)}: no hyperparameter named {unknown[0]!r} (known: {names})")
+    inputs = {"gradient": gradient, "embedding_table": table}
+    given = {arg: f"{arg}_given" if any(r.target == role for r in rewrites) else arg for role, arg in inputs.items()}
+    used = set(own).union(*(r.names() for r in rewrites))
+    body = [ast.parse(f"{name} = hyperparameters[{names.index(name)}]").body[0] for name in names if name in used]
+    for role, arg in inputs.items():
+        value = ast.Name(given[arg], ast.Load())
+        steps = [r for r in rewrites if r.target == role]
+        for r in steps:
+            value = r.apply(value)
+        if steps:
+            body.append(ast.Assign([ast.Name(arg, ast.Store())], value))
+    finish = [r for r in rewrites if r.target == "new_row"]
+
+    class FinishReturns(ast.NodeTransformer):
+        def visit_Return(self, ret):
+            def finished(value):
+                for r in finish:
+                    value = r.apply(value)
+                return value
+            if isinstance(ret.value, ast.Tuple):
+                ret.value.elts[0] = finished(ret.value.elts[0])
+            else:
+                ret.value = finished(ret.value)
+            return ret
+    statements = [s for s in fdef.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+    fdef.body = body + [FinishReturns().visit(s) for s in statements]
+    fdef.args = ast.parse(f"def f({given[gradient]}, {given[table]}, {slots}, {lr}, hyperparameters): pass"
+                          ).body[0].args
+    fdef.decorator_list = []
+    tree = ast.fix_missing_locations(ast.Module([fdef], []))
+    source = ast.unparse(tree) + "\n"
+    qualname = recipe.__qualname__ + (f"[{label}]" if label else "")
+    filename = f"<embedcore recipe {recipe.__module__}.{qualname}>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    namespace = dict(recipe.__globals__)
+    exec(compile(source, filename, "exec"), namespace)
+    row = namespace[recipe.__name__]
+    row.__qualname__, row.__module__, row.__doc__ = qualname, recipe.__module__, recipe.__doc__
+    row.recipe = recipe
+    return row
 
 
 def strip_del(fn):
@@ -327,7 +416,6 @@ _ELEMENTWISE_BINOPS = {
     operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv, operator.ipow,
     operator.imod,
 }
-_ELEMENTWISE_NUMPY_FUNCTIONS = {np.where, np.clip}
 _SCALAR_ONLY_BUILTINS = {abs, min, max, float, int, bool}
 
 
@@ -413,7 +501,7 @@ def _call_is_elementwise(expr, typemap, calltypes, depth):
     scalar_args = all(_is_scalar(a) for a in args)
     if isinstance(callee, types.Function):
         key = callee.typing_key
-        if isinstance(key, np.ufunc) or key in _ELEMENTWISE_NUMPY_FUNCTIONS:
+        if is_elementwise_numpy(key):
             return True, ""
         if scalar_args and (key in _SCALAR_ONLY_BUILTINS or getattr(key, "__module__", None) == "math"):
             return True, ""

@@ -26,9 +26,9 @@ import numbers
 import numpy as np
 
 from . import compiler, translate
-from .common_options import N_COMMON, clip, with_common_options
+from .common_options import (COMMON_NAMES, N_COMMON, check_common_options, clip, common_values, enabled_options,
+                             with_common_options)
 from .initializers import FLOAT32_MAX, Initializer, finite_float32
-from .kernels.sum_of_squares import sum_of_squares
 
 __all__ = ["Optimizer", "CustomOptimizer", "SGD", "Adagrad", "AdagradMomentum", "Adam", "FTRL",
            "RowwiseAdagrad"]
@@ -242,65 +242,60 @@ class CustomOptimizer(Optimizer):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Built-in optimizers: each a recipe (the optimizer's own update, written as a per-row function), run with
-# TensorFlow's common options composed around it (see :mod:`embedcore.common_options`). Their
-# hyperparameter tuples start with the five common values and continue with each optimizer's own, from
-# index 5 (Numba indexes tuples only with constants).
-_N_COMMON = N_COMMON
+# Built-in optimizers: each a recipe, the optimizer's own update as a per-row function whose parameters after
+# the contract's first four are hyperparameters by name. The compiler binds those names to the tuple's
+# constant indices (:func:`embedcore.compiler.bind_recipe`, Numba indexes tuples only with constants), and
+# :mod:`embedcore.common_options` composes TensorFlow's common options around it.
 
 
-def sgd_row(gradient, embedding_table, slot_variables, learning_rate, hyperparameters):
+def sgd(gradient, embedding_table, slot_variables, learning_rate):
     """``w <- w - lr * g``."""
     return embedding_table - learning_rate * gradient
 
 
-def adagrad_row(gradient, embedding_table, slot_variables, learning_rate, hyperparameters):
+def adagrad(gradient, embedding_table, slot_variables, learning_rate):
     """``a <- a + g^2;  w <- w - lr * g / sqrt(a)``."""
     accumulator = slot_variables[0] + gradient * gradient
     return embedding_table - learning_rate * gradient / np.sqrt(accumulator), accumulator
 
 
-def adagrad_momentum_row(gradient, embedding_table, slot_variables, learning_rate, hyperparameters):
-    """``a <- a + g^2`` if beta2 == 1 else ``beta2 a + (1 - beta2) g^2``; ``s = (a + eps)^(-1/exponent) g``;
-    ``m <- momentum m + s``; ``w <- w - lr * (momentum m + s if nesterov else m)``.
-
-    Hyperparameters after the common five: momentum, nesterov (0 or 1), -1/exponent, and the accumulator's
-    two coefficients (1, 1) or (beta2, 1 - beta2), then epsilon.
-    """
-    momentum, nesterov, power = hyperparameters[5], hyperparameters[6], hyperparameters[7]
-    keep, add, epsilon = hyperparameters[8], hyperparameters[9], hyperparameters[10]
+def adagrad_momentum(gradient, embedding_table, slot_variables, learning_rate, momentum, use_nesterov,
+                     negative_inverse_exponent, accumulator_keep, accumulator_add, epsilon):
+    """``a <- keep a + add g^2`` with ``(keep, add)`` = (1, 1) if beta2 == 1 else (beta2, 1 - beta2);
+    ``s = (a + eps)^(-1/exponent) g``;  ``m <- momentum m + s``;
+    ``w <- w - lr * (momentum m + s if use_nesterov else m)`` (``use_nesterov`` is 0 or 1)."""
     g = gradient
-    accumulator = keep * slot_variables[0] + add * g * g
-    scaled = np.power(accumulator + epsilon, power) * g
+    accumulator = accumulator_keep * slot_variables[0] + accumulator_add * g * g
+    scaled = np.power(accumulator + epsilon, negative_inverse_exponent) * g
     m = momentum * slot_variables[1] + scaled
-    step = nesterov * (momentum * m + scaled) + (1 - nesterov) * m
+    step = use_nesterov * (momentum * m + scaled) + (1 - use_nesterov) * m
     return embedding_table - learning_rate * step, accumulator, m
 
 
-def adam_row(gradient, embedding_table, slot_variables, learning_rate, hyperparameters):
+def adam(gradient, embedding_table, slot_variables, learning_rate, beta_1, beta_2, epsilon, sum_inside_sqrt):
     """``m <- b1 m + (1 - b1) g;  v <- b2 v + (1 - b2) g^2;  w <- w - lr_t m / d`` with
-    ``d = sqrt(v + eps^2)`` (sum inside sqrt) or ``sqrt(v) + eps``; ``lr_t`` already holds the bias correction."""
-    beta1, beta2, epsilon, inside = hyperparameters[5], hyperparameters[6], hyperparameters[7], hyperparameters[8]
+    ``d = sqrt(v + eps^2)`` (``sum_inside_sqrt`` 1) or ``sqrt(v) + eps`` (0); ``lr_t`` already holds the bias
+    correction."""
     g = gradient
-    m = beta1 * slot_variables[0] + (1.0 - beta1) * g
-    v = beta2 * slot_variables[1] + (1.0 - beta2) * g * g
-    denominator = np.sqrt(v + inside * epsilon * epsilon) + (1.0 - inside) * epsilon
+    m = beta_1 * slot_variables[0] + (1.0 - beta_1) * g
+    v = beta_2 * slot_variables[1] + (1.0 - beta_2) * g * g
+    denominator = np.sqrt(v + sum_inside_sqrt * epsilon * epsilon) + (1.0 - sum_inside_sqrt) * epsilon
     return embedding_table - learning_rate * m / denominator, m, v
 
 
-def ftrl_row(gradient, embedding_table, slot_variables, learning_rate, hyperparameters):
+def ftrl(gradient, embedding_table, slot_variables, learning_rate, negative_learning_rate_power,
+         l1_regularization_strength, l2_regularization_strength, beta, multiply_linear_by_learning_rate):
     """With ``p = -learning_rate_power``, ``a' = a + g^2``, ``delta = a'^p - a^p``:
     ``L <- L + g - delta w / lr``; ``w <- (clip(L, -l1, l1) - L) / ((a'^p + beta) / lr + 2 l2)``;
     with ``multiply_linear_by_learning_rate``: ``L <- L + lr g - delta w``;
     ``w <- (clip(L, -lr l1, lr l1) - L) / (a'^p + 2 lr l2 + beta)``."""
-    power, l1, l2 = hyperparameters[5], hyperparameters[6], hyperparameters[7]
-    beta, multiply = hyperparameters[8], hyperparameters[9]
     g, w = gradient, embedding_table
+    l1, l2 = l1_regularization_strength, l2_regularization_strength
     accumulator = slot_variables[0]
     new_accumulator = accumulator + g * g
-    new_power = np.power(new_accumulator, power)
-    delta = new_power - np.power(accumulator, power)
-    if multiply > 0.0:
+    new_power = np.power(new_accumulator, negative_learning_rate_power)
+    delta = new_power - np.power(accumulator, negative_learning_rate_power)
+    if multiply_linear_by_learning_rate > 0.0:
         linear = slot_variables[1] + learning_rate * g - delta * w
         limit = learning_rate * l1
         new_w = (clip(linear, -limit, limit) - linear) / (new_power + 2.0 * learning_rate * l2 + beta)
@@ -310,115 +305,61 @@ def ftrl_row(gradient, embedding_table, slot_variables, learning_rate, hyperpara
     return new_w, new_accumulator, linear
 
 
-def rowwise_adagrad_row(gradient, embedding_table, slot_variables, learning_rate, hyperparameters):
-    """``a <- a + mean(g^2)`` (one value per row);  ``w <- w - lr * g / (sqrt(a) + eps)``.
+def rowwise_adagrad(gradient, embedding_table, slot_variables, learning_rate, epsilon):
+    """``a <- a + mean(g^2)`` (one value per row);  ``w <- w - (lr / (sqrt(a) + eps)) * g``.
 
-    The squares (of the clipped gradient, in float32) are summed in float64 in eight lanes
-    (:mod:`embedcore.kernels.sum_of_squares`: a vector sum, where one float64 addition after the other
-    was the row function's slowest part). Written as loops that update the row in place: it reduces over
-    the row, so it runs once per row, and this way allocates nothing per row.
+    The squares (float32) are summed in float64, in the split rewrite's fixed eight-lane order
+    (:mod:`embedcore.split_reductions`, which runs this recipe as one reduction, then one in-place loop).
     """
-    low, high, decay = hyperparameters[0], hyperparameters[1], hyperparameters[2]
-    w_low, w_high, epsilon = hyperparameters[3], hyperparameters[4], hyperparameters[5]
-    n = gradient.shape[0]
-    total = sum_of_squares(gradient, low, high)
-    accumulator = slot_variables[0] + np.float32(total / n)
+    mean_square = np.float32(np.sum(gradient * gradient, dtype=np.float64) / gradient.size)
+    accumulator = slot_variables[0] + mean_square
     scale = learning_rate / (np.sqrt(accumulator) + epsilon)
-    for j in range(n):
-        g = min(max(gradient[j], low), high)
-        w = embedding_table[j] - decay * embedding_table[j] - scale * g
-        embedding_table[j] = min(max(w, w_low), w_high)
-    return embedding_table, accumulator
+    return embedding_table - scale * gradient, accumulator
+
+
+def _common_arguments(arguments: dict) -> dict:
+    """The common options among a constructor's ``locals()``."""
+    return {k: arguments[k] for k in _COMMON_ARGUMENTS if k in arguments}
+
+
+_COMMON_ARGUMENTS = tuple(inspect.signature(check_common_options).parameters)[1:]
 
 
 class _BuiltinOptimizer(Optimizer):
-    """TensorFlow's common optimizer options, turned into the first five hyperparameters."""
+    """A recipe, its named hyperparameters, and TensorFlow's common options (the first five)."""
 
-    _row = None
-    _n_specific = 0
-    _specific_names = ()  # what each of the optimizer's own hyperparameters is, for messages
+    _recipe = None
+    _hyperparameter_names = ()  # the recipe's own, in tuple order after the common five
+    _descriptions = {}          # how messages call a hyperparameter, where its name is not what users set
 
-    def __init__(self, learning_rate, use_gradient_accumulation, clip_weight_min, clip_weight_max,
-                 weight_decay_factor, multiply_weight_decay_factor_by_learning_rate, clipvalue,
-                 slot_variable_creation_fn=None, low_dimensional_packing_status=False):
+    def __init__(self, learning_rate, common):
         name = type(self).__name__
         _check_float_or_callable(learning_rate, f"{name}: learning_rate")
-        if not use_gradient_accumulation and clipvalue is not None:
-            raise ValueError(f"{name}: when `use_gradient_accumulation` is False, gradient clipping cannot be "
-                             f"used and `clipvalue` should be left as None. Received: {clipvalue!r}")
-        if slot_variable_creation_fn is not None:
-            raise ValueError(f"{name}: slot_variable_creation_fn creates TensorFlow variables and is not "
-                             f"supported; slots are created by the engine")
-        if clipvalue is None:
-            clip = (None, None)
-        elif isinstance(clipvalue, tuple):
-            if len(clipvalue) != 2:
-                raise ValueError(f"{name}: clipvalue must be a float or a (min, max) tuple. Received: {clipvalue!r}")
-            clip = clipvalue
-        else:
-            if not _is_number(clipvalue) or clipvalue < 0:
-                raise ValueError(f"{name}: a scalar clipvalue must be a float >= 0. Received: {clipvalue!r}")
-            clip = (-clipvalue, clipvalue)
-        for what, value in (("clipvalue", clip[0]), ("clipvalue", clip[1]), ("clip_weight_min", clip_weight_min),
-                            ("clip_weight_max", clip_weight_max)):
-            if value is not None and not _is_number(value):
-                raise ValueError(f"{name}: {what} must be a float or None. Received: {value!r}")
-        if None not in clip and clip[0] > clip[1]:
-            raise ValueError(f"{name}: clipvalue minimum {clip[0]} is greater than its maximum {clip[1]}")
-        if clip_weight_min is not None and clip_weight_max is not None and clip_weight_min > clip_weight_max:
-            raise ValueError(f"{name}: clip_weight_min ({clip_weight_min}) is greater than clip_weight_max "
-                             f"({clip_weight_max})")
-        if weight_decay_factor is not None and (not _is_number(weight_decay_factor) or weight_decay_factor < 0):
-            raise ValueError(f"{name}: weight_decay_factor must be a float >= 0 or None. "
-                             f"Received: {weight_decay_factor!r}")
-        # A bound of +-inf means none: say None (the value reaches the row function as a float32).
-        _check_finite(name, clipvalue_min=clip[0], clipvalue_max=clip[1], clip_weight_min=clip_weight_min,
-                      clip_weight_max=clip_weight_max, weight_decay_factor=weight_decay_factor)
         self.learning_rate = learning_rate
-        self.use_gradient_accumulation = bool(use_gradient_accumulation)
-        self.clip_gradient_min, self.clip_gradient_max = clip
-        self.clip_weight_min = clip_weight_min
-        self.clip_weight_max = clip_weight_max
-        self.weight_decay_factor = weight_decay_factor
-        self.multiply_weight_decay_factor_by_learning_rate = bool(multiply_weight_decay_factor_by_learning_rate)
-        self.low_dimensional_packing_status = low_dimensional_packing_status
-
-    _composes_options = True  # False: the row function applies the common options itself
+        for attribute, value in check_common_options(name, **common).items():
+            setattr(self, attribute, value)
 
     def row_function(self):
-        recipe = type(self)._row
-        if not self._composes_options:
-            return recipe
-        return with_common_options(recipe, clip_gradient=self.clip_gradient_min is not None or
-                                   self.clip_gradient_max is not None,
-                                   decay=bool(self.weight_decay_factor),
-                                   clip_weights=self.clip_weight_min is not None or self.clip_weight_max is not None)
+        return with_common_options(type(self)._recipe, self._hyperparameter_names, **enabled_options(self))
 
     @property
     def n_hyperparameters(self):
-        return _N_COMMON + self._n_specific
+        return N_COMMON + len(self._hyperparameter_names)
 
-    def _specific(self, step):
-        return ()
+    def _own_hyperparameters(self, step) -> dict:
+        """This step's values of the recipe's own hyperparameters, by name."""
+        return {}
 
     def hyperparameter_values(self, step, learning_rate):
-        decay = self.weight_decay_factor or 0.0
-        if self.multiply_weight_decay_factor_by_learning_rate:
-            decay *= float(learning_rate)
-        inf = float("inf")
-        common = (-inf if self.clip_gradient_min is None else self.clip_gradient_min,
-                  inf if self.clip_gradient_max is None else self.clip_gradient_max,
-                  decay,
-                  -inf if self.clip_weight_min is None else self.clip_weight_min,
-                  inf if self.clip_weight_max is None else self.clip_weight_max)
-        specific = tuple(self._specific(step))
-        _finite_value(decay, "weight_decay_factor (times the learning rate)" if
+        common = common_values(self, learning_rate)
+        _finite_value(common["weight_decay"], "weight_decay_factor (times the learning rate)" if
                       self.multiply_weight_decay_factor_by_learning_rate else "weight_decay_factor", self)
-        names = type(self)._specific_names
-        for k, v in enumerate(specific):
-            what = f"hyperparameter {_N_COMMON + k} of its row function"
-            _finite_value(v, f"{names[k]} ({what})" if k < len(names) else what, self)
-        return tuple(np.float32(v) for v in common + specific)
+        own = self._own_hyperparameters(step)
+        for k, name in enumerate(self._hyperparameter_names):
+            _finite_value(own[name], f"{self._descriptions.get(name, name)} (hyperparameter {N_COMMON + k} of its "
+                                     f"row function)", self)
+        values = [common[n] for n in COMMON_NAMES] + [own[n] for n in self._hyperparameter_names]
+        return tuple(np.float32(v) for v in values)
 
 
 _COMMON_DOC = """
@@ -430,21 +371,19 @@ _COMMON_DOC = """
 
 class SGD(_BuiltinOptimizer):
     __doc__ = """Stochastic gradient descent: ``w <- w - lr * g``.""" + _COMMON_DOC
-    _row = sgd_row
+    _recipe = sgd
 
     def __init__(self, learning_rate=0.01, use_gradient_accumulation=True, clip_weight_min=None,
                  clip_weight_max=None, weight_decay_factor=None, multiply_weight_decay_factor_by_learning_rate=None,
                  clipvalue=None, low_dimensional_packing_status=False):
-        super().__init__(learning_rate, use_gradient_accumulation, clip_weight_min, clip_weight_max,
-                         weight_decay_factor, multiply_weight_decay_factor_by_learning_rate, clipvalue,
-                         None, low_dimensional_packing_status)
+        super().__init__(learning_rate, _common_arguments(locals()))
         self._check_constants()
 
 
 class Adagrad(_BuiltinOptimizer):
     __doc__ = """Adagrad: ``a <- a + g^2;  w <- w - lr * g / sqrt(a)``, ``a`` starting at
     ``initial_accumulator_value`` (> 0).""" + _COMMON_DOC
-    _row = adagrad_row
+    _recipe = adagrad
     slot_names = ("accumulators",)
     slot_dims = (2,)
 
@@ -452,9 +391,7 @@ class Adagrad(_BuiltinOptimizer):
                  clip_weight_min=None, clip_weight_max=None, weight_decay_factor=None,
                  multiply_weight_decay_factor_by_learning_rate=None, slot_variable_creation_fn=None,
                  clipvalue=None, low_dimensional_packing_status=False):
-        super().__init__(learning_rate, use_gradient_accumulation, clip_weight_min, clip_weight_max,
-                         weight_decay_factor, multiply_weight_decay_factor_by_learning_rate, clipvalue,
-                         slot_variable_creation_fn, low_dimensional_packing_status)
+        super().__init__(learning_rate, _common_arguments(locals()))
         if not _is_number(initial_accumulator_value) or initial_accumulator_value <= 0:
             raise ValueError(f"Adagrad initial_accumulator_value must be a positive float, got "
                              f"{initial_accumulator_value!r}.")
@@ -470,9 +407,11 @@ class AdagradMomentum(_BuiltinOptimizer):
     ``a <- a + g^2`` if beta2 == 1 else ``beta2 a + (1 - beta2) g^2``;  ``s = (a + epsilon)^(-1/exponent) g``;
     ``m <- momentum m + s``;  ``w <- w - lr * (momentum m + s)`` with Nesterov, else ``w - lr * m``.
     Slots ``accumulators`` and ``momenta`` start at 0.""" + _COMMON_DOC
-    _row = adagrad_momentum_row
-    _n_specific = 6
-    _specific_names = ("momentum", "use_nesterov", "-1 / exponent", "beta2", "1 - beta2", "epsilon")
+    _recipe = adagrad_momentum
+    _hyperparameter_names = ("momentum", "use_nesterov", "negative_inverse_exponent", "accumulator_keep",
+                             "accumulator_add", "epsilon")
+    _descriptions = {"negative_inverse_exponent": "-1 / exponent", "accumulator_keep": "beta2",
+                     "accumulator_add": "1 - beta2"}
     slot_names = ("accumulators", "momenta")
     slot_dims = (2, 2)
     slot_initializers = (0.0, 0.0)
@@ -481,9 +420,7 @@ class AdagradMomentum(_BuiltinOptimizer):
                  epsilon=1e-10, use_gradient_accumulation=True, clip_weight_min=None, clip_weight_max=None,
                  weight_decay_factor=None, multiply_weight_decay_factor_by_learning_rate=None,
                  slot_variable_creation_fn=None, clipvalue=None, low_dimensional_packing_status=False):
-        super().__init__(learning_rate, use_gradient_accumulation, clip_weight_min, clip_weight_max,
-                         weight_decay_factor, multiply_weight_decay_factor_by_learning_rate, clipvalue,
-                         slot_variable_creation_fn, low_dimensional_packing_status)
+        super().__init__(learning_rate, _common_arguments(locals()))
         if not _is_number(epsilon) or epsilon <= 0:
             raise ValueError(f"Adagrad momentum: epsilon must be positive, got {epsilon!r}")
         if not _is_number(exponent) or exponent <= 0:
@@ -497,9 +434,11 @@ class AdagradMomentum(_BuiltinOptimizer):
         self.exponent, self.beta2, self.epsilon = float(exponent), float(beta2), float(epsilon)
         self._check_constants()
 
-    def _specific(self, step):
+    def _own_hyperparameters(self, step):
         keep, add = (1.0, 1.0) if self.beta2 == 1.0 else (self.beta2, 1.0 - self.beta2)
-        return (self.momentum, float(self.use_nesterov), -1.0 / self.exponent, keep, add, self.epsilon)
+        return {"momentum": self.momentum, "use_nesterov": float(self.use_nesterov),
+                "negative_inverse_exponent": -1.0 / self.exponent, "accumulator_keep": keep,
+                "accumulator_add": add, "epsilon": self.epsilon}
 
 
 class Adam(_BuiltinOptimizer):
@@ -510,9 +449,8 @@ class Adam(_BuiltinOptimizer):
     ``lazy_adam=True`` updates only touched rows; ``False`` updates every row, untouched ones with a zero
     gradient (their moments decay and their weights keep moving). Slots ``momenta``, ``velocities`` start
     at 0.""" + _COMMON_DOC
-    _row = adam_row
-    _n_specific = 4
-    _specific_names = ("beta_1", "beta_2", "epsilon", "sum_inside_sqrt")
+    _recipe = adam
+    _hyperparameter_names = ("beta_1", "beta_2", "epsilon", "sum_inside_sqrt")
     slot_names = ("momenta", "velocities")
     slot_dims = (2, 2)
     slot_initializers = (0.0, 0.0)
@@ -521,9 +459,7 @@ class Adam(_BuiltinOptimizer):
                  sum_inside_sqrt=True, use_gradient_accumulation=True, clip_weight_min=None,
                  clip_weight_max=None, weight_decay_factor=None, multiply_weight_decay_factor_by_learning_rate=None,
                  slot_variable_creation_fn=None, clipvalue=None, low_dimensional_packing_status=False):
-        super().__init__(learning_rate, use_gradient_accumulation, clip_weight_min, clip_weight_max,
-                         weight_decay_factor, multiply_weight_decay_factor_by_learning_rate, clipvalue,
-                         slot_variable_creation_fn, low_dimensional_packing_status)
+        super().__init__(learning_rate, _common_arguments(locals()))
         if not _is_number(beta_1) or beta_1 < 0.0 or beta_1 >= 1.0:
             raise ValueError(f"Adam: beta_1 must be in [0, 1); got {beta_1!r}.")
         if not _is_number(beta_2) or beta_2 < 0.0 or beta_2 >= 1.0:
@@ -542,17 +478,18 @@ class Adam(_BuiltinOptimizer):
         lr = float(configured)
         return np.float32(lr * math.sqrt(1.0 - self.beta_2 ** step) / (1.0 - self.beta_1 ** step))
 
-    def _specific(self, step):
-        return (self.beta_1, self.beta_2, self.epsilon, float(self.sum_inside_sqrt))
+    def _own_hyperparameters(self, step):
+        return {"beta_1": self.beta_1, "beta_2": self.beta_2, "epsilon": self.epsilon,
+                "sum_inside_sqrt": float(self.sum_inside_sqrt)}
 
 
 class FTRL(_BuiltinOptimizer):
-    __doc__ = """FTRL-proximal (TensorFlow's TPU formula; see :func:`ftrl_row`). Slots ``accumulators`` (start at
+    __doc__ = """FTRL-proximal (TensorFlow's TPU formula; see :func:`ftrl`). Slots ``accumulators`` (start at
     ``initial_accumulator_value`` > 0) and ``linears`` (start at 0).""" + _COMMON_DOC
-    _row = ftrl_row
-    _n_specific = 5
-    _specific_names = ("-learning_rate_power", "l1_regularization_strength", "l2_regularization_strength", "beta",
-                       "multiply_linear_by_learning_rate")
+    _recipe = ftrl
+    _hyperparameter_names = ("negative_learning_rate_power", "l1_regularization_strength",
+                             "l2_regularization_strength", "beta", "multiply_linear_by_learning_rate")
+    _descriptions = {"negative_learning_rate_power": "-learning_rate_power"}
     slot_names = ("accumulators", "linears")
     slot_dims = (2, 2)
 
@@ -562,9 +499,7 @@ class FTRL(_BuiltinOptimizer):
                  weight_decay_factor=None, multiply_weight_decay_factor_by_learning_rate=None,
                  slot_variable_creation_fn=None, clipvalue=None, multiply_linear_by_learning_rate=False,
                  allow_zero_accumulator=False, low_dimensional_packing_status=False):
-        super().__init__(learning_rate, use_gradient_accumulation, clip_weight_min, clip_weight_max,
-                         weight_decay_factor, multiply_weight_decay_factor_by_learning_rate, clipvalue,
-                         slot_variable_creation_fn, low_dimensional_packing_status)
+        super().__init__(learning_rate, _common_arguments(locals()))
         if not _is_number(initial_accumulator_value) or initial_accumulator_value <= 0:
             raise ValueError(f"FTRL: initial_accumulator_value must be a positive float, got "
                              f"{initial_accumulator_value!r}.")
@@ -588,9 +523,11 @@ class FTRL(_BuiltinOptimizer):
         self.slot_initializers = (self.initial_accumulator_value, 0.0)
         self._check_constants()
 
-    def _specific(self, step):
-        return (-self.learning_rate_power, self.l1_regularization_strength, self.l2_regularization_strength,
-                self.beta, float(self.multiply_linear_by_learning_rate))
+    def _own_hyperparameters(self, step):
+        return {"negative_learning_rate_power": -self.learning_rate_power,
+                "l1_regularization_strength": self.l1_regularization_strength,
+                "l2_regularization_strength": self.l2_regularization_strength, "beta": self.beta,
+                "multiply_linear_by_learning_rate": float(self.multiply_linear_by_learning_rate)}
 
 
 class RowwiseAdagrad(_BuiltinOptimizer):
@@ -598,10 +535,8 @@ class RowwiseAdagrad(_BuiltinOptimizer):
     ``a <- a + mean(g^2);  w <- w - lr * g / (sqrt(a) + epsilon)``; ``a`` starts at
     ``initial_accumulator_value``. With 0 and ``epsilon > 0`` this is FBGEMM's ``EXACT_ROWWISE_ADAGRAD``.
     One of ``initial_accumulator_value`` and ``epsilon`` must be positive.""" + _COMMON_DOC
-    _row = rowwise_adagrad_row
-    _composes_options = False
-    _n_specific = 1
-    _specific_names = ("epsilon",)
+    _recipe = rowwise_adagrad
+    _hyperparameter_names = ("epsilon",)
     slot_names = ("accumulators",)
     slot_dims = (1,)
 
@@ -609,9 +544,7 @@ class RowwiseAdagrad(_BuiltinOptimizer):
                  use_gradient_accumulation=True, clip_weight_min=None, clip_weight_max=None,
                  weight_decay_factor=None, multiply_weight_decay_factor_by_learning_rate=None,
                  clipvalue=None, low_dimensional_packing_status=False):
-        super().__init__(learning_rate, use_gradient_accumulation, clip_weight_min, clip_weight_max,
-                         weight_decay_factor, multiply_weight_decay_factor_by_learning_rate, clipvalue,
-                         None, low_dimensional_packing_status)
+        super().__init__(learning_rate, _common_arguments(locals()))
         if not _is_number(initial_accumulator_value) or initial_accumulator_value < 0:
             raise ValueError(f"RowwiseAdagrad: initial_accumulator_value must be a float >= 0, got "
                              f"{initial_accumulator_value!r}.")
@@ -630,5 +563,5 @@ class RowwiseAdagrad(_BuiltinOptimizer):
         self.slot_initializers = (self.initial_accumulator_value,)
         self._check_constants()
 
-    def _specific(self, step):
-        return (self.epsilon,)
+    def _own_hyperparameters(self, step):
+        return {"epsilon": self.epsilon}

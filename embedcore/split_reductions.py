@@ -18,11 +18,20 @@ scalars. :func:`split_reductions` rewrites it as
 
 Row-valued locals are recomputed per element inside each loop, never stored. Accepted: assignments to
 names (also unpacking ``hyperparameters``), one final ``return``; names of the arguments, constants and
-numeric globals; arithmetic, comparisons, the element-wise NumPy functions listed in ``_ELEMENTWISE``;
-``slot_variables[k]``, ``hyperparameters[k]``; ``np.sum``/``np.mean`` (or ``.sum()``/``.mean()``) of
-element-wise expressions; ``row.size`` and ``row.shape[0]``. Anything else (branches, loops, other calls,
-other reductions) leaves the function as it is. The compiler also runs both forms on trial rows and keeps
-the rewrite only if they agree exactly.
+numeric globals; arithmetic, comparisons, the element-wise NumPy functions (:func:`is_elementwise_numpy`,
+which the compiler's element-wise proof uses too); ``slot_variables[k]``, ``hyperparameters[k]``;
+``np.sum``/``np.mean`` (or ``.sum()``/``.mean()``) of element-wise expressions; ``row.size`` and
+``row.shape[0]``. Anything else (branches, loops, other calls, other reductions) leaves the function as it
+is. The compiler also runs both forms on trial rows and keeps the rewrite only if they agree exactly.
+
+**Float64 accumulation.** ``np.sum(x, dtype=np.float64)`` (or ``np.mean``) adds the element values in
+float64, in a fixed order that does not depend on the machine: lane ``i`` (0-7) adds the values ``i, i + 8,
+i + 16, ...`` of the row's whole groups of eight, the remaining ``n % 8`` values go to lane 0, and the lanes
+are summed as ``((t0 + t1) + (t2 + t3)) + ((t4 + t5) + (t6 + t7))``. One float64 addition after the other
+is a chain LLVM may not reassociate, so it stays scalar; eight lanes are independent. When ``x`` is the
+square of a row argument, clipped or not (row-wise Adagrad's ``mean(clip(g)^2)``), the lanes are one
+vector of eight doubles built in LLVM IR (:func:`sum_of_squares`): the same IEEE operations lane by lane, so
+the same bits as the lanes written out, several times faster.
 """
 
 from __future__ import annotations
@@ -33,20 +42,27 @@ import numbers
 import textwrap
 
 import numpy as np
-from numba import types
-from numba.extending import overload
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic, overload
 
-__all__ = ["split_reductions", "NotSplittable", "zero_like", "cast_like"]
+__all__ = ["split_reductions", "NotSplittable", "zero_like", "cast_like", "is_elementwise_numpy", "sum_of_squares",
+           "LANES"]
 
 ROW, SCALAR, SLOTS, HYPER, MODULE = "row", "scalar", "slots", "hyper", "module"
 
-_ELEMENTWISE = {
-    "sqrt", "exp", "log", "log1p", "expm1", "abs", "absolute", "fabs", "sign", "negative", "square", "reciprocal",
-    "tanh", "sinh", "cosh", "sin", "cos", "tan", "arctan", "floor", "ceil", "rint", "trunc", "minimum", "maximum",
-    "fmin", "fmax", "power", "where", "clip", "exp2", "log2", "log10", "float32", "float64",
-}
 _REDUCTIONS = {"sum", "mean"}
+_SCALAR_CASTS = {"float32", "float64"}
 _PREFIX = "_ec_"
+LANES = 8
+
+
+def is_elementwise_numpy(function) -> bool:
+    """Whether the NumPy callable ``function`` acts element by element on its operands: every ufunc, and
+    ``np.where`` / ``np.clip``. The one definition both the compiler's proof on typed code and this rewrite
+    use."""
+    return isinstance(function, np.ufunc) or any(function is f for f in (np.where, np.clip))
 
 
 class NotSplittable(Exception):
@@ -99,7 +115,7 @@ class _Analysis:
         self.outer = {**fn.__globals__, **closure}
         self.kinds = {self.gradient: ROW, self.table: ROW, self.slots: SLOTS, self.lr: SCALAR, self.hyper: HYPER}
         self.row_defs = {}      # row-valued local -> its expression (recomputed per element)
-        self.body = []          # ("scalar", name, expr) | ("reduce", var, op, expr) in program order
+        self.body = []          # ("scalar", name, expr) | ("reduce", var, op, expr, wide) in program order
         self.outputs = None
         self.n_reductions = 0
 
@@ -154,18 +170,18 @@ class _Analysis:
                 return SCALAR
             raise NotSplittable(f"line {node.lineno}: attribute .{node.attr}")
         if isinstance(node, ast.Call):
-            if node.keywords:
-                raise NotSplittable(f"line {node.lineno}: keyword arguments")
             reduction = self._reduction(node)
+            if node.keywords and reduction is None:
+                raise NotSplittable(f"line {node.lineno}: keyword arguments")
             if reduction is not None:
-                op, operand = reduction
+                op, operand, _ = reduction
                 if self.kind(operand) != ROW:
                     raise NotSplittable(f"line {node.lineno}: {op} of a scalar")
                 return SCALAR
             name = self._numpy_attr(node.func)
-            if name in _ELEMENTWISE:
+            if name is not None and (name in _SCALAR_CASTS or is_elementwise_numpy(getattr(np, name, None))):
                 kind = self._join(*node.args)
-                if name in ("float32", "float64") and kind == ROW:
+                if name in _SCALAR_CASTS and kind == ROW:
                     raise NotSplittable(f"line {node.lineno}: np.{name} of a row")
                 return kind
             raise NotSplittable(f"line {node.lineno}: call of {ast.unparse(node.func)}")
@@ -185,16 +201,59 @@ class _Analysis:
                 and isinstance(node.value.value, ast.Name) and self.kinds.get(node.value.value.id) == ROW)
 
     def _reduction(self, node):
-        """``(op, operand)`` for ``np.sum(x)``, ``np.mean(x)``, ``x.sum()``, ``x.mean()``; else None."""
+        """``(op, operand, wide)`` for ``np.sum(x)``, ``np.mean(x)``, ``x.sum()``, ``x.mean()``, ``wide`` when
+        given ``dtype=np.float64`` (float64 lanes, see the module docstring); else None."""
         name = self._numpy_attr(node.func)
         if name in _REDUCTIONS and len(node.args) == 1:
-            return name, node.args[0]
+            return name, node.args[0], self._wide(node)
         if isinstance(node.func, ast.Attribute) and node.func.attr in _REDUCTIONS and not node.args \
                 and self._numpy_attr(node.func) is None:
-            return node.func.attr, node.func.value
+            return node.func.attr, node.func.value, self._wide(node)
         if name is not None and name in _REDUCTIONS:
             raise NotSplittable(f"line {node.lineno}: np.{name} with extra arguments")
         return None
+
+    def _wide(self, call):
+        """Whether a reduction accumulates in float64 (``dtype=np.float64``, its only keyword accepted)."""
+        if not call.keywords:
+            return False
+        if len(call.keywords) == 1 and call.keywords[0].arg == "dtype" \
+                and self._numpy_attr(call.keywords[0].value) == "float64":
+            return True
+        raise NotSplittable(f"line {call.lineno}: a reduction with keywords other than dtype=np.float64")
+
+    def square_of_row(self, operand):
+        """``(row argument, low, high)`` when ``operand`` is ``x * x`` or ``np.square(x)`` with ``x`` a row
+        argument or a row local defined as its clip (``np.clip(row, low, high)`` or ``np.minimum(np.maximum(
+        row, low), high)``); ``low``/``high`` None when unclipped. Else None."""
+        if isinstance(operand, ast.BinOp) and isinstance(operand.op, ast.Mult) \
+                and ast.dump(operand.left) == ast.dump(operand.right):
+            x = operand.left
+        elif isinstance(operand, ast.Call) and self._numpy_attr(operand.func) == "square" and len(operand.args) == 1:
+            x = operand.args[0]
+        else:
+            return None
+        if not isinstance(x, ast.Name):
+            return None
+        if x.id in (self.gradient, self.table):
+            return x.id, None, None
+        definition = self.row_defs.get(x.id)
+        if not isinstance(definition, ast.Call) or definition.keywords:
+            return None
+        name = self._numpy_attr(definition.func)
+        if name == "clip" and len(definition.args) == 3:
+            row, low, high = definition.args
+        elif name == "minimum" and len(definition.args) == 2 and isinstance(definition.args[0], ast.Call) \
+                and self._numpy_attr(definition.args[0].func) == "maximum" and len(definition.args[0].args) == 2 \
+                and not definition.args[0].keywords:
+            (row, low), high = definition.args[0].args, definition.args[1]
+        else:
+            return None
+        if not (isinstance(row, ast.Name) and row.id in (self.gradient, self.table)):
+            return None
+        if self.kind(low) != SCALAR or self.kind(high) != SCALAR:
+            return None
+        return row.id, low, high
 
     # -- statements --------------------------------------------------------------------------------------
     def statement(self, stmt, last):
@@ -251,13 +310,13 @@ class _Analysis:
                 reduction = analysis._reduction(call)
                 if reduction is None:
                     return self.generic_visit(call)
-                op, operand = reduction
+                op, operand, wide = reduction
                 operand = self.visit(operand)
                 if analysis.kind(operand) != ROW:
                     raise NotSplittable(f"line {call.lineno}: {op} of a scalar")
                 var = f"{_PREFIX}r{analysis.n_reductions}"
                 analysis.n_reductions += 1
-                analysis.body.append(("reduce", var, op, operand))
+                analysis.body.append(("reduce", var, op, operand, wide))
                 analysis.kinds[var] = SCALAR
                 return ast.copy_location(ast.Name(var, ast.Load()), call)
 
@@ -340,6 +399,27 @@ def split_reductions(fn, slot_dims):
         pad = "    " * depth
         return [f"{pad}{_PREFIX}e_{name} = {element(expr)}" for name, expr in a.row_defs.items() if name in needed]
 
+    def wide_sum(var, operand):
+        """``var`` = the float64 eight-lane sum of ``operand`` over the row (the module docstring's order)."""
+        square = a.square_of_row(operand)
+        if square is not None:
+            row, low, high = square
+            bounds = (f"{_PREFIX}np.float32(-{_PREFIX}np.inf), {_PREFIX}np.float32({_PREFIX}np.inf)" if low is None
+                      else f"{scalar(low)}, {scalar(high)}")
+            return [f"    {var} = sum_of_squares({row}, {bounds})"]
+        lanes = [f"{var}_t{k}" for k in range(LANES)]
+        out = [f"    {' = '.join(lanes)} = 0.0", f"    for {var}_i in range(0, {n} - {n} % {LANES}, {LANES}):"]
+        for k, lane in enumerate(lanes):
+            out.append(f"        {j} = {var}_i + {k}")
+            out += row_locals([operand], 2)
+            out.append(f"        {lane} += {element(operand)}")
+        out.append(f"    for {j} in range({n} - {n} % {LANES}, {n}):")
+        out += row_locals([operand], 2)
+        out.append(f"        {lanes[0]} += {element(operand)}")
+        out.append(f"    {var} = (({lanes[0]} + {lanes[1]}) + ({lanes[2]} + {lanes[3]})) + "
+                   f"(({lanes[4]} + {lanes[5]}) + ({lanes[6]} + {lanes[7]}))")
+        return out
+
     lines = [f"def {_PREFIX}split({a.gradient}, {a.table}, {a.slots}, {a.lr}, {a.hyper}):",
              f"    {n} = {a.gradient}.shape[0]"]
     lines += [f"    {v} = {a.slots}[{k}]" for k, v in enumerate(slot_vars)]
@@ -347,15 +427,18 @@ def split_reductions(fn, slot_dims):
         if entry[0] == "scalar":
             lines.append(f"    {entry[1]} = {scalar(entry[2])}")
             continue
-        _, var, op, operand = entry
-        first = f"{var}_first"
-        lines.append(f"    {j} = 0")
-        lines += row_locals([operand], 1)
-        lines.append(f"    {first} = {element(operand)}")
-        lines.append(f"    {var} = zero_like({first}) + {first}")
-        lines.append(f"    for {j} in range(1, {n}):")
-        lines += row_locals([operand], 2)
-        lines.append(f"        {var} += {element(operand)}")
+        _, var, op, operand, wide = entry
+        if wide:
+            lines += wide_sum(var, operand)
+        else:
+            first = f"{var}_first"
+            lines.append(f"    {j} = 0")
+            lines += row_locals([operand], 1)
+            lines.append(f"    {first} = {element(operand)}")
+            lines.append(f"    {var} = zero_like({first}) + {first}")
+            lines.append(f"    for {j} in range(1, {n}):")
+            lines += row_locals([operand], 2)
+            lines.append(f"        {var} += {element(operand)}")
         if op == "mean":
             lines.append(f"    {var} = cast_like({var}, {var} / {n})")
     row_outputs = [(k, out) for k, out in enumerate(a.outputs) if a.kind(out) == ROW or
@@ -372,9 +455,119 @@ def split_reductions(fn, slot_dims):
     source = "\n".join(lines) + "\n"
     namespace = dict(fn.__globals__)
     namespace.update(zip(fn.__code__.co_freevars, (c.cell_contents for c in fn.__closure__ or ())))
-    namespace.update(zero_like=zero_like, cast_like=cast_like, **{f"{_PREFIX}np": np})
+    namespace.update(zero_like=zero_like, cast_like=cast_like, sum_of_squares=sum_of_squares, **{f"{_PREFIX}np": np})
     exec(compile(source, f"<split form of {fn.__qualname__}>", "exec"), namespace)
     split = namespace[f"{_PREFIX}split"]
     split.__qualname__ = fn.__qualname__ + "[split]"
     split.source = source
     return split, f"{a.n_reductions} reduction(s) over the row, then element by element in place"
+
+# ----------------------------------------------------------------------------------------------------------
+# The float64 lanes of a row's (clipped) squares as one LLVM vector (see "Float64 accumulation" above).
+
+def _vector_types(row, low, high):
+    """Whether the vector path takes these Numba types: a C-contiguous float32 row, float32 bounds."""
+    return (isinstance(row, types.Array) and row.ndim == 1 and row.layout == "C" and row.dtype == types.float32
+            and low == types.float32 and high == types.float32)
+
+
+@intrinsic
+def _lanes_of_squares(typingctx, row, low, high):
+    """The eight lane sums over the row's whole groups of eight (a C-contiguous float32 row)."""
+    if not _vector_types(row, low, high):
+        return None
+    result_type = types.UniTuple(types.float64, LANES)
+
+    def codegen(context, builder, signature, args):
+        array = context.make_array(signature.args[0])(context, builder, args[0])
+        low_v, high_v = args[1], args[2]
+        f32, f64 = ir.FloatType(), ir.DoubleType()
+        v32, v64 = ir.VectorType(f32, LANES), ir.VectorType(f64, LANES)
+        intp = context.get_value_type(types.intp)
+        n = builder.extract_value(array.shape, 0)
+        whole = builder.and_(n, intp(~(LANES - 1)))
+
+        def splat(value, vector_type):
+            vector = ir.Constant(vector_type, ir.Undefined)
+            for lane in range(LANES):
+                vector = builder.insert_element(vector, value, ir.Constant(ir.IntType(32), lane))
+            return vector
+        low_s, high_s = splat(low_v, v32), splat(high_v, v32)
+
+        entry = builder.block
+        check = builder.append_basic_block("squares.check")
+        body = builder.append_basic_block("squares.body")
+        done = builder.append_basic_block("squares.done")
+        builder.branch(check)
+        builder.position_at_end(check)
+        i = builder.phi(intp)
+        total = builder.phi(v64)
+        i.add_incoming(intp(0), entry)
+        total.add_incoming(ir.Constant(v64, [0.0] * LANES), entry)
+        builder.cbranch(builder.icmp_signed("<", i, whole), body, done)
+        builder.position_at_end(body)
+        pointer = builder.bitcast(builder.gep(array.data, [i]), v32.as_pointer())
+        values = builder.load(pointer, align=4)
+        # min(max(v, low), high) as Numba computes it: max(v, low) = low if low > v else v, and
+        # min(m, high) = high if high < m else m.
+        values = builder.select(builder.fcmp_ordered(">", low_s, values), low_s, values)
+        values = builder.select(builder.fcmp_ordered("<", high_s, values), high_s, values)
+        squares = builder.fpext(builder.fmul(values, values), v64)
+        next_total = builder.fadd(total, squares)
+        i.add_incoming(builder.add(i, intp(LANES)), body)
+        total.add_incoming(next_total, body)
+        builder.branch(check)
+        builder.position_at_end(done)
+        out = cgutils.get_null_value(context.get_value_type(result_type))
+        for lane in range(LANES):
+            out = builder.insert_value(out, builder.extract_element(total, ir.Constant(ir.IntType(32), lane)), lane)
+        return out
+
+    return result_type(row, low, high), codegen
+
+
+@njit(inline="always")
+def _clipped_square(row, j, low, high):
+    g = min(max(row[j], low), high)
+    return g * g  # float32, widened to float64 by the sum it is added to
+
+
+@njit(inline="always")
+def _combine(t0, t1, t2, t3, t4, t5, t6, t7, row, low, high):
+    n = row.shape[0]
+    for j in range(n - n % LANES, n):
+        t0 += _clipped_square(row, j, low, high)
+    return ((t0 + t1) + (t2 + t3)) + ((t4 + t5) + (t6 + t7))
+
+
+@njit(inline="always")
+def _sum_of_squares_loops(row, low, high):
+    """The same sum in plain loops, in the same order."""
+    t0 = t1 = t2 = t3 = t4 = t5 = t6 = t7 = 0.0
+    for j in range(0, row.shape[0] - row.shape[0] % LANES, LANES):
+        t0, t1 = t0 + _clipped_square(row, j, low, high), t1 + _clipped_square(row, j + 1, low, high)
+        t2, t3 = t2 + _clipped_square(row, j + 2, low, high), t3 + _clipped_square(row, j + 3, low, high)
+        t4, t5 = t4 + _clipped_square(row, j + 4, low, high), t5 + _clipped_square(row, j + 5, low, high)
+        t6, t7 = t6 + _clipped_square(row, j + 6, low, high), t7 + _clipped_square(row, j + 7, low, high)
+    return _combine(t0, t1, t2, t3, t4, t5, t6, t7, row, low, high)
+
+
+def sum_of_squares(row, low, high):
+    """The float64 eight-lane sum (module docstring) of ``min(max(v, low), high) ** 2`` over the float32 values
+    ``v`` of ``row``, each square in float32 (callable from jitted code only)."""
+    raise NotImplementedError("only callable from jitted code")
+
+
+@overload(sum_of_squares, inline="always")
+def _sum_of_squares_impl(row, low, high):
+    if not (isinstance(row, types.Array) and row.ndim == 1):
+        return None
+    if _vector_types(row, low, high):
+        def impl(row, low, high):
+            t0, t1, t2, t3, t4, t5, t6, t7 = _lanes_of_squares(row, low, high)
+            return _combine(t0, t1, t2, t3, t4, t5, t6, t7, row, low, high)
+        return impl
+
+    def impl_loops(row, low, high):
+        return _sum_of_squares_loops(row, low, high)
+    return impl_loops

@@ -10,7 +10,7 @@ import embedcore as ec
 from embedcore.compiler import strip_del
 from embedcore.kernels.dedup import unique_rows
 from embedcore.kernels.rows import copy_row
-from embedcore.kernels.sum_of_squares import sum_of_squares
+from embedcore.split_reductions import sum_of_squares
 from embedcore.kernels.workspace import Workspace
 
 
