@@ -10,23 +10,18 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from time import perf_counter
 
-import numba
 import numpy as np
 
 from . import inputs
-from .compiler import RowFunctionError, describe
-from .initializers import TruncatedNormal, fill_rows
+from .compiler import RowFunctionError
 from .inputs import InputError
-from .kernels.aligned import aligned_empty
-from .kernels.dedup import group_rows, sum_by_blocks
-from .kernels.prefetch import rows_stay_cached
 from .kernels.rows import count_non_finite
-from .kernels.update import (STATUS_GRADIENT, STATUS_LENGTH, STATUS_OUTPUT, STATUS_RAISED, compile_for,
-                             fused_update_kernel)
-from .lookup import LookupContext, TableLookup, _FeatureSlot, _PhysicalTable
-from .memory_budget import check_fits
+from .lookup import LookupContext, TableLookup, _FeatureSlot
 from .optimizers import Optimizer
+from .tables import physical_tables
+from .tuning import DEFAULT_TUNING, Tuning
 
 __all__ = ["Embedding", "LookupContext", "UpdateReport", "NonFiniteError", "NON_FINITE_POLICIES"]
 
@@ -56,20 +51,16 @@ class UpdateReport:
         self.skipped = {}
         self.failed = {}
 
-    def _record(self, group, uniq, status, lazy):
-        flagged = np.flatnonzero(status)  # no full-size temporary: a non-lazy status has a byte per table row
-        codes = status[flagged]
-        rows_of = uniq[flagged] if lazy else flagged
-        offsets = np.asarray(group.offsets)
-        which = np.searchsorted(offsets, rows_of, side="right") - 1
-        for into, kinds in ((self.skipped, (("gradient", STATUS_GRADIENT), ("output", STATUS_OUTPUT))),
-                            (self.failed, (("raised", STATUS_RAISED), ("length", STATUS_LENGTH)))):
-            keep = np.isin(codes, [code for _, code in kinds])
-            for k, table in enumerate(group.tables):
-                mine = keep & (which == k)
-                if mine.any():
-                    local = rows_of[mine] - offsets[k]
-                    into[table.name] = {key: local[codes[mine] == code].astype(np.int64) for key, code in kinds}
+    def add(self, update) -> None:
+        """Take in the rows one physical table's update left unchanged (a
+        :class:`~embedcore.tables.TableUpdate`)."""
+        self.skipped.update(update.skipped)
+        self.failed.update(update.failed)
+
+    def tally(self, counts: dict) -> None:
+        """Add the number of rows skipped per table to ``counts`` (an engine's ``skipped_rows``)."""
+        for table, rows in self.skipped.items():
+            counts[table] = counts.get(table, 0) + sum(len(v) for v in rows.values())
 
     def describe_failed(self, function) -> str:
         """The rows a row function failed on, table by table, for an error message."""
@@ -108,6 +99,11 @@ class Embedding(TableLookup):
         seed: seed of the tables' initial values (a table's own initializer seed wins).
         stack_tables: stack tables with equal optimizers and ``dim`` into one physical array.
         non_finite: ``"raise"`` or ``"skip"``: what :meth:`apply_gradients` does about NaN/Inf (see there).
+        tuning: an :class:`~embedcore.tuning.Tuning` (speed-only choices; default ``DEFAULT_TUNING``).
+        fill: write the tables' and slots' initial values; ``False`` leaves them unwritten, for a caller
+            that writes every row itself (as :meth:`restore` does from a checkpoint).
+
+    The physical (stacked) tables are :attr:`physical_tables` (:class:`~embedcore.tables.PhysicalTable`).
 
     Thread safety: lookups may run from any number of threads at once (they only read the tables), but a
     lookup running while ``apply_gradients`` updates the same rows may read rows partway through their
@@ -117,107 +113,52 @@ class Embedding(TableLookup):
     threads train one engine.
     """
 
-    def __init__(self, feature_config, optimizer=None, *, seed=0, stack_tables=True, non_finite="raise"):
-        self._setup(feature_config, optimizer, seed, stack_tables, fill=True, non_finite=non_finite)
-
-    def _setup(self, feature_config, optimizer, seed, stack_tables, fill, non_finite="raise"):
+    def __init__(self, feature_config, optimizer=None, *, seed=0, stack_tables=True, non_finite="raise",
+                 tuning: Tuning | None = None, fill: bool = True):
         if optimizer is not None and not isinstance(optimizer, Optimizer):
             raise ValueError(f"optimizer must be an embedcore optimizer or None, got {optimizer!r}")
         if non_finite not in NON_FINITE_POLICIES:
             raise ValueError(f"non_finite must be one of {NON_FINITE_POLICIES}, got {non_finite!r}")
+        if tuning is not None and not isinstance(tuning, Tuning):
+            raise ValueError(f"tuning must be an embedcore.Tuning or None, got {tuning!r}")
         self.non_finite = non_finite
+        self.tuning = DEFAULT_TUNING if tuning is None else tuning
         self.skipped_rows = {}
         tables = self._init_features(feature_config)
         self._optimizer = optimizer
         self.seed = int(seed)
         self.step = 0
         self._lock = threading.Lock()
-        groups = self._stack(tables, optimizer, stack_tables)
-        _check_storage_fits(groups)
-        self._index_groups(groups)
-        for group in self._groups:
-            self._build(group, fill)
+        self._physical = physical_tables(tables, optimizer, stack_tables=stack_tables, seed=self.seed,
+                                         tuning=self.tuning, fill=fill, unit_gains=self._unit_gains)
+        self._index_tables(self._physical)
 
     # -- construction ------------------------------------------------------------------------------------
-    @staticmethod
-    def _stack(tables, optimizer, stack_tables):
-        groups, by_key = [], {}
-        for table in tables:
-            opt = table.optimizer if table.optimizer is not None else optimizer
-            if opt is None:
-                raise ValueError(f"table '{table.name}' has no optimizer: set TableConfig(optimizer=...) or pass "
-                                 f"one to Embedding(optimizer=...)")
-            key = (opt, table.dim) if stack_tables else id(table)
-            group = by_key.get(key)
-            if group is None:
-                group = by_key[key] = _PhysicalTable([], [], table.dim, opt)
-                groups.append(group)
-            group.offsets.append(group.n_rows if group.tables else 0)
-            group.tables.append(table)
-        return groups
-
-    def _build(self, group: _PhysicalTable, fill: bool):
-        opt = group.optimizer
-        group.row_function = opt.compiled(group.dim)
-        group.weights = aligned_empty((group.n_rows, group.dim), np.float32)
-        group.slots = tuple(aligned_empty((group.n_rows, group.dim) if d == 2 else (group.n_rows,), np.float32)
-                            for d in opt.slot_dims)
-        try:
-            compile_for(group.row_function, opt.lazy, group.weights, group.slots, opt.n_hyperparameters,
-                        unit_gains=self._sums_rows(group) or self._summed_by_blocks(group))
-        except Exception as exc:  # numba raises many error types; each becomes one clear message
-            cause = "\n".join(str(exc).strip().splitlines()[:12])
-            raise RowFunctionError(f"the update kernel of {describe(group.row_function.python_function)} for "
-                                   f"table(s) {[t.name for t in group.tables]} could not be compiled:\n"
-                                   f"{cause}") from None
-        if fill:
-            for table in group.tables:
-                self._fill_table(table, 0, 1, table.vocabulary_size)
-
-    def _sums_rows(self, group: _PhysicalTable) -> bool:
-        """Whether a batch without weights gives every occurrence of ``group`` a gain of 1 (its features'
-        tables sum, or the features are sequences), so that its occurrences carry activation rows alone."""
-        tables = {id(t) for t in group.tables}
+    def _unit_gains(self, table) -> bool:
+        """Whether a batch without weights gives every occurrence of ``table`` a gain of 1 (its features'
+        tables sum, or the features are sequences)."""
+        mine = {id(t) for t in table.tables}
         return all(inputs.gains_are_weights(f.table.combiner, f.max_sequence_length) for _, f in self._features
-                   if id(f.table) in tables)
+                   if id(f.table) in mine)
 
-    @staticmethod
-    def _summed_by_blocks(group: _PhysicalTable) -> bool:
-        """Whether ``group``'s batches are likely summed block by block (``dedup.sum_by_blocks``: stacked
-        tables, several threads), which hands the update activation rows alone, whatever the gains."""
-        return len(group.tables) > 1 and numba.get_num_threads() > 1
-
-    def _fill_table(self, table, first_row: int, stride: int, vocabulary_size: int, n_rows: int | None = None):
-        """Initial values of ``table`` and its slots: the rows ``first_row + i * stride`` of a table of
-        ``vocabulary_size`` rows (a shard, when the table is split over processes)."""
-        g, offset = self._group_of[id(table)]
-        group = self._groups[g]
-        rows = slice(offset, offset + (table.vocabulary_size if n_rows is None else n_rows))
-        init = table.initializer or TruncatedNormal(0.0, 1.0 / np.sqrt(table.dim))
-        fill_rows(init, group.weights[rows], first_row, vocabulary_size, self.seed, table.name, stride=stride)
-        opt = group.optimizer
-        for name, slot_init, slot in zip(opt.slot_names, opt.slot_initializers, group.slots):
-            view = slot[rows] if slot.ndim == 2 else slot[rows][:, None]
-            fill_rows(slot_init, view, first_row, vocabulary_size, self.seed, table.name, name, stride=stride)
+    @property
+    def optimizer(self):
+        """The optimizer of every table that does not set its own (as passed; may be None)."""
+        return self._optimizer
 
     @property
     def slot_variables(self) -> dict:
         """Table name -> {slot name: ``[vocabulary_size, dim]`` (or ``[vocabulary_size]``) float32 array}."""
-        out = {}
-        for group in self._groups:
-            for table, offset in zip(group.tables, group.offsets):
-                out[table.name] = {name: slot[offset:offset + table.vocabulary_size]
-                                   for name, slot in zip(group.optimizer.slot_names, group.slots)}
-        return out
+        return {name: table.slot_rows(name) for table in self._physical for name in table.table_names}
 
     @property
     def num_physical_tables(self) -> int:
-        return len(self._groups)
+        return len(self._physical)
 
     def __repr__(self):
-        groups = "; ".join("+".join(t.name for t in g.tables) + f" [{g.n_rows} x {g.dim}, "
-                           f"{type(g.optimizer).__name__}]" for g in self._groups)
-        return f"Embedding({len(self._features)} features; {groups}; step={self.step})"
+        tables = "; ".join("+".join(t.table_names) + f" [{t.n_rows} x {t.dim}, {type(t.optimizer).__name__}]"
+                           for t in self._physical)
+        return f"Embedding({len(self._features)} features; {tables}; step={self.step})"
 
     # -- checkpoints -------------------------------------------------------------------------------------
     def save(self, path, extra=None, metadata=None) -> str:
@@ -246,14 +187,16 @@ class Embedding(TableLookup):
             self._tables_replaced()
 
     @classmethod
-    def restore(cls, path, *, functions=None, allow_import: bool = False, stack_tables: bool = True):
+    def restore(cls, path, *, functions=None, allow_import: bool = False, stack_tables: bool = True,
+                tuning: Tuning | None = None):
         """A new engine built from a checkpoint's configuration, holding its tables, slots and ``step``.
 
         A function named by the checkpoint (a custom computation, a callable learning rate) is imported
         only if ``allow_import`` or found in ``functions`` (``{"module:name": f}`` or a list of functions).
         """
         from .checkpoint import restore
-        return restore(cls, path, functions=functions, allow_import=allow_import, stack_tables=stack_tables)
+        return restore(cls, path, functions=functions, allow_import=allow_import, stack_tables=stack_tables,
+                       tuning=tuning)
 
     @contextlib.contextmanager
     def _exclusive(self, what: str):
@@ -292,59 +235,49 @@ class Embedding(TableLookup):
             return self._apply(gradients, ctx)
 
     def _apply(self, gradients, ctx):
+        timer = self.tuning.phase_timer
+        t0 = perf_counter() if timer is not None else 0.0
         leaves = inputs.flatten_like(self._feature_config, gradients, "gradients")
         refuse = self.non_finite == "raise"
         # NaN/Inf are looked for once per physical table, in the gradient rows its update reads (the
         # features' gradients in place or copied), after every feature's type and shape are checked: a bad
         # shape anywhere is reported before a NaN, and NaNs table by table.
-        checked = [_check_gradient(grad, s, refuse, values_checked_later=True) for grad, s in zip(leaves, ctx.features)]
+        checked = [check_gradient(grad, s, refuse, values_checked_later=True) for grad, s in zip(leaves, ctx.features)]
         work = []
-        for g, group in enumerate(self._groups):
-            tb = ctx.table_batches[g]
-            if tb is None and group.optimizer.lazy:
+        for k, table in enumerate(self._physical):
+            tb = ctx.table_batches[k]
+            if tb is None and table.optimizer.lazy:
                 continue
             if tb is None:
                 tb = inputs.build_table_batch([])
-            d_act = self._gradient_rows(g, group, tb, checked, ctx.features)
+            d_act = gradient_rows(k, tb.n_out, table.dim, table.workspace, checked, ctx.features)
             if refuse:
-                _refuse_non_finite(d_act, g, checked, ctx.features)
-            work.append((group, tb, d_act))
+                _refuse_non_finite(d_act, k, checked, ctx.features)
+            work.append((table, tb, d_act))
         step = self.step + 1
         values = {}
-        for group in self._groups:
-            if id(group.optimizer) not in values:
-                values[id(group.optimizer)] = group.optimizer.step_values(step)
+        for table in self._physical:
+            if id(table.optimizer) not in values:
+                values[id(table.optimizer)] = table.optimizer.step_values(step)
+        if timer is not None:
+            timer("check gradients", perf_counter() - t0)
         # Validation is over; from here on the tables change.
         report = UpdateReport(step)
-        failing = []
-        for group, tb, d_act in work:
-            ws = group.workspace
-            summed = sum_by_blocks(tb.rows, group.n_rows, tb.packed, ws, tb.blocks, tb.out_ptr, d_act)
-            if summed is not None:  # the gradients summed already: one occurrence per row, gain 1
-                uniq, ptr, packed, d_act = summed
-            else:
-                uniq, ptr, packed = group_rows(tb.rows, group.n_rows, tb.packed, ws, tb.blocks, tb.out_ptr)
-            group.prefetch_rows = not rows_stay_cached(tb.rows.shape[0], uniq.shape[0],
-                                                     group.weights.itemsize * group.dim)
-            lr, hyper = values[id(group.optimizer)]
-            lazy = group.optimizer.lazy
-            status = ws.array("status", (uniq.shape[0] if lazy else group.n_rows,), np.uint8)
-            status[:] = 0
-            kernel = fused_update_kernel(group.row_function, lazy=lazy, dim=group.dim)
-            if kernel(group.weights, group.slots, uniq, ptr, packed, d_act, lr, hyper, status):
-                report._record(group, uniq, status, lazy)
-                if np.isin(status[np.flatnonzero(status)], (STATUS_RAISED, STATUS_LENGTH)).any():
-                    failing.append(group)
+        failing = set()
+        for table, tb, d_act in work:
+            lr, hyper = values[id(table.optimizer)]
+            update = table.update(tb, d_act, lr, hyper)
+            report.add(update)
+            if update.function is not None:
+                failing.add(update.function)
         self.step = step
         ctx.consumed = True
         ctx.release()
-        for table, rows in report.skipped.items():
-            self.skipped_rows[table] = self.skipped_rows.get(table, 0) + sum(len(v) for v in rows.values())
+        report.tally(self.skipped_rows)
         if failing:
-            functions = sorted({describe(group.row_function.python_function) for group in failing})
             skipped = f"; also {report.describe()}" if report.skipped else ""
-            error = RowFunctionError(f"{report.describe_failed(' and '.join(functions))}{skipped}. The other rows "
-                                     f"were updated and step is now {step}; these gradients cannot be applied "
+            error = RowFunctionError(f"{report.describe_failed(' and '.join(sorted(failing)))}{skipped}. The other "
+                                     f"rows were updated and step is now {step}; these gradients cannot be applied "
                                      f"again (look up again)")
             error.report = report
             raise error
@@ -353,46 +286,27 @@ class Embedding(TableLookup):
                                  f"Embedding(non_finite='skip') skips such rows and reports them instead")
         return report
 
-    @staticmethod
-    def _gradient_rows(g, group, tb, gradients, features):
-        """The activation gradients of physical table ``g`` as one ``[n_out, dim]`` float32 array.
 
-        Used in place, without a copy: a table fed by one feature whose gradient is float32 and contiguous,
-        and features whose float32 contiguous gradients lie one after the other in memory, in the order of
-        their activation rows (views of one ``[features, batch, dim]`` array, as FBGEMM takes one gradient
-        for all its tables). Otherwise the features' gradients are copied into a reused workspace.
-        """
-        mine = [(grad, s) for grad, s in zip(gradients, features) if s.group == g]
-        if all(grad.dtype == np.float32 and grad.flags.c_contiguous for grad, _ in mine):
-            if len(mine) == 1:
-                return mine[0][0].reshape(tb.n_out, group.dim)
-            consecutive = _consecutive(mine, tb.n_out, group.dim)
-            if consecutive is not None:
-                return consecutive
-        d_act = group.workspace.array("d_act", (tb.n_out, group.dim), np.float32)
-        for grad, s in mine:
-            d_act[s.out_offset:s.out_offset + s.n_rows] = grad.reshape(s.n_rows, group.dim)
-        return d_act
+def gradient_rows(k, n_out, dim, workspace, gradients, features):
+    """The activation gradients of physical table ``k`` (``n_out`` activation rows) as one ``[n_out, dim]``
+    float32 array; used by every engine.
 
-
-def _check_storage_fits(groups) -> None:
-    """Refuse (``ValueError``) physical tables whose weights and slots (and, for a non-lazy optimizer, the
-    update's status byte per row) cannot fit in memory, each and all together, naming the tables and the
-    bytes, before anything is allocated."""
-    total, names = 0, []
-    for group in groups:
-        n_rows, dim = group.n_rows, group.dim
-        values = n_rows * dim + sum(n_rows * dim if d == 2 else n_rows for d in group.optimizer.slot_dims)
-        nbytes = 4 * values + (0 if group.optimizer.lazy else n_rows)
-        n_slots = len(group.optimizer.slot_dims)
-        tables = [t.name for t in group.tables]
-        what = (f"table(s) {tables} ({n_rows:,} rows x {dim:,} float32 values"
-                f"{f', plus {n_slots} slot(s)' if n_slots else ''})")
-        check_fits(nbytes, what)
-        total += nbytes
-        names += tables
-    if len(groups) > 1:
-        check_fits(total, f"the tables {names} and their slots together")
+    Used in place, without a copy: a table fed by one feature whose gradient is float32 and contiguous,
+    and features whose float32 contiguous gradients lie one after the other in memory, in the order of
+    their activation rows (views of one ``[features, batch, dim]`` array, as FBGEMM takes one gradient
+    for all its tables). Otherwise the features' gradients are copied into ``workspace``.
+    """
+    mine = [(grad, s) for grad, s in zip(gradients, features) if s.group == k]
+    if all(grad.dtype == np.float32 and grad.flags.c_contiguous for grad, _ in mine):
+        if len(mine) == 1:
+            return mine[0][0].reshape(n_out, dim)
+        consecutive = _consecutive(mine, n_out, dim)
+        if consecutive is not None:
+            return consecutive
+    d_act = workspace.array("d_act", (n_out, dim), np.float32)
+    for grad, s in mine:
+        d_act[s.out_offset:s.out_offset + s.n_rows] = grad.reshape(s.n_rows, dim)
+    return d_act
 
 
 def _consecutive(gradients, n_rows, dim):
@@ -431,8 +345,8 @@ def _refuse_non_finite(d_act, g, gradients, features):
     raise AssertionError("a non-finite gradient row outside every feature")
 
 
-def _check_gradient(grad, s: _FeatureSlot, refuse_non_finite: bool = True,
-                    values_checked_later: bool = False) -> np.ndarray:
+def check_gradient(grad, s: _FeatureSlot, refuse_non_finite: bool = True,
+                   values_checked_later: bool = False) -> np.ndarray:
     """``grad`` as an array of the feature's activation shape, refused (:class:`InputError`) for a wrong
     type, dtype or shape, a NaN/Inf when ``refuse_non_finite`` (unless ``values_checked_later``: the
     caller looks for them in the rows it reads, with :func:`_refuse_non_finite`), or a finite value beyond

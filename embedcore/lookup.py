@@ -1,7 +1,8 @@
 """Looking up activations: the part of an engine that training and serving share.
 
-A :class:`TableLookup` holds the feature structure, the tables (stacked into physical arrays, each table at
-a row offset) and turns a batch of features into activations. :class:`~embedcore.Embedding` adds the
+A :class:`TableLookup` holds the feature structure and the tables (stacked into physical tables,
+:class:`embedcore.tables.PhysicalTable`, each table at a row offset) and turns a batch of features into
+activations. :class:`~embedcore.Embedding` adds the
 optimizers and ``apply_gradients``; :class:`~embedcore.serving.ServingEmbedding` adds read-only tables
 memory-mapped from a checkpoint.
 """
@@ -17,10 +18,7 @@ import numpy as np
 from . import inputs
 from .config import FeatureConfig
 from .inputs import InputError
-from .kernels.rows import gather_combine
-from .kernels.workspace import ArrayPool, Workspace, WorkspacePool
 from .memory_budget import check_fits
-from .optimizers import Optimizer
 
 __all__ = ["TableLookup", "LookupContext"]
 
@@ -43,30 +41,8 @@ class _EngineToken:
 
 
 @dataclass
-class _PhysicalTable:
-    """One array holding the rows of one or more stacked tables, plus their slots."""
-
-    tables: list            # TableConfig, in stacking order
-    offsets: list           # first physical row of each table
-    dim: int
-    optimizer: Optimizer
-    weights: np.ndarray = None
-    slots: tuple = ()
-    row_function: object = None
-    workspace: Workspace = field(default_factory=Workspace)            # apply_gradients' scratch
-    batch_pool: WorkspacePool = field(default_factory=WorkspacePool)  # lookups' table batches
-    activation_pool: ArrayPool = field(default_factory=ArrayPool)     # lookups' activations
-    prefetch_rows: bool = True  # whether lookups prefetch rows; the last apply_gradients judged whether its
-                                # batch's rows stay cached (kernels/prefetch.py, rows_stay_cached)
-
-    @property
-    def n_rows(self) -> int:
-        return self.offsets[-1] + self.tables[-1].vocabulary_size
-
-
-@dataclass
 class _FeatureSlot:
-    """Where a feature's activations live: physical table, activation rows and shape."""
+    """Where a feature's activations live: physical table (index), activation rows and shape."""
 
     path: str
     config: FeatureConfig
@@ -112,7 +88,11 @@ def _return_leases(leases):
 
 
 class TableLookup:
-    """Features, tables and lookups; subclasses build ``self._groups`` (the physical tables)."""
+    """Features, tables and lookups.
+
+    Subclasses call :meth:`_index_tables` with what lookups lay batches out over: physical tables (anything
+    with ``tables``, ``offsets`` and ``dim``: each table's rows at an offset in one id space).
+    """
 
     def _init_features(self, feature_config):
         self._feature_config = feature_config
@@ -126,15 +106,16 @@ class TableLookup:
         self._table_configs = {t.name: t for t in tables}
         return tables
 
-    def _index_groups(self, groups):
-        """Take ``groups`` as the physical tables: a new layout, so every earlier context is refused."""
+    def _index_tables(self, spaces):
+        """Take ``spaces`` as the id spaces lookups lay batches out over: a new layout, so every earlier
+        context is refused."""
         self._token = _EngineToken(self)
         self._generation = next(_GENERATIONS)
-        self._groups = groups
-        self._group_of = {}
-        for g, group in enumerate(groups):
-            for table, offset in zip(group.tables, group.offsets):
-                self._group_of[id(table)] = (g, offset)
+        self._spaces = tuple(spaces)
+        self._space_of = {}
+        for k, space in enumerate(self._spaces):
+            for table, offset in zip(space.tables, space.offsets):
+                self._space_of[id(table)] = (k, offset)
 
     def _tables_replaced(self) -> None:
         """Record that the tables' contents were replaced as a whole (``load``): contexts looked up before
@@ -184,13 +165,15 @@ class TableLookup:
 
     # -- state -------------------------------------------------------------------------------------------
     @property
+    def physical_tables(self) -> tuple:
+        """The :class:`~embedcore.tables.PhysicalTable` objects holding this engine's rows (for tests,
+        benchmarks and tools; their storage is the engine's own)."""
+        return self._physical
+
+    @property
     def embedding_tables(self) -> dict:
         """Table name -> its ``[vocabulary_size, dim]`` float32 array (a view of the engine's storage)."""
-        out = {}
-        for group in self._groups:
-            for table, offset in zip(group.tables, group.offsets):
-                out[table.name] = group.weights[offset:offset + table.vocabulary_size]
-        return out
+        return {name: table.table_rows(name) for table in self._physical for name in table.table_names}
 
     @property
     def feature_config(self):
@@ -213,12 +196,12 @@ class TableLookup:
         id_leaves = inputs.flatten_like(self._feature_config, features, "features")
         weight_leaves = ([None] * len(id_leaves) if weights is None
                          else inputs.flatten_like(self._feature_config, weights, "weights"))
-        parts = [[] for _ in self._groups]
-        out_rows = [0] * len(self._groups)
+        parts = [[] for _ in self._spaces]
+        out_rows = [0] * len(self._spaces)
         slots = []
         for (path, feature), ids, w in zip(self._features, id_leaves, weight_leaves):
             name = feature.name or path
-            g, row_offset = self._group_of[id(feature.table)]
+            g, row_offset = self._space_of[id(feature.table)]
             batch = inputs.to_feature_batch(ids, w, name, feature.table.vocabulary_size,
                                             feature.validate_weights_and_indices, check_range=False)
             seq_len = feature.max_sequence_length
@@ -237,7 +220,7 @@ class TableLookup:
             if out_rows[g] >= _MAX_ACTIVATION_ROWS:
                 raise InputError(f"feature '{name}': the batch gives {out_rows[g]:,} activation rows for one "
                                  f"physical table, more than {_MAX_ACTIVATION_ROWS - 1:,}")
-        activation_bytes = sum(4 * n * group.dim for n, group in zip(out_rows, self._groups))
+        activation_bytes = sum(4 * n * space.dim for n, space in zip(out_rows, self._spaces))
         if activation_bytes > _CHECKED_ACTIVATION_BYTES:  # below it, reading the machine's memory would cost more
             check_fits(activation_bytes, f"the activations of this batch ({sum(out_rows):,} rows)", InputError)
         return slots, parts
@@ -246,21 +229,17 @@ class TableLookup:
         token, generation = self._token, self._generation  # before the tables are read: a load meanwhile
         slots, parts = self._prepare(features, weights)   # makes this context stale, never current
         table_batches, acts, leases = [], [], []
-        for group, group_parts in zip(self._groups, parts):
+        for table, table_parts in zip(self._spaces, parts):
             tb = None
-            if group_parts:
-                workspace = group.batch_pool.acquire()
-                leases.append((group.batch_pool, workspace))
+            if table_parts:
                 try:
-                    tb = inputs.build_table_batch(group_parts, workspace)
+                    tb, lease = table.lay_out(table_parts)
                 except BaseException:  # an id out of range, say: no gather has run, the workspaces go back
                     _return_leases(leases)
                     raise
-            act = group.activation_pool.empty((tb.n_out if tb else 0, group.dim), np.float32)  # all written
-            if tb is not None and tb.n_out:
-                gather_combine(group.weights, tb.rows, tb.gains, tb.out_ptr, act, group.prefetch_rows)
+                leases.append(lease)
+            acts.append(table.lookup(tb))
             table_batches.append(tb)
-            acts.append(act)
         activations = [acts[s.group][s.out_offset:s.out_offset + s.n_rows].reshape(s.shape) for s in slots]
         ctx = LookupContext(token, generation, table_batches, slots, leases=leases)
         return inputs.unflatten(self._feature_config, activations), ctx

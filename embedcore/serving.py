@@ -17,7 +17,8 @@ from __future__ import annotations
 
 from .checkpoint import CheckpointError, read_current, table_tensors
 from .checkpoint.config_codec import decode_engine_config
-from .lookup import TableLookup, _PhysicalTable
+from .lookup import TableLookup
+from .tables import read_only_tables
 
 __all__ = ["ServingEmbedding"]
 
@@ -45,12 +46,8 @@ class ServingEmbedding(TableLookup):
             return snap, tables, weights
 
         snap, tables, weights = read_current(path, read)
-        groups = []
-        for table in tables:
-            group = _PhysicalTable([table], [0], table.dim, None)
-            group.weights = weights[table.name]
-            groups.append(group)
-        self._index_groups(groups)
+        self._physical = read_only_tables(tables, weights)
+        self._index_tables(self._physical)
         self.step = snap.step
         self.path = snap.dir
 

@@ -71,7 +71,7 @@ def test_workspace_grows_by_doubling_and_restarts_on_another_dtype():
 def test_engine_tables_slots_and_activations_start_on_a_cache_line(optimizer):
     tables = [ec.TableConfig(5000, 64, name="a"), ec.TableConfig(3000, 16, name="b")]
     emb = ec.Embedding({"f": ec.FeatureConfig(tables[0]), "g": ec.FeatureConfig(tables[1])}, optimizer)
-    for group in emb._groups:
+    for group in emb.physical_tables:
         assert is_aligned(group.weights)
         assert all(is_aligned(slot) for slot in group.slots)
     rng = np.random.default_rng(0)
@@ -80,5 +80,5 @@ def test_engine_tables_slots_and_activations_start_on_a_cache_line(optimizer):
         acts, ctx = emb.lookup(features)
         assert is_aligned(acts["f"]) and is_aligned(acts["g"])
         emb.apply_gradients({k: np.ones_like(v) for k, v in acts.items()}, ctx)
-    for group in emb._groups:
+    for group in emb.physical_tables:
         assert all(is_aligned(b) for b in group.workspace._buffers.values())

@@ -102,7 +102,7 @@ def test_every_builtin_round_trips(tmp_path):
         emb.save(tmp_path / f"c{k}")
         back = ec.Embedding.restore(tmp_path / f"c{k}", allow_import=True)
         assert back.tables["t"].optimizer is None
-        assert back._optimizer == opt
+        assert back.optimizer == opt
         assert back.tables["t"].initializer == ec.RandomUniform(-1, 1, seed=3)
         assert_same_state(back, emb)
 
@@ -289,10 +289,7 @@ def test_mismatched_engine_is_refused_and_non_strict_loads(saved):
         other.load(path, strict=False)
     # Same tables and slots, another learning rate: strict refuses, non-strict loads.
     changed = resume_worker.make_engine()
-    changed._optimizer.learning_rate = 0.5
-    for g in changed._groups:
-        if g.optimizer is changed._optimizer:
-            g.optimizer = changed._optimizer
+    changed.optimizer.learning_rate = 0.5
     with pytest.raises(CheckpointError, match=r"learning_rate: checkpoint has 0.05, the engine has 0.5"):
         changed.load(path)
     changed.load(path, strict=False)

@@ -28,7 +28,7 @@ WORKER = textwrap.dedent('''
     t1 = time.perf_counter()
     emb.apply_gradients({"f": np.ones_like(acts["f"])}, ctx)
     applied = time.perf_counter() - t1
-    group = emb._groups[0]
+    group = emb.physical_tables[0]
     kernel = fused_update_kernel(group.row_function, dim=group.dim)
     print(json.dumps({"table": emb.embedding_tables["t"].tolist(),
                       "kernel_hits": sum(kernel.stats.cache_hits.values()),

@@ -342,14 +342,14 @@ def test_rows_stay_cached_needs_reuse_and_a_small_set_of_rows():
 def test_lookup_prefetches_unless_the_last_update_saw_a_hot_set_of_rows(dim, monkeypatch):
     """apply_gradients judges from its batch whether the next lookup's rows will be cached; the lookup then
     skips the prefetch. The activations are the same either way (against a NumPy gather)."""
-    from embedcore import lookup
+    from embedcore.tables import physical
     seen = []
-    real = lookup.gather_combine
+    real = physical.gather_combine
 
     def recording(*args):
         seen.append(args[-1])
         return real(*args)
-    monkeypatch.setattr(lookup, "gather_combine", recording)
+    monkeypatch.setattr(physical, "gather_combine", recording)
     table = ec.TableConfig(50_000, dim, name="t", combiner="sum", initializer=ec.RandomUniform(-1, 1))
     emb = ec.Embedding({"f": ec.FeatureConfig(table)}, ec.SGD(0.0))
     weights = emb.embedding_tables["t"]
@@ -360,7 +360,7 @@ def test_lookup_prefetches_unless_the_last_update_saw_a_hot_set_of_rows(dim, mon
         acts, ctx = emb({"f": ids})
         np.testing.assert_allclose(acts["f"], weights[ids].astype(np.float64).sum(axis=1), rtol=1e-5, atol=1e-6)
         emb.apply_gradients({"f": np.ones_like(acts["f"])}, ctx)
-        assert emb._groups[0].prefetch_rows is then_prefetch
+        assert emb.physical_tables[0].prefetches_rows is then_prefetch
     assert seen == [True, False, False, True]  # the first lookup has seen no batch yet
 
 
@@ -429,7 +429,7 @@ def test_update_kernels_compile_when_the_engine_is_built(combiner):
     b = ec.TableConfig(10, 16, name="b", optimizer=ec.CustomOptimizer(scaled, 0.1),  # a kernel for its length
                        combiner=combiner)
     emb = ec.Embedding({"fa": ec.FeatureConfig(a), "fb": ec.FeatureConfig(b)})
-    kernels = [fused_update_kernel(g.row_function, g.optimizer.lazy, g.dim) for g in emb._groups]
+    kernels = [fused_update_kernel(g.row_function, g.optimizer.lazy, g.dim) for g in emb.physical_tables]
     compiled = [len(k.signatures) for k in kernels]
     assert all(n >= 1 for n in compiled)
     for ids in (np.array([], np.int64), np.array([3]), np.array([1, 2, 2, 9])):  # 0, 1 and more occurrences

@@ -108,7 +108,7 @@ def test_lookups_lease_their_batches_and_give_them_back():
     import gc
     table = ec.TableConfig(40, 4, name="leased", combiner="sum", initializer=ec.RandomUniform(-1, 1))
     emb = ec.Embedding({"f": ec.FeatureConfig(table)}, ec.SGD(0.5))
-    pool = emb._groups[0].batch_pool
+    pool = emb.physical_tables[0].batch_pool
     ids_a, ids_b = np.array([[1, 2], [3, 3]]), np.array([[7, 1], [5, 9]])
     acts_a, ctx_a = emb({"f": ids_a})
     acts_b, ctx_b = emb({"f": ids_b})
@@ -136,7 +136,7 @@ def test_activations_held_are_never_reused_and_released_ones_are():
     array (and view, and torch tensor) of it."""
     table = ec.TableConfig(1000, 64, name="pooled", combiner="sum", initializer=ec.RandomUniform(-1, 1))
     emb = ec.Embedding({"f": ec.FeatureConfig(table)}, ec.SGD(0.1))
-    pool = emb._groups[0].activation_pool
+    pool = emb.physical_tables[0].activation_pool
     rng = np.random.default_rng(0)
     batches = [rng.integers(0, 1000, (8192, 3)) for _ in range(4)]  # 8192 x 64 float32 = 2 MB
     expected = [emb.embedding_tables["pooled"][b].sum(axis=1) for b in batches]
@@ -309,7 +309,7 @@ def test_out_of_range_id_refused_by_the_layout_names_it_and_leaves_no_trace():
     emb = ec.Embedding({"a": ec.FeatureConfig(table, name="first"),
                         "b": ec.FeatureConfig(table, name="big"),
                         "s": ec.FeatureConfig(table, name="seq", max_sequence_length=2)}, ec.SGD(0.1))
-    pool = emb._groups[0].batch_pool
+    pool = emb.physical_tables[0].batch_pool
     n_big = occ.PARALLEL_MIN + 100
     good = {"a": np.array([[1], [2]]), "b": ec.Ragged(np.arange(n_big) % 50, np.array([0, n_big // 2, n_big])),
             "s": ec.Ragged(np.array([1, 2, 3]), np.array([0, 3, 3]))}

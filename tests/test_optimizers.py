@@ -306,7 +306,7 @@ def test_gradients_consecutive_in_memory_are_used_in_place_and_others_copied(lay
         _, ctx = emb.lookup(batch)
         emb.apply_gradients(g, ctx)
         results.append({k: v.copy() for k, v in emb.embedding_tables.items()})
-        copied = "d_act" in emb._groups[0].workspace._buffers
+        copied = "d_act" in emb.physical_tables[0].workspace._buffers
     assert copied == (layout != "one array")
     for name in results[0]:
         np.testing.assert_array_equal(results[1][name], results[0][name])

@@ -368,7 +368,7 @@ def test_an_optimizer_subclass_of_the_users_own_is_still_restored(tmp_path):
     emb = ec.Embedding({"f": ec.FeatureConfig(ec.TableConfig(10, 4, name="t"))}, MyAdagrad(0.3))
     emb.save(tmp_path / "c")
     back = ec.Embedding.restore(tmp_path / "c", allow_import=True)
-    assert type(back._optimizer) is MyAdagrad
+    assert type(back.optimizer) is MyAdagrad
 
 
 class MyAdagrad(ec.Adagrad):
@@ -595,7 +595,7 @@ def test_a_numba_compiled_row_function_is_still_restored(tmp_path):
     emb = ec.Embedding({"f": ec.FeatureConfig(ec.TableConfig(10, 4, name="t"))}, ec.CustomOptimizer(njit_sgd, 0.1))
     emb.save(tmp_path / "c")
     back = ec.Embedding.restore(tmp_path / "c", allow_import=True)
-    assert back._optimizer.custom_computation is njit_sgd
+    assert back.optimizer.custom_computation is njit_sgd
 
 
 @pytest.mark.parametrize("step", [-1, 2.5, 2 ** 63, True])

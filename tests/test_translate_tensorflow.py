@@ -412,7 +412,7 @@ WORKER = textwrap.dedent('''
     emb = ec.Embedding({"f": ec.FeatureConfig(ec.TableConfig(20, 8, name="t", initializer=ec.Zeros()))}, opt)
     acts, ctx = emb({"f": np.array([1, 3, 3, 7])})
     emb.apply_gradients({"f": np.ones_like(acts["f"])}, ctx)
-    group = emb._groups[0]
+    group = emb.physical_tables[0]
     kernel = fused_update_kernel(group.row_function, dim=group.dim)
     print(json.dumps({"fingerprint": compile_cache.fingerprint(row_function),
                       "table": emb.embedding_tables["t"].tolist(),

@@ -36,7 +36,7 @@ _EXTRA = "extra.safetensors"
 
 
 def engine_config(emb) -> dict:
-    config = encode_engine_config(emb._feature_config, list(emb._table_configs.values()), emb._optimizer, emb.seed)
+    config = encode_engine_config(emb.feature_config, list(emb.tables.values()), emb.optimizer, emb.seed)
     config["non_finite"] = emb.non_finite
     return config
 
@@ -92,8 +92,9 @@ def save(emb, path, extra=None, metadata=None) -> str:
     extra = check_save_inputs(extra, metadata, emb.step)
     writer = SnapshotWriter(path, emb.step)
     try:
-        whole = {name: (0, 1, t.vocabulary_size) for name, t in emb._table_configs.items()}
-        entries = write_table_shards(writer, emb._table_configs, emb.embedding_tables, emb.slot_variables, whole)
+        configs = emb.tables
+        whole = {name: (0, 1, t.vocabulary_size) for name, t in configs.items()}
+        entries = write_table_shards(writer, configs, emb.embedding_tables, emb.slot_variables, whole)
         if extra:
             writer.add(_EXTRA, extra)
         return writer.commit(manifest_of(emb.step, config, entries, _EXTRA if extra else None, metadata))
@@ -275,7 +276,7 @@ def check_restore_fits(snap: Snapshot, shapes: dict) -> None:
                f"slots)", error=CheckpointError)
 
 
-def restore(cls, path, functions=None, allow_import: bool = False, stack_tables: bool = True):
+def restore(cls, path, functions=None, allow_import: bool = False, stack_tables: bool = True, tuning=None):
     """A new ``cls`` engine from a checkpoint (see :meth:`embedcore.Embedding.restore`).
 
     The manifest is checked whole, the memory the engine needs is checked against the machine, the
@@ -292,10 +293,9 @@ def restore(cls, path, functions=None, allow_import: bool = False, stack_tables:
         return snap, features, optimizer, seed, arrays
 
     snap, features, optimizer, seed, arrays = read_current(path, read)
-    emb = cls.__new__(cls)
     try:
-        emb._setup(features, optimizer, seed, stack_tables, fill=False,
-                   non_finite=snap.manifest["config"].get("non_finite", "raise"))
+        emb = cls(features, optimizer, seed=seed, stack_tables=stack_tables, fill=False, tuning=tuning,
+                  non_finite=snap.manifest["config"].get("non_finite", "raise"))
     except (ValueError, TypeError) as e:
         raise CheckpointError(f"{snap.dir}: the checkpoint's configuration does not build an engine: "
                               f"{type(e).__name__}: {e}") from None

@@ -61,7 +61,7 @@ def save(emb, path, extra, metadata) -> str:
             if writer is None:
                 writer = SnapshotWriter.attach(path, name)
             shards = {n: (s.first, s.stride, s.rows) for n, s in emb.shards.items()}
-            entries = write_table_shards(writer, emb._table_configs, emb.embedding_tables, emb.slot_variables,
+            entries = write_table_shards(writer, emb.tables, emb.embedding_tables, emb.slot_variables,
                                          shards, suffix=f"-shard-{rank:05d}-of-{emb.world_size:05d}")
             if rank == 0 and extra:
                 writer.add(_EXTRA, extra)
@@ -154,7 +154,7 @@ def gather_tables(emb, root: int):
     ex, world = emb._exchange, emb.world_size
     out = {}
     tables, slots = emb.embedding_tables, emb.slot_variables
-    for name, config in emb._table_configs.items():
+    for name, config in emb.tables.items():
         rot = emb._rotation[name]
         shards = [shard_of(config.vocabulary_size, world, k, rot) for k in range(world)]
         whole = {}

@@ -37,15 +37,15 @@ import numpy as np
 
 from .. import inputs
 from ..checkpoint.config_codec import encode_engine_config
-from ..compiler import RowFunctionError, describe
-from ..config import FeatureConfig, TableConfig
-from ..engine import Embedding, NonFiniteError, UpdateReport, _check_gradient
+from ..compiler import RowFunctionError
+from ..engine import NON_FINITE_POLICIES, NonFiniteError, UpdateReport, check_gradient, gradient_rows
 from ..kernels.aligned import aligned_zeros
-from ..kernels.dedup import unique_rows
 from ..kernels.rows import gather_combine, sum_gradients
-from ..kernels.update import STATUS_LENGTH, STATUS_RAISED, update_kernel
 from ..kernels.workspace import Workspace
-from ..lookup import LookupContext, TableLookup, _PhysicalTable
+from ..lookup import LookupContext, TableLookup
+from ..optimizers import Optimizer
+from ..tables import physical_tables
+from ..tuning import DEFAULT_TUNING, Tuning
 from . import checkpoint as _checkpoint
 from .exchange import DistributedError, Exchanger, Refused, describe_error
 from .kernels import flat_to_rows, occurrence_unique, rows_to_flat
@@ -75,6 +75,18 @@ class ShardedLookupContext(LookupContext):
     route: Route = None
 
 
+@dataclass
+class IdSpace:
+    """Tables of one ``dim`` stacked into one id space, as a lookup lays a batch out (their rows live with
+    their owners); ``workspace`` holds the dedup of each lookup's batch."""
+
+    tables: list
+    offsets: list
+    dim: int
+    n_rows: int
+    workspace: Workspace
+
+
 class _Constants:
     """Grow-only ``arange`` and ``ones`` (the owner's update sees each received sum as one occurrence)."""
 
@@ -102,6 +114,7 @@ class ShardedEmbedding(TableLookup):
     Args:
         feature_config, optimizer, seed, non_finite: as for :class:`~embedcore.Embedding`; must be equal
             on every rank (checked at construction).
+        tuning: an :class:`~embedcore.tuning.Tuning` for this rank's shards (speed only).
         comm: an ``mpi4py`` communicator; ``None`` means ``MPI.COMM_WORLD``. ``lookup``,
             ``apply_gradients``, ``save``, ``load`` and ``gather_tables`` are collectives on it: call them in
             the same order on every rank (pass ``comm.Dup()`` to keep them apart from your own collectives).
@@ -112,7 +125,7 @@ class ShardedEmbedding(TableLookup):
     """
 
     def __init__(self, feature_config, optimizer=None, *, comm=None, seed=0, non_finite="raise",
-                 timeout: float = 120.0):
+                 timeout: float = 120.0, tuning: Tuning | None = None):
         self.comm = _world_comm(comm)
         self.rank, self.world_size = self.comm.Get_rank(), self.comm.Get_size()
         self._exchange = ex = Exchanger(self.comm, timeout)
@@ -126,44 +139,39 @@ class ShardedEmbedding(TableLookup):
         self._agreed(error, exc, "building the embedding configuration")
         tables, self._config, text = result
         ex.same_everywhere(text, "the embedding configuration (feature_config, tables, optimizers, seed, non_finite)")
-        _, error, exc = _attempt(lambda: self._build(tables, optimizer, seed, non_finite))
+        _, error, exc = _attempt(lambda: self._build(tables, optimizer, seed, non_finite, tuning))
         self._agreed(error, exc, "building this rank's shards")
 
-    def _build(self, tables, optimizer, seed, non_finite):
+    def _build(self, tables, optimizer, seed, non_finite, tuning):
+        if optimizer is not None and not isinstance(optimizer, Optimizer):
+            raise ValueError(f"optimizer must be an embedcore optimizer or None, got {optimizer!r}")
+        if non_finite not in NON_FINITE_POLICIES:
+            raise ValueError(f"non_finite must be one of {NON_FINITE_POLICIES}, got {non_finite!r}")
         self._optimizer, self.seed, self.non_finite = optimizer, int(seed), non_finite
+        self.tuning = DEFAULT_TUNING if tuning is None else tuning
         self.step = 0
         self.skipped_rows = {}
         self._lock = threading.Lock()
         by_dim = {}
         for t in tables:
             by_dim.setdefault(t.dim, []).append(t)
-        groups = []
+        spaces = []
         for dim, members in by_dim.items():
             offsets = np.cumsum([0] + [t.vocabulary_size for t in members[:-1]]).tolist()
-            groups.append(_PhysicalTable(members, offsets, dim, None))
+            spaces.append(IdSpace(members, offsets, dim, offsets[-1] + members[-1].vocabulary_size, Workspace()))
         # Lookups stack the tables of equal dim into one id space each, their rows held by their owners.
-        self._index_groups(groups)
+        self._index_tables(spaces)
         self._rotation = {t.name: rotation(t.name, self.world_size) for t in tables}
         self.shards = {t.name: shard_of(t.vocabulary_size, self.world_size, self.rank, self._rotation[t.name])
                        for t in tables}
-        # This rank's rows: an ordinary engine over the shards (stacked as usual), filled with the values the
-        # whole tables would hold. A shard of no rows keeps one zero placeholder row (tables need a row).
-        local_tables = {t.name: TableConfig(max(self.shards[t.name].rows, 1), t.dim, initializer=t.initializer,
-                                            optimizer=t.optimizer, combiner=t.combiner, name=t.name) for t in tables}
-        self.local = Embedding.__new__(Embedding)
-        self.local._setup({name: FeatureConfig(t) for name, t in local_tables.items()}, optimizer, seed,
-                          True, fill=False, non_finite=non_finite)
-        for t in tables:
-            shard = self.shards[t.name]
-            if shard.rows == 0:
-                g, offset = self.local._group_of[id(self.local._table_configs[t.name])]
-                for array in (self.local._groups[g].weights,) + self.local._groups[g].slots:
-                    array[offset] = 0
-            self.local._fill_table(self.local._table_configs[t.name], shard.first, shard.stride,
-                                   t.vocabulary_size, n_rows=shard.rows)
-        self._layout = Layout(self._groups, tables, self._rotation, self.local, self.shards, self.world_size)
+        # This rank's rows: physical tables over the shards (stacked as usual), filled with the values the
+        # whole tables would hold. The owner's update sees each received sum as one occurrence of gain 1.
+        self._physical = physical_tables(
+            tables, optimizer, seed=self.seed, tuning=self.tuning, unit_gains=lambda table: True,
+            shards={name: (s.first, s.stride, s.rows) for name, s in self.shards.items()})
+        self._layout = Layout(self._spaces, tables, self._rotation, self._physical, self.world_size)
         self._workspace = Workspace()
-        self._batch_workspaces = [Workspace() for _ in groups]  # a lookup's table batches, kept for its update
+        self._batch_workspaces = [Workspace() for _ in spaces]  # a lookup's table batches, kept for its update
         self._constants = _Constants()
         self._lookups = 0
         self._pending = None  # weak reference to the last lookup's route while its gradients are not applied
@@ -203,12 +211,17 @@ class ShardedEmbedding(TableLookup):
     @property
     def embedding_tables(self) -> dict:
         """Table name -> this rank's rows of the table (global rows ``shards[name].global_rows()``)."""
-        return {name: table[:self.shards[name].rows] for name, table in self.local.embedding_tables.items()}
+        return super().embedding_tables
 
     @property
     def slot_variables(self) -> dict:
-        return {name: {s: v[:self.shards[name].rows] for s, v in slots.items()}
-                for name, slots in self.local.slot_variables.items()}
+        """Table name -> {slot name: this rank's rows of the slot}."""
+        return {name: table.slot_rows(name) for table in self._physical for name in table.table_names}
+
+    @property
+    def optimizer(self):
+        """The optimizer of every table that does not set its own (as passed; may be None)."""
+        return self._optimizer
 
     def gather_tables(self, root: int = 0):
         """The whole tables and slots on ``root`` (``None`` elsewhere): ``{name: (weights, {slot: array})}``.
@@ -271,8 +284,8 @@ class ShardedEmbedding(TableLookup):
 
         def requests():
             slots, parts = self._prepare(features, weights)
-            batches = [inputs.build_table_batch(p, w) for p, w in zip(parts, self._batch_workspaces)]
-            return slots, *route_requests(layout, self._groups, batches, ws, self._lookups + 1)
+            batches = [inputs.build_table_batch(p, w, self.tuning) for p, w in zip(parts, self._batch_workspaces)]
+            return slots, *route_requests(layout, self._spaces, batches, ws, self._lookups + 1)
         result, error, exc = _attempt(requests)
         try:
             route = result[1] if result else None
@@ -298,19 +311,19 @@ class ShardedEmbedding(TableLookup):
         ex.alltoallv(send_ids, route.ids_to, recv_ids, route.ids_from, "lookup (ids)")
         resolve(layout, route, recv_ids, ws)
         answer = ws.array("answer", int(route.floats_to.sum()), np.float32)
-        for lg, group in enumerate(self.local._groups):
-            lo, hi = route.group_ptr[lg], route.group_ptr[lg + 1]
-            rows_to_flat(group.weights, route.own_rows[lo:hi], route.own_offset[lo:hi], answer)
+        for k, table in enumerate(self._physical):
+            lo, hi = route.group_ptr[k], route.group_ptr[k + 1]
+            rows_to_flat(table.weights, route.own_rows[lo:hi], route.own_offset[lo:hi], answer)
         received = ws.array("rows_in", int(route.floats_from.sum()), np.float32)
         ex.alltoallv(answer, route.floats_to, received, route.floats_from, "lookup (rows)")
         acts = []
-        for k, (group, g) in enumerate(zip(self._groups, route.groups)):
+        for k, (space, g) in enumerate(zip(self._spaces, route.groups)):
             tb = g["tb"]
-            rows_u = ws.array(f"rows_{k}", (g["uniq"].shape[0], group.dim), np.float32)
+            rows_u = ws.array(f"rows_{k}", (g["uniq"].shape[0], space.dim), np.float32)
             flat_to_rows(received, g["row_offset"], rows_u)
             occurrence = ws.array(f"occurrence_{k}", tb.rows.shape[0], np.int64)
             occurrence_unique(g["ptr"], g["order"], occurrence)
-            act = aligned_zeros((tb.n_out, group.dim), np.float32)
+            act = aligned_zeros((tb.n_out, space.dim), np.float32)
             if tb.n_out:
                 gather_combine(rows_u, occurrence, tb.gains, tb.out_ptr, act)
             acts.append(act)
@@ -329,11 +342,11 @@ class ShardedEmbedding(TableLookup):
         self._check_context(ctx, ShardedLookupContext)
         leaves = inputs.flatten_like(self._feature_config, gradients, "gradients")
         refuse = self.non_finite == "raise"
-        checked = [_check_gradient(grad, s, refuse) for grad, s in zip(leaves, ctx.features)]
+        checked = [check_gradient(grad, s, refuse) for grad, s in zip(leaves, ctx.features)]
         values = {}
-        for group in self.local._groups:
-            if id(group.optimizer) not in values:
-                values[id(group.optimizer)] = group.optimizer.step_values(self.step + 1)
+        for table in self._physical:
+            if id(table.optimizer) not in values:
+                values[id(table.optimizer)] = table.optimizer.step_values(self.step + 1)
         return checked, values
 
     def _apply(self, gradients, ctx):
@@ -350,8 +363,7 @@ class ShardedEmbedding(TableLookup):
         ctx.consumed = True
         if self._pending is not None and self._pending() is route:
             self._pending = None
-        for name, rows in report.skipped.items():
-            self.skipped_rows[name] = self.skipped_rows.get(name, 0) + sum(len(v) for v in rows.values())
+        report.tally(self.skipped_rows)
         message = "; ".join(([_ROW_FUNCTION + report.describe_failed(failing)] if failing else []) +
                             ([report.describe()] if report.skipped and self.non_finite == "raise" else [])) or None
         try:
@@ -370,10 +382,10 @@ class ShardedEmbedding(TableLookup):
         """Sum this rank's gradients per unique id, send the sums to the owners, update this rank's shards."""
         ws = self._workspace
         sums_out = ws.array("grads_out", int(route.floats_from.sum()), np.float32)
-        for k, (group, g) in enumerate(zip(self._groups, route.groups)):
+        for k, (space, g) in enumerate(zip(self._spaces, route.groups)):
             tb = g["tb"]
-            d_act = Embedding._gradient_rows(k, group, tb, checked, features)
-            sums = ws.array(f"sums_{k}", (g["uniq"].shape[0], group.dim), np.float32)
+            d_act = gradient_rows(k, tb.n_out, space.dim, space.workspace, checked, features)
+            sums = ws.array(f"sums_{k}", (g["uniq"].shape[0], space.dim), np.float32)
             if sums.shape[0]:
                 sum_gradients(sums, g["ptr"], g["order"], tb.out_row, tb.gains, d_act)
             rows_to_flat(sums, self._constants.get(sums.shape[0])[0], g["row_offset"], sums_out)
@@ -383,40 +395,24 @@ class ShardedEmbedding(TableLookup):
         return self._update_shards(route, sums_in, step, values)
 
     def _update_shards(self, route: Route, sums_in, step, values):
-        """Run each local physical table's fused kernel on the gradient sums this rank received.
+        """Update each of this rank's physical tables with the gradient sums it received (each a batch of one
+        occurrence per sum, of gain 1, in rank order: a row's sums are summed in rank order).
 
         Returns the report (global row ids) and the names of the row functions that failed on some rows of
         this rank's shards (raised, or returned rows of the wrong length: ``report.failed``), if any.
         """
         report = UpdateReport(step)
         failing = set()
-        for lg, group in enumerate(self.local._groups):
-            lo, hi = int(route.group_ptr[lg]), int(route.group_ptr[lg + 1])
-            lazy = group.optimizer.lazy
-            if hi == lo and lazy:
+        for k, table in enumerate(self._physical):
+            lo, hi = int(route.group_ptr[k]), int(route.group_ptr[k + 1])
+            if hi == lo and table.optimizer.lazy:
                 continue
-            lr, hyper = values[id(group.optimizer)]
-            d_act = self._workspace.array(f"owner_sums_{lg}", (hi - lo, group.dim), np.float32)
+            lr, hyper = values[id(table.optimizer)]
+            d_act = self._workspace.array(f"owner_sums_{k}", (hi - lo, table.dim), np.float32)
             flat_to_rows(sums_in, route.own_offset[lo:hi], d_act)
-            ws = group.workspace
-            uniq, ptr, order = unique_rows(route.own_rows[lo:hi], group.n_rows, ws)
-            status = ws.array("status", (uniq.shape[0] if lazy else group.n_rows,), np.uint8)
-            status[:] = 0
-            out_row, gains = self._constants.get(hi - lo)
-            update_kernel(group.row_function, lazy=lazy)(group.weights, group.slots, uniq, ptr, order, out_row, gains,
-                                                         d_act, lr, hyper, status)
-            if not lazy:
-                status[self._layout.placeholders[lg]] = 0  # placeholder rows are not table rows
-            if np.isin(status[np.flatnonzero(status)], (STATUS_RAISED, STATUS_LENGTH)).any():
-                failing.add(describe(group.row_function.python_function))
-            self._record_skips(report, group, uniq, status, lazy)
+            sums = inputs.TableBatch(route.own_rows[lo:hi], None, self._constants.get(hi - lo + 1)[0], hi - lo)
+            update = table.update(sums, d_act, lr, hyper)
+            report.add(update)
+            if update.function is not None:
+                failing.add(update.function)
         return report, " and ".join(sorted(failing))
-
-    def _record_skips(self, report, group, uniq, status, lazy):
-        """Like ``UpdateReport._record``, but with global row ids."""
-        local = UpdateReport(report.step)
-        local._record(group, uniq, status, lazy)
-        for into, found in ((report.skipped, local.skipped), (report.failed, local.failed)):
-            for name, rows in found.items():
-                shard = self.shards[name]
-                into[name] = {k: shard.first + shard.stride * v for k, v in rows.items()}

@@ -28,13 +28,13 @@ class Layout:
     """Static routing facts of a sharded engine.
 
     Args:
-        groups: the lookup's virtual groups (tables of equal ``dim`` stacked in one id space each).
+        groups: the lookup's id spaces (tables of equal ``dim`` stacked in one id space each).
         tables: every table, in the engine's order (exchange ids number their rows in this order).
         rotation: table name -> its rotation.
-        local: the rank's own stacked shards (an ``Embedding`` over them) and ``shards``: table name -> Shard.
+        local: the rank's physical tables over its shards (:class:`~embedcore.tables.PhysicalTable`).
     """
 
-    def __init__(self, groups, tables, rotation, local, shards, world):
+    def __init__(self, groups, tables, rotation, local, world):
         self.world = world
         index = {t.name: i for i, t in enumerate(tables)}
         sizes = np.array([t.vocabulary_size for t in tables], np.int64)
@@ -47,22 +47,20 @@ class Layout:
                 "rot": np.array([rotation[t.name] for t in group.tables], np.int64),
                 "xbase": np.array([self.xbase[index[t.name]] for t in group.tables], np.int64),
                 "dim": group.dim})
-        local_of = {t.name: t for t in local._table_configs.values()}
+        holder = {name: (k, table.place(name).offset) for k, table in enumerate(local) for name in table.table_names}
         self.table_group = np.empty(len(tables), np.int64)
         self.table_offset = np.empty(len(tables), np.int64)
         self.table_dim = np.array([t.dim for t in tables], np.int64)
         for i, t in enumerate(tables):
-            self.table_group[i], self.table_offset[i] = local._group_of[id(local_of[t.name])]
-        # Physical rows standing in for shards of no rows (a table with fewer rows than ranks).
-        self.placeholders = [np.array([off for t, off in zip(g.tables, g.offsets) if shards[t.name].rows == 0],
-                                      np.int64) for g in local._groups]
+            self.table_group[i], self.table_offset[i] = holder[t.name]
+        self.n_local = len(local)
         self.max_dim = int(self.table_dim.max())
 
 
 class Route:
     """One lookup's routing on this rank.
 
-    Requester side, per virtual group: the table batch ``tb`` (occurrences), its unique rows ``uniq`` with occurrences
+    Requester side, per id space: the table batch ``tb`` (occurrences), its unique rows ``uniq`` with occurrences
     ``order[ptr[u]:ptr[u + 1]]``, and ``row_offset[u]``: where unique row ``u``'s values start in the flat
     buffer of rows received (and of gradient sums sent). Per peer ``k``: ``ids_to[k]`` ids asked of it,
     ``floats_from[k]`` row values received from it (= gradient values sent to it).
@@ -108,7 +106,7 @@ class Route:
 
 
 def route_requests(layout: Layout, groups, batches, workspace, seq: int) -> tuple:
-    """Dedup each virtual group's batch and lay out this rank's requests, peer by peer.
+    """Dedup each id space's batch and lay out this rank's requests, peer by peer.
 
     Returns ``(route, send_ids)``: the route's requester side and the exchange ids to send (peer-major).
     """
@@ -142,7 +140,7 @@ def resolve(layout: Layout, route: Route, recv_ids, workspace) -> None:
     n = recv_ids.shape[0]
     route.own_rows = workspace.array("own_rows", n, np.int64)
     route.own_offset = workspace.array("own_offset", n, np.int64)
-    route.group_ptr = np.empty(len(layout.placeholders) + 1, np.int64)
+    route.group_ptr = np.empty(layout.n_local + 1, np.int64)
     route.floats_to = np.empty(layout.world, np.int64)
     recv_ptr = np.append(displacements(route.ids_from), n)
     resolve_requests(recv_ids, recv_ptr, layout.xbase, layout.table_group, layout.table_offset, layout.table_dim,

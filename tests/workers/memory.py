@@ -223,8 +223,8 @@ def peak_phase():
         del warm, acts, ctx
         for vocab in PEAK_VOCABS:
             emb = peak_engine(vocab, kind)  # tables allocated and written (initialised) before measuring
-            assert [g.dim for g in emb._groups] == [g["dim"] for g in PEAK_SHAPE["groups"][kind]]
-            table_bytes = sum(g.weights.nbytes + sum(s.nbytes for s in g.slots) for g in emb._groups)
+            assert [g.dim for g in emb.physical_tables] == [g["dim"] for g in PEAK_SHAPE["groups"][kind]]
+            table_bytes = sum(g.weights.nbytes + sum(s.nbytes for s in g.slots) for g in emb.physical_tables)
             tracemalloc.start()
             first = traced_step(emb, *batches[0])
             later = [traced_step(emb, *batches[t]) for t in (1, 2)]
@@ -232,8 +232,8 @@ def peak_phase():
             hwm = [hwm_step(emb, *batches[3]) for _ in range(3)]
             out["runs"][f"{kind}:{vocab}"] = {
                 "kind": kind, "vocab": vocab, "table_bytes": table_bytes, "first": first, "later": later,
-                "hwm_rise": hwm, "workspace_bytes": [g.workspace.nbytes for g in emb._groups],
-                "pooled_workspaces": [g.batch_pool.idle for g in emb._groups]}
+                "hwm_rise": hwm, "workspace_bytes": [g.workspace.nbytes for g in emb.physical_tables],
+                "pooled_workspaces": [g.batch_pool.idle for g in emb.physical_tables]}
             del emb
             gc.collect()
     return out

@@ -110,13 +110,12 @@ def save_tables(emb, path):
 def poison_placeholders(emb):
     """NaN in the placeholder row of every shard of no rows; returns whether they all were zero before."""
     zero = True
-    for name, shard in emb.shards.items():
-        if shard.rows == 0:
-            g, offset = emb.local._group_of[id(emb.local._table_configs[name])]
-            group = emb.local._groups[g]
-            for array in (group.weights,) + group.slots:
-                zero &= bool(np.all(array[offset] == 0))
-                array[offset] = np.nan
+    for table in emb.physical_tables:
+        for place in table.places:
+            if place.rows == 0:
+                for array in (table.weights,) + table.slots:
+                    zero &= bool(np.all(array[place.offset] == 0))
+                    array[place.offset] = np.nan
     return zero
 
 

@@ -1,0 +1,109 @@
+"""The one place that turns tables into physical tables: the stacking rule, the memory check, storage,
+kernels and initial values.
+
+Stacking rule: with ``stack_tables``, tables of equal optimizers (``__eq__``: by value) and equal ``dim``
+share one physical table, in the order the features first name them, each at the row offset after the
+previous one; without it every table has its own. ``Embedding``, each rank of ``ShardedEmbedding`` (over
+its shards), ``restore`` and ``ServingEmbedding`` (read-only, over a checkpoint's arrays) all build their
+tables here.
+"""
+
+from __future__ import annotations
+
+from ..memory_budget import check_fits
+from ..tuning import Tuning
+from .physical import PhysicalTable, TablePlace
+from .storage import DenseStorage
+
+__all__ = ["physical_tables", "read_only_tables", "stack", "optimizer_of"]
+
+
+def optimizer_of(table, default_optimizer):
+    """The optimizer that updates ``table``: its own, else the engine's; ``ValueError`` when neither is set."""
+    opt = table.optimizer if table.optimizer is not None else default_optimizer
+    if opt is None:
+        raise ValueError(f"table '{table.name}' has no optimizer: set TableConfig(optimizer=...) or pass "
+                         f"one to Embedding(optimizer=...)")
+    return opt
+
+
+def stack(tables, default_optimizer, stack_tables: bool = True) -> list:
+    """``[(optimizer, dim, [tables])]``: the physical tables the stacking rule makes of ``tables``."""
+    groups, by_key = [], {}
+    for table in tables:
+        opt = optimizer_of(table, default_optimizer)
+        key = (opt, table.dim) if stack_tables else id(table)
+        group = by_key.get(key)
+        if group is None:
+            group = by_key[key] = (opt, table.dim, [])
+            groups.append(group)
+        group[2].append(table)
+    return groups
+
+
+def _places(members, shards):
+    """Each member's place: whole tables, or ``shards[name] = (first, stride, rows)`` (a shard of no rows
+    keeps one placeholder row)."""
+    places, offset = [], 0
+    for t in members:
+        first, stride, rows = (0, 1, t.vocabulary_size) if shards is None else shards[t.name]
+        places.append(TablePlace(t, offset, rows, first, stride))
+        offset += max(rows, 1)
+    return places, offset
+
+
+def _check_fits(plans) -> None:
+    """Refuse (``ValueError``) physical tables whose rows and slots (and, for a non-lazy optimizer, the
+    update's status byte per row) cannot fit in memory, each and all together, naming the tables and the
+    bytes, before anything is allocated."""
+    total, names = 0, []
+    for opt, dim, places, n_rows in plans:
+        nbytes = DenseStorage.bytes_needed(n_rows, dim, opt.slot_dims) + (0 if opt.lazy else n_rows)
+        n_slots = len(opt.slot_dims)
+        tables = [p.config.name for p in places]
+        what = (f"table(s) {tables} ({n_rows:,} rows x {dim:,} float32 values"
+                f"{f', plus {n_slots} slot(s)' if n_slots else ''})")
+        check_fits(nbytes, what)
+        total += nbytes
+        names += tables
+    if len(plans) > 1:
+        check_fits(total, f"the tables {names} and their slots together")
+
+
+def physical_tables(tables, default_optimizer, *, stack_tables: bool = True, seed: int = 0,
+                    tuning: Tuning | None = None, fill: bool = True, unit_gains=None, shards=None) -> tuple:
+    """The physical tables of ``tables`` (``TableConfig``, named), stacked by the rule above.
+
+    Args:
+        default_optimizer: the optimizer of tables that set none.
+        seed: the engine's seed of initial values (a table's initializer's own seed wins).
+        tuning: passed on to every physical table.
+        fill: write initial values (``False``: the caller writes every row, e.g. from a checkpoint).
+        unit_gains: ``unit_gains(physical_table) -> bool``, whether its batches without weights have every
+            gain 1 (its kernel is compiled first for the payload its updates will mostly bring); default: no.
+        shards: table name -> ``(first, stride, rows)``: hold only those rows of each table (a rank's shards).
+
+    Raises ``ValueError`` (no optimizer; not enough memory, before anything is allocated) and
+    :class:`~embedcore.compiler.RowFunctionError` (an update kernel that cannot compile).
+    """
+    plans = []
+    for opt, dim, members in stack(tables, default_optimizer, stack_tables):
+        places, n_rows = _places(members, shards)
+        plans.append((opt, dim, places, n_rows))
+    _check_fits(plans)
+    out = []
+    for opt, dim, places, n_rows in plans:
+        table = PhysicalTable(places, DenseStorage(n_rows, dim, opt.slot_dims), opt, tuning)
+        table.compile(table.payload_is_activation_rows(bool(unit_gains(table)) if unit_gains is not None else False))
+        if fill:
+            for p in places:
+                table.fill(p.config.name, seed)
+        out.append(table)
+    return tuple(out)
+
+
+def read_only_tables(tables, weights: dict, tuning: Tuning | None = None) -> tuple:
+    """One read-only physical table per table, over ``weights[name]`` (e.g. a checkpoint's memory-mapped
+    ``[vocabulary_size, dim]`` arrays, not copied): lookups only."""
+    return tuple(PhysicalTable([TablePlace(t, 0, t.vocabulary_size)], DenseStorage.over(weights[t.name]),
+                               None, tuning) for t in tables)

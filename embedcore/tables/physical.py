@@ -1,0 +1,259 @@
+"""A physical table: one storage holding the rows of one or more stacked tables, and everything that reads or
+updates them.
+
+Tables with equal optimizers and equal ``dim`` share one :class:`PhysicalTable` (see
+:mod:`embedcore.tables.factory`), each at a row offset. A :class:`PhysicalTable` owns
+
+* its :class:`~embedcore.tables.storage.Storage` (rows and slots),
+* its scratch: ``workspace`` (the update's arrays), ``batch_pool`` (lookups' table batches, leased until their
+  update) and ``activation_pool`` (lookups' activations),
+* its optimizer's compiled row function and update kernel,
+* its grouping policy (hash block by block, or sort) and its prefetch policy: whether a lookup prefetches
+  rows, judged by the last update from how often its batch re-read each row.
+
+A table may be a *shard*: ``rows`` of its ``vocabulary_size`` rows, table row ``first + i * stride`` at
+physical row ``offset + i`` (a sharded engine's rank holds such shards; a shard of no rows keeps one zero
+placeholder row, never reported). Row ids in :class:`TableUpdate` are the table's own row ids.
+
+:meth:`PhysicalTable.update` is the one update every engine runs: group the batch's occurrences by row (summing
+their gradients), run the fused kernel, and name the rows it left unchanged.
+"""
+
+from __future__ import annotations
+
+from time import perf_counter
+from typing import NamedTuple
+
+import numpy as np
+
+from .. import inputs
+from ..compiler import RowFunctionError, describe
+from ..initializers import TruncatedNormal, fill_rows
+from ..kernels.grouping import Grouper
+from ..kernels.prefetch import rows_stay_cached
+from ..kernels.rows import gather_combine
+from ..kernels.update import STATUS_GRADIENT, STATUS_LENGTH, STATUS_OUTPUT, STATUS_RAISED, compile_for
+from ..kernels.workspace import ArrayPool, Workspace, WorkspacePool
+from ..tuning import DEFAULT_TUNING, Tuning
+from .storage import Storage
+
+__all__ = ["PhysicalTable", "TablePlace", "TableUpdate", "NOTHING_FLAGGED"]
+
+_SKIPPED = (("gradient", STATUS_GRADIENT), ("output", STATUS_OUTPUT))
+_FAILED = (("raised", STATUS_RAISED), ("length", STATUS_LENGTH))
+
+
+class TablePlace(NamedTuple):
+    """Where one table's rows live in a physical table: table row ``first + i * stride`` (``i < rows``) at
+    physical row ``offset + i``."""
+
+    config: object   # TableConfig
+    offset: int
+    rows: int
+    first: int = 0
+    stride: int = 1
+
+
+class TableUpdate(NamedTuple):
+    """The rows one :meth:`PhysicalTable.update` left unchanged, by table name (int64 table row ids).
+
+    ``skipped[name]`` = ``{"gradient": ids, "output": ids}``: NaN/Inf summed gradient, or NaN/Inf result;
+    ``failed[name]`` = ``{"raised": ids, "length": ids}``: the row function raised, or returned rows of the
+    wrong length; ``function`` describes the row function when ``failed`` is not empty (else None).
+    """
+
+    skipped: dict
+    failed: dict
+    function: str | None
+
+
+NOTHING_FLAGGED = TableUpdate({}, {}, None)  # every row updated (shared: never modified)
+
+
+class PhysicalTable:
+    """Stacked tables over one storage; see the module docstring.
+
+    Args:
+        places: each table's :class:`TablePlace`, in stacking order (offsets increasing).
+        storage: the rows and slots (``storage.n_rows`` = the places' rows, a shard of none counting one).
+        optimizer: the tables' optimizer, or None (read-only: lookups only).
+        tuning: the engine's :class:`~embedcore.tuning.Tuning` (default ``DEFAULT_TUNING``).
+    """
+
+    def __init__(self, places, storage: Storage, optimizer=None, tuning: Tuning | None = None):
+        self.places = tuple(places)
+        self.tables = [p.config for p in self.places]
+        self.offsets = [p.offset for p in self.places]
+        self._place = {p.config.name: p for p in self.places}
+        self.storage = storage
+        self.dim = storage.dim
+        self.n_rows = storage.n_rows
+        self.optimizer = optimizer
+        self.tuning = DEFAULT_TUNING if tuning is None else tuning
+        self.workspace = Workspace()
+        self.batch_pool = WorkspacePool()
+        self.activation_pool = ArrayPool()
+        self.row_function = None if optimizer is None else optimizer.compiled(self.dim)
+        self._kernel = None
+        self._lazy = True if optimizer is None else optimizer.lazy
+        self._row_bytes = storage.weights.itemsize * self.dim
+        self._prefetch_rows = True  # set by each update for the next lookup (kernels/prefetch.py)
+        self._grouper = Grouper(self.tuning, stacked=len(self.places) > 1)
+
+    # -- views -------------------------------------------------------------------------------------------
+    @property
+    def weights(self) -> np.ndarray:
+        """All physical rows, ``[n_rows, dim]``."""
+        return self.storage.weights
+
+    @property
+    def slots(self) -> tuple:
+        """All physical rows of each slot, in the optimizer's slot order."""
+        return self.storage.slots
+
+    @property
+    def table_names(self) -> list:
+        return [t.name for t in self.tables]
+
+    def place(self, name: str) -> TablePlace:
+        """Where table ``name`` lives here."""
+        return self._place[name]
+
+    def table_rows(self, name: str) -> np.ndarray:
+        """Table ``name``'s rows held here, ``[rows, dim]`` (a view; rows of a shard: see ``place``)."""
+        p = self._place[name]
+        return self.storage.rows(p.offset, p.rows)
+
+    def slot_rows(self, name: str) -> dict:
+        """Slot name -> table ``name``'s rows of that slot held here (views)."""
+        p = self._place[name]
+        return dict(zip(self.optimizer.slot_names, self.storage.slot_rows(p.offset, p.rows)))
+
+    @property
+    def prefetches_rows(self) -> bool:
+        """Whether the next lookup prefetches the rows it gathers (judged by the last update)."""
+        return self._prefetch_rows
+
+    def __repr__(self):
+        kind = type(self.optimizer).__name__ if self.optimizer is not None else "read-only"
+        return f"PhysicalTable({'+'.join(self.table_names)} [{self.n_rows} x {self.dim}, {kind}])"
+
+    # -- construction ------------------------------------------------------------------------------------
+    def payload_is_activation_rows(self, gains_are_one: bool) -> bool:
+        """Whether updates will mostly bring int32 activation rows (else packed words), for a table whose
+        batches without weights have every gain 1 when ``gains_are_one`` (the grouping policy decides)."""
+        return self._grouper.payload_is_activation_rows(gains_are_one)
+
+    def compile(self, unit_gains: bool) -> None:
+        """Compile the update kernel now for the payload the updates will mostly bring (int32 activation rows
+        when ``unit_gains``, else packed words), so a row function whose kernel cannot compile is refused
+        (:class:`RowFunctionError`) when the engine is built, not halfway through an update."""
+        try:
+            self._kernel = compile_for(self.row_function, self._lazy, self.weights, self.slots,
+                                       self.optimizer.n_hyperparameters, unit_gains=unit_gains)
+        except Exception as exc:  # numba raises many error types; each becomes one clear message
+            cause = "\n".join(str(exc).strip().splitlines()[:12])
+            raise RowFunctionError(f"the update kernel of {describe(self.row_function.python_function)} for "
+                                   f"table(s) {self.table_names} could not be compiled:\n{cause}") from None
+
+    def fill(self, name: str, seed: int) -> None:
+        """Initial values of table ``name``'s rows held here and of their slots (each value a function of the
+        seed, the table and the row id, so a shard holds what the whole table would); a placeholder row is
+        zero."""
+        p = self._place[name]
+        table = p.config
+        if p.rows == 0:
+            for array in (self.weights,) + self.slots:
+                array[p.offset] = 0
+        rows = slice(p.offset, p.offset + p.rows)
+        init = table.initializer or TruncatedNormal(0.0, 1.0 / np.sqrt(table.dim))
+        fill_rows(init, self.weights[rows], p.first, table.vocabulary_size, seed, table.name, stride=p.stride)
+        opt = self.optimizer
+        for slot_name, slot_init, slot in zip(opt.slot_names, opt.slot_initializers, self.slots):
+            view = slot[rows] if slot.ndim == 2 else slot[rows][:, None]
+            fill_rows(slot_init, view, p.first, table.vocabulary_size, seed, table.name, slot_name, stride=p.stride)
+
+    # -- lookup ------------------------------------------------------------------------------------------
+    def lay_out(self, parts):
+        """The :class:`~embedcore.inputs.TableBatch` of ``parts`` (see ``inputs.build_table_batch``), in a
+        workspace leased from ``batch_pool``; returns ``(table_batch, lease)``, ``lease`` being what to give
+        back (``batch_pool.release``) once the batch's update is done. Nothing stays leased if it raises."""
+        timer = self.tuning.phase_timer
+        t0 = perf_counter() if timer is not None else 0.0
+        workspace = self.batch_pool.acquire()
+        try:
+            tb = inputs.build_table_batch(parts, workspace, self.tuning)
+        except BaseException:  # an id out of range, say
+            self.batch_pool.release(workspace)
+            raise
+        if timer is not None:
+            timer("layout", perf_counter() - t0)
+        return tb, (self.batch_pool, workspace)
+
+    def lookup(self, table_batch, out: np.ndarray | None = None) -> np.ndarray:
+        """``out[a] = sum over the occurrences o of activation row a of gain[o] * row[o]``; ``out`` (float32
+        ``[n_out, dim]``, every row written) defaults to an array from ``activation_pool``."""
+        tb = table_batch
+        if out is None:
+            out = self.activation_pool.empty((tb.n_out if tb is not None else 0, self.dim), np.float32)
+        if tb is not None and tb.n_out:
+            timer = self.tuning.phase_timer
+            t0 = perf_counter() if timer is not None else 0.0
+            gather_combine(self.weights, tb.rows, tb.gains, tb.out_ptr, out, self._prefetch_rows)
+            if timer is not None:
+                timer("gather", perf_counter() - t0)
+        return out
+
+    # -- update ------------------------------------------------------------------------------------------
+    def update(self, table_batch, d_act: np.ndarray, learning_rate, hyperparameters) -> TableUpdate:
+        """Apply one step of the optimizer to the rows ``table_batch`` touched (every row when the optimizer
+        is not lazy), in place: each row's gradient is the sum of its occurrences' ``gain * d_act[activation
+        row]`` (``d_act`` float32 ``[n_out, dim]``, checked by the caller), in occurrence order.
+
+        Every row is updated exactly once or left unchanged and named in the result (NaN/Inf gradient sum or
+        result, a row function that raised or returned rows of the wrong length); no NaN/Inf is ever written.
+        """
+        if self._kernel is None:
+            raise TypeError(f"{self!r} has no optimizer: it is read-only")
+        tb = table_batch
+        timer = self.tuning.phase_timer
+        t0 = perf_counter() if timer is not None else 0.0
+        ws = self.workspace
+        uniq, ptr, packed, d_act = self._grouper.group(tb, self.n_rows, ws, d_act)  # summed, or grouped by row
+        self._prefetch_rows = not rows_stay_cached(tb.rows.shape[0], uniq.shape[0], self._row_bytes)
+        if timer is not None:
+            t1 = perf_counter()
+            timer("group", t1 - t0)
+            t0 = t1
+        lazy = self._lazy
+        status = ws.array("status", (uniq.shape[0] if lazy else self.n_rows,), np.uint8)
+        status[:] = 0
+        flagged = self._kernel(self.weights, self.slots, uniq, ptr, packed, d_act, learning_rate, hyperparameters,
+                               status)
+        if timer is not None:
+            timer("update", perf_counter() - t0)
+        return self._flagged(uniq, status) if flagged else NOTHING_FLAGGED
+
+    def _flagged(self, uniq, status) -> TableUpdate:
+        """The rows ``status`` flags (per unique row when lazy, per physical row when not), by table."""
+        flagged = np.flatnonzero(status)  # no full-size temporary: a non-lazy status has a byte per table row
+        codes = status[flagged]
+        rows_of = uniq[flagged] if self._lazy else flagged
+        offsets = np.asarray(self.offsets)
+        which = np.searchsorted(offsets, rows_of, side="right") - 1
+        skipped, failed = {}, {}
+        for into, kinds in ((skipped, _SKIPPED), (failed, _FAILED)):
+            keep = np.isin(codes, [code for _, code in kinds])
+            for k, p in enumerate(self.places):
+                if p.rows == 0:  # a placeholder row stands for no table row
+                    continue
+                mine = keep & (which == k)
+                if mine.any():
+                    local = rows_of[mine] - offsets[k]
+                    ids = {key: local[codes[mine] == code].astype(np.int64) for key, code in kinds}
+                    if p.first != 0 or p.stride != 1:
+                        ids = {key: p.first + p.stride * v for key, v in ids.items()}
+                    into[p.config.name] = ids
+        if not skipped and not failed:
+            return NOTHING_FLAGGED
+        return TableUpdate(skipped, failed, describe(self.row_function.python_function) if failed else None)
