@@ -10,8 +10,8 @@ whose ``mpiexec`` lands in the venv's ``bin``); the runs recorded in ``docs/dist
     .venv/bin/python benchmarks/bench_distributed.py --summarize k1_t2.json k1_t1.json k2.json k4.json
 
 Give each rank as many Numba threads as it has cores (ranks x threads <= cores); with more ranks than cores
-the machine is oversubscribed and the report says so. ``--wait yield`` and ``--vocabulary-scale 0.01`` are
-the other variants recorded there. Hydra's ``mpiexec`` passes the environment on to every rank; the script
+the machine is oversubscribed and the report says so. ``--vocabulary-scale 0.01`` is the other variant
+recorded there. Dropped, as it is no longer an option of the engine (results in git history): ``--wait yield``. Hydra's ``mpiexec`` passes the environment on to every rank; the script
 puts the checkout on ``sys.path`` when embedcore is not installed. Each run takes 10 - 100 s on 2 cores.
 
 Workload (the demo's, at a chosen vocabulary scale): the 26 features ``C1..C26`` of
@@ -99,11 +99,6 @@ def _parser():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--baseline", action="store_true",
                    help="with one rank: also time a single-process embedcore.Embedding on the same batches")
-    p.add_argument("--wait", choices=("engine", "yield"), default="engine",
-                   help="how a rank waits for a collective: 'engine' (default) as the engine does (poll "
-                        "Request.Test yielding the core for 50 ms, then sleeping up to 1 ms); 'yield' (diagnostic: the "
-                        "benchmark replaces Exchanger._wait) polls Test with os.sched_yield() between polls, "
-                        "same deadline")
     p.add_argument("--json", default=None, help="rank 0 writes the results here")
     p.add_argument("--summarize", nargs="+", metavar="JSON", default=None,
                    help="no MPI: print one markdown table from the JSON files of several runs")
@@ -173,26 +168,12 @@ def median(xs):
 # ----------------------------------------------------------------------------------------------------------
 # The run
 
-def _yielding_wait(self, request, what):
-    """Like ``Exchanger._wait``, but yields the CPU between polls instead of sleeping (diagnostic only)."""
-    from embedcore.distributed.exchange import DistributedError
-    deadline = time.monotonic() + self.timeout
-    while not request.Test():
-        if time.monotonic() > deadline:
-            self.broken = f"rank {self.rank}: {what} did not complete within {self.timeout:g} s"
-            raise DistributedError(self.broken)
-        os.sched_yield()
-
-
 def run(args):
     from mpi4py import MPI
     import numba
     import embedcore as ec
     from embedcore.app.data.batch import feature_configs
     from embedcore.distributed import ShardedEmbedding
-    if args.wait == "yield":
-        from embedcore.distributed.exchange import Exchanger
-        Exchanger._wait = _yielding_wait
 
     comm = MPI.COMM_WORLD
     rank, world = comm.Get_rank(), comm.Get_size()
@@ -265,7 +246,7 @@ def run(args):
         "world_size": world,
         "config": {"batch_per_rank": args.batch, "dim": args.dim, "vocabulary_scale": args.vocabulary_scale,
                    "tables": len(features), "total_rows": total_rows, "steps": args.steps, "warmup": args.warmup,
-                   "optimizer": f"Adagrad({args.learning_rate})", "seed": args.seed, "wait": args.wait},
+                   "optimizer": f"Adagrad({args.learning_rate})", "seed": args.seed, "wait": "engine"},
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "numpy": np.__version__,
                     "numba": numba.__version__, "mpi": MPI.Get_library_version().strip().splitlines()[0],
                     "loadavg_before": load_before, "loadavg_after": load_after,

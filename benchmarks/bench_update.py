@@ -21,9 +21,9 @@ steps; medians are over all steps of all rounds):
    initializer=Zeros(), combiner="sum")), Adagrad(...))``; per step one lookup (not timed) gives ``ctx``,
    then only ``emb.apply_gradients(grads, ctx)`` is timed (validation + dedup + gradient reduction + fused
    update).
-2. ``embedcore kernels``: the two kernels that ``Embedding._apply`` calls, called directly on a separate
-   copy of the table: ``kernels.dedup.group_rows`` (radix sort carrying each occurrence's activation row
-   and gain) and the fused update kernel from ``kernels.update.fused_update_kernel`` (it sums each row's
+2. ``embedcore kernels``: the two steps of an engine's update, called directly on a separate copy of the
+   table: ``kernels.grouping.Grouper`` (radix sort carrying each occurrence's activation row and gain) and
+   the fused update kernel from ``kernels.update.fused_update_kernel`` (it sums each row's
    gradient as it updates the row). Each phase is timed too.
 3. ``numpy add.at``: ``np.unique(return_inverse=True)``, ``np.add.at`` to sum gradients per unique id,
    fancy-index gather, Adagrad math, scatter back (own copy of the table).
@@ -66,7 +66,7 @@ from numba import njit, prange
 
 import embedcore
 from embedcore.bench.machine import cpu_snapshot, others_share, peak_rss_gb
-from embedcore.kernels.dedup import group_rows
+from embedcore.kernels.grouping import Grouper
 from embedcore.kernels.update import fused_update_kernel
 from embedcore.kernels.workspace import Workspace
 
@@ -150,19 +150,20 @@ def numpy_update_sort(table, slot, ids, grads, lr):
 
 
 class KernelPath:
-    """What ``Embedding._apply`` does for one physical table, kernel by kernel, on its own arrays."""
+    """What an engine's update does for one physical table (one table of ``optimizer``), kernel by kernel,
+    on its own arrays."""
 
     PHASES = ("dedup", "reduce+update")
 
-    def __init__(self, emb, rows, dim):
-        group = emb._groups[0]
-        self.optimizer = group.optimizer
-        self.row_function = group.row_function
-        self.lazy = group.optimizer.lazy
+    def __init__(self, optimizer, rows, dim):
+        self.optimizer = optimizer
+        self.row_function = optimizer.compiled(dim)
+        self.lazy = optimizer.lazy
         self.table = np.zeros((rows, dim), np.float32)
         self.table[:] = 0.0
-        self.slots = tuple(np.full((rows, dim), INITIAL_ACCUMULATOR, np.float32) for _ in group.slots)
+        self.slots = tuple(np.full((rows, dim), INITIAL_ACCUMULATOR, np.float32) for _ in optimizer.slot_dims)
         self.n_rows = rows
+        self.grouper = Grouper(stacked=False)
         self.ws = Workspace()
         self.step = 0
 
@@ -171,7 +172,7 @@ class KernelPath:
         self.step += 1
         lr, hyper = self.optimizer.step_values(self.step)
         t0 = time.perf_counter()
-        uniq, ptr, packed = group_rows(tb.rows, self.n_rows, tb.packed, self.ws, tb.blocks, tb.out_ptr)
+        uniq, ptr, packed, d_act = self.grouper.group(tb, self.n_rows, self.ws, d_act)
         t1 = time.perf_counter()
         status = np.zeros(uniq.shape[0] if self.lazy else self.table.shape[0], np.uint8)
         kernel = fused_update_kernel(self.row_function, lazy=self.lazy)
@@ -245,9 +246,8 @@ def main(argv=None):
     # ---- embedcore through the public API ---------------------------------------------------------------
     t = time.perf_counter()
     table = embedcore.TableConfig(rows, dim, initializer=embedcore.Zeros(), combiner="sum", name="t")
-    emb = embedcore.Embedding(embedcore.FeatureConfig(table),
-                              embedcore.Adagrad(learning_rate=LEARNING_RATE,
-                                                initial_accumulator_value=INITIAL_ACCUMULATOR))
+    optimizer = embedcore.Adagrad(learning_rate=LEARNING_RATE, initial_accumulator_value=INITIAL_ACCUMULATOR)
+    emb = embedcore.Embedding(embedcore.FeatureConfig(table), optimizer)
     build_s = time.perf_counter() - t
     t = time.perf_counter()
     _, ctx = emb(batches[0])
@@ -272,7 +272,7 @@ def main(argv=None):
     emb_slot = emb.slot_variables["t"]["accumulators"]
 
     # ---- the other contenders' state, warmed with the same first batch ----------------------------------
-    kpath = KernelPath(emb, rows, dim)
+    kpath = KernelPath(optimizer, rows, dim)
     tb0 = ctx.table_batches[0]
     kpath.run(tb0, grads)
 
@@ -326,7 +326,7 @@ def main(argv=None):
                 for ids in batches:
                     _, ctx = emb(ids)  # only to build the TableBatch the kernels need (not timed, no update)
                     _, ph = kpath.run(ctx.table_batches[0], grads)
-                    ctx.consumed = True
+                    ctx.release()  # no update: give the batch's workspaces back
                     for p, s in ph.items():
                         phases[p].append(s)
                     mine.append(sum(ph.values()))
@@ -395,7 +395,7 @@ def main(argv=None):
         print(f"{k:28s} {res['median_ms']:10.2f} {res['min_ms']:7.2f}-{res['max_ms']:<8.2f} {rm:>26s} "
               f"{res['gbps_median']:7.2f}")
     print()
-    print("embedcore kernel phases (called directly, as Embedding._apply does):")
+    print("embedcore kernel phases (called directly, as an engine update does):")
     for p in KernelPath.PHASES:
         res = phase_results[p]
         print(f"  {p:8s} median {res['median_ms']:7.2f} ms  (min {res['min_ms']:.2f}, max {res['max_ms']:.2f})")

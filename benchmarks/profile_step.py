@@ -4,10 +4,10 @@ Run from the repository root::
 
     python benchmarks/profile_step.py [--workload tbe|update] [--optimizer adagrad] [--steps 40] [--evict-mb 64]
 
-The benchmark harness times whole steps; this script wraps the engine's phases (input checks and layout,
-the lookup kernel, gradient checks and copies, the grouping sort, the fused update kernel) with timers and
-runs the harness's workloads (``embedcore.bench.workloads``) through the public API, printing the median
-and the per-step total of each phase. Wrapping costs a few microseconds per call. ``--evict-mb N`` writes
+The benchmark harness times whole steps; this script gives the engine a ``Tuning(phase_timer=...)`` that
+records each phase the engine times (layout, gather, gradient checks, grouping, the fused update), runs the
+harness's workloads (``embedcore.bench.workloads``) through the public API, and prints the median and the
+per-step total of each phase. ``--evict-mb N`` writes
 N MB of other memory before each step (after its inputs are prepared), so that the step finds none of its
 data in the caches: the harness's first step of every round follows the other contenders and the bandwidth
 probes, and in a model the dense layers run between two embedding steps. For a Python-level
@@ -34,39 +34,16 @@ except ImportError:  # running from a checkout without installing
 import numba
 import numpy as np
 
-from embedcore import engine, lookup
 from embedcore.bench.contenders.embedcore_engine import EmbedcoreContender
 from embedcore.bench.workloads import make_batches, make_optim, tbe_workload, update_workload
+from embedcore.tuning import Tuning
 
 TIMES = collections.defaultdict(list)
 
 
-def _timed(name, fn):
-    def run(*args, **kwargs):
-        t0 = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            TIMES[name].append(time.perf_counter() - t0)
-    return run
-
-
-def instrument():
-    """Wrap the engine's phases with timers (module attributes, so every call site sees them)."""
-    lookup.TableLookup._prepare = _timed("lookup: validate inputs", lookup.TableLookup._prepare)
-    lookup.inputs.build_table_batch = _timed("lookup: lay out occurrences", lookup.inputs.build_table_batch)
-    lookup.gather_combine = _timed("lookup: gather + combine kernel", lookup.gather_combine)
-    engine._check_gradient = _timed("apply: check gradients (type, shape)", engine._check_gradient)
-    engine._refuse_non_finite = _timed("apply: look for NaN/Inf in gradient rows", engine._refuse_non_finite)
-    engine.Embedding._gradient_rows = staticmethod(_timed("apply: gather gradients into one array",
-                                                          engine.Embedding._gradient_rows))
-    engine.sum_by_blocks = _timed("apply: sum gradients block by block (hash)", engine.sum_by_blocks)
-    engine.group_rows = _timed("apply: group occurrences by row (sort)", engine.group_rows)
-    fused = engine.fused_update_kernel
-
-    def kernel_factory(*args, **kwargs):
-        return _timed("apply: fused update kernel", fused(*args, **kwargs))
-    engine.fused_update_kernel = kernel_factory
+def record(phase: str, seconds: float) -> None:
+    """The engine's phase timer (``Tuning.phase_timer``)."""
+    TIMES[phase].append(seconds)
 
 
 def main(argv=None) -> int:
@@ -82,8 +59,7 @@ def main(argv=None) -> int:
     make = tbe_workload if args.workload == "tbe" else update_workload
     w = make(optim=make_optim(args.optimizer), n_batches=3)
     batches = make_batches(w)
-    contender = EmbedcoreContender.on_workload(w, args.threads)
-    instrument()
+    contender = EmbedcoreContender.on_workload(w, args.threads, tuning=Tuning(phase_timer=record))
     for batch in batches:  # compile and warm up
         contender.run(contender.prepare(batch))
     TIMES.clear()

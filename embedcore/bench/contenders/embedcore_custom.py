@@ -68,4 +68,4 @@ class EmbedcoreCustomContender(EmbedcoreContender):
     def _build(self, w):
         self._steps = [0]
         opt, self.slot_names = custom_optimizer(w.optim, self._steps)
-        return ec.Embedding(self._features(w), opt, non_finite=self.non_finite)
+        return ec.Embedding(self._features(w), opt, non_finite=self.non_finite, **self._tuning())

@@ -52,6 +52,7 @@ class EmbedcoreContender(Contender):
                 "apply_gradients alone, the lookup untimed)")
     optimizers = ("sgd", "adagrad", "rowwise_adagrad", "adam")
     non_finite = "raise"  # Embedding(non_finite=...): the engine's default
+    tuning = None  # Embedding(tuning=...): None, the engine's default (DEFAULT_TUNING)
 
     def load(self):
         import numba
@@ -59,11 +60,13 @@ class EmbedcoreContender(Contender):
         self.info["numba_threads"] = numba.get_num_threads()
 
     @classmethod
-    def on_workload(cls, w, threads: int):
+    def on_workload(cls, w, threads: int, tuning=None):
         """A contender loaded and set up on workload ``w`` (tables zero) with Numba on ``threads`` threads,
-        for scripts that time embedcore's steps alone (``benchmarks/``)."""
+        its engine built with ``tuning`` (an :class:`embedcore.Tuning`; None: the default), for scripts that
+        time embedcore's steps alone (``benchmarks/``)."""
         import numba
         contender = cls(threads)
+        contender.tuning = tuning
         contender.load()
         numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
         contender.setup(w, None)
@@ -76,7 +79,11 @@ class EmbedcoreContender(Contender):
 
     def _build(self, w):
         opt, self.slot_names = embedcore_optimizer(w.optim)
-        return ec.Embedding(self._features(w), opt, non_finite=self.non_finite)
+        return ec.Embedding(self._features(w), opt, non_finite=self.non_finite, **self._tuning())
+
+    def _tuning(self) -> dict:
+        """``Embedding``'s ``tuning`` keyword, when one was given."""
+        return {} if self.tuning is None else {"tuning": self.tuning}
 
     def setup(self, w, init):
         self.w = w
