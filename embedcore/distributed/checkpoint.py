@@ -45,7 +45,7 @@ def _snapshot_tag(snap) -> int:
 
 def save(emb, path, extra, metadata) -> str:
     """See :meth:`ShardedEmbedding.save`."""
-    ex, rank, step = emb._exchange, emb.rank, emb.step
+    ex, rank, step = emb.exchange, emb.rank, emb.step
     writer, error, exc = None, None, None
     try:
         extra = check_save_inputs(extra if rank == 0 else None, metadata, step)
@@ -82,7 +82,7 @@ def save(emb, path, extra, metadata) -> str:
                 writer.files.update(files)
                 for table, entry in part_entries.items():
                     merged.setdefault(table, dict(entry, shards=[]))["shards"] += entry["shards"]
-            writer.commit(manifest_of(step, emb._config, merged, _EXTRA if extra else None, metadata))
+            writer.commit(manifest_of(step, emb.config, merged, _EXTRA if extra else None, metadata))
         except Exception as e:
             writer.abort()
             error, exc = describe_error(e), e
@@ -97,7 +97,7 @@ def load(emb, path, strict: bool) -> None:
     def read(current):
         staged.clear()  # a read restarted on a newer snapshot (read_current) stages everything anew
         slots = emb.slot_variables
-        check_compatible(current, emb._config, {n: list(v) for n, v in slots.items()}, strict)
+        check_compatible(current, emb.config, {n: list(v) for n, v in slots.items()}, strict)
         for name, table in emb.embedding_tables.items():
             shard = emb.shards[name]
             targets = {"weights": table}
@@ -119,7 +119,7 @@ def load(emb, path, strict: bool) -> None:
     except Exception as e:
         error, exc = describe_error(e), e
     tag = _snapshot_tag(snap) if snap is not None else 0
-    _agree(emb._exchange, error, exc, "load", tag=tag,
+    _agree(emb.exchange, error, exc, "load", tag=tag,
            tag_text=lambda: f"read snapshot {snap.name} of {snap.path}")
     for target, rows in staged:
         target[...] = rows
@@ -151,11 +151,11 @@ def restore(cls, path, comm, functions, allow_import: bool, timeout: float):
 
 def gather_tables(emb, root: int):
     """See :meth:`ShardedEmbedding.gather_tables`: one gather per tensor, sizes known from the sharding rule."""
-    ex, world = emb._exchange, emb.world_size
+    ex, world = emb.exchange, emb.world_size
     out = {}
     tables, slots = emb.embedding_tables, emb.slot_variables
     for name, config in emb.tables.items():
-        rot = emb._rotation[name]
+        rot = emb.rotation(name)
         shards = [shard_of(config.vocabulary_size, world, k, rot) for k in range(world)]
         whole = {}
         for key, part in [("weights", tables[name])] + list(slots[name].items()):

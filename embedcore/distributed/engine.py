@@ -223,6 +223,20 @@ class ShardedEmbedding(TableLookup):
         """The optimizer of every table that does not set its own (as passed; may be None)."""
         return self._optimizer
 
+    @property
+    def exchange(self) -> Exchanger:
+        """The communication layer the ranks talk through (collective checkpoints use it too)."""
+        return self._exchange
+
+    @property
+    def config(self) -> dict:
+        """The engine's configuration as a checkpoint's manifest records it (the same on every rank)."""
+        return self._config
+
+    def rotation(self, table: str) -> int:
+        """The table's rotation in the sharding rule (a stable hash of its name, modulo the world size)."""
+        return self._rotation[table]
+
     def gather_tables(self, root: int = 0):
         """The whole tables and slots on ``root`` (``None`` elsewhere): ``{name: (weights, {slot: array})}``.
 
