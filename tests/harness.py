@@ -109,6 +109,25 @@ class OracleRun:
                                        err_msg=f"slot {tname}/{slot_name} at step {self.emb.step}")
 
 
+def snapshot(emb):
+    """An engine's tables, slots and step, copied: ``(tables, slots, step)``."""
+    return ({n: t.copy() for n, t in emb.embedding_tables.items()},
+            {n: {s: v.copy() for s, v in d.items()} for n, d in emb.slot_variables.items()}, emb.step)
+
+
+def assert_unchanged(emb, snap):
+    """``emb`` holds exactly ``snap`` (:func:`snapshot`), bit for bit (a NaN or -0.0 included)."""
+    tables, slots, step = snap
+    assert emb.step == step, f"step changed: {step} -> {emb.step}"
+    now, now_slots = emb.embedding_tables, emb.slot_variables
+    assert now.keys() == tables.keys() and now_slots.keys() == slots.keys()
+    for n, t in tables.items():
+        assert now[n].tobytes() == t.tobytes(), f"table {n} changed"
+        assert now_slots[n].keys() == slots[n].keys()
+        for s, v in slots[n].items():
+            assert now_slots[n][s].tobytes() == v.tobytes(), f"slot {n}/{s} changed"
+
+
 def rewrite_manifest(path, edit):
     """Edit a checkpoint's manifest (``edit(text) -> text``) and re-sign it in ``CURRENT``, as someone who
     controls the directory could: only the checks beyond the hash chain stand in the way."""

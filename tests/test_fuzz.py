@@ -59,6 +59,7 @@ import embedcore as ec
 from . import reference as ref
 from .fuzz_strategies import (ARRAY_LAYOUTS, FLOAT_DTYPES, FORMS, HUGE_VALENCY, INT_DTYPES, FeatureSpec, Leaf,
                               corrupt_leaf, gradient_st, layout, leaf_st, make_leaf)
+from .harness import assert_unchanged, snapshot
 
 FACTOR = float(os.environ.get("EMBEDCORE_FUZZ_EXAMPLES") or 1)
 EPS = 2.0 ** -24   # float32 unit roundoff
@@ -182,19 +183,8 @@ def rig(key) -> Rig:
 # ----------------------------------------------------------------------------------------------------------
 # State snapshots and refusals.
 
-def snapshot(emb):
-    return ({k: v.copy() for k, v in emb.embedding_tables.items()},
-            {k: {s: a.copy() for s, a in slots.items()} for k, slots in emb.slot_variables.items()}, emb.step)
 
 
-def assert_unchanged(emb, snap):
-    tables, slots, step = snap
-    assert emb.step == step, f"step changed: {step} -> {emb.step}"
-    for k, v in emb.embedding_tables.items():
-        assert v.tobytes() == tables[k].tobytes(), f"table {k} changed"
-    for k, d in emb.slot_variables.items():
-        for s, a in d.items():
-            assert a.tobytes() == slots[k][s].tobytes(), f"slot {k}/{s} changed"
 
 
 def expect_refusal(emb, call, fragments, error=ec.InputError):

@@ -22,6 +22,7 @@ import embedcore as ec  # noqa: E402
 from embedcore import jax as ecj  # noqa: E402
 
 from . import reference as ref  # noqa: E402
+from .harness import assert_unchanged, snapshot  # noqa: E402
 
 B = 6
 DIM = 4
@@ -150,18 +151,8 @@ def read_only(arrays):
     return arrays
 
 
-def snapshot(emb):
-    return ({n: t.copy() for n, t in emb.embedding_tables.items()},
-            {n: {s: v.copy() for s, v in d.items()} for n, d in emb.slot_variables.items()}, emb.step)
 
 
-def assert_unchanged(emb, snap):
-    tables, slots, step = snap
-    assert emb.step == step
-    for n, t in emb.embedding_tables.items():
-        np.testing.assert_array_equal(t, tables[n], err_msg=n)
-        for s, v in emb.slot_variables[n].items():
-            np.testing.assert_array_equal(v, slots[n][s], err_msg=f"{n}/{s}")
 
 
 @pytest.mark.parametrize("dense_rule", ["sgd", "adam"])

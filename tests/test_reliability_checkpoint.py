@@ -29,7 +29,7 @@ from embedcore.checkpoint import CheckpointError, open_snapshot, read_extra
 from embedcore.checkpoint.tensor_file import open_tensors, read_header, write_tensors
 from embedcore.app.quickstart import custom_sgd
 
-from .harness import rewrite_manifest
+from .harness import assert_unchanged, rewrite_manifest, snapshot
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -46,18 +46,8 @@ def make_engine(seed=3):
     return ec.Embedding(features, ec.Adagrad(0.1), seed=seed)
 
 
-def state(emb):
-    return (emb.step, {n: t.copy() for n, t in emb.embedding_tables.items()},
-            {n: {s: v.copy() for s, v in slots.items()} for n, slots in emb.slot_variables.items()})
 
 
-def assert_state(emb, expected):
-    step, tables, slots = expected
-    assert emb.step == step
-    for name, table in emb.embedding_tables.items():
-        np.testing.assert_array_equal(table, tables[name], err_msg=name)
-        for slot, value in emb.slot_variables[name].items():
-            np.testing.assert_array_equal(value, slots[name][slot], err_msg=f"{name}/{slot}")
 
 
 @pytest.fixture(scope="module")
@@ -92,11 +82,11 @@ def edit_manifest(path, edit):
 def refused_everywhere(path, target, match, serving=True):
     """load (strict and not), restore and serving all raise CheckpointError matching ``match``; the target
     engine is unchanged."""
-    before = state(target)
+    before = snapshot(target)
     for strict in (True, False):
         with pytest.raises(CheckpointError, match=match):
             target.load(path, strict=strict)
-        assert_state(target, before)
+        assert_unchanged(target, before)
     with pytest.raises(CheckpointError, match=match):
         ec.Embedding.restore(path, allow_import=True)
     if serving:
@@ -120,8 +110,8 @@ def test_a_valid_step_at_the_limit_loads(saved, target, source):
     edit_manifest(saved, lambda m: dict(m, step=2 ** 63 - 1))
     target.load(saved)
     assert target.step == 2 ** 63 - 1
-    expected = state(source)
-    assert_state(target, (2 ** 63 - 1,) + expected[1:])
+    expected = snapshot(source)
+    assert_unchanged(target, expected[:2] + (2 ** 63 - 1,))
 
 
 # -- item 13: malformed manifests whose hash matches -------------------------------------------------------
@@ -254,14 +244,14 @@ def test_mutated_manifests_give_a_checkpoint_error_or_load_and_change_nothing_wh
             return json.dumps(m)
         edit_manifest(path, edit)
         for strict in (True, False):
-            before = state(target)
+            before = snapshot(target)
             try:
                 target.load(path, strict=strict)
             except CheckpointError:
-                assert_state(target, before)
+                assert_unchanged(target, before)
             else:
                 assert target.step == holder["m"]["step"]
-                assert_state(target, (target.step,) + state(source)[1:])
+                assert_unchanged(target, snapshot(source)[:2] + (target.step,))
         for attempt in (lambda: ec.Embedding.restore(path, allow_import=True), lambda: ec.ServingEmbedding(path),
                         lambda: read_extra(path), lambda: open_snapshot(path)):
             try:

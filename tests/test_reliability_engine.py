@@ -30,22 +30,13 @@ from embedcore import compiler
 from embedcore.kernels.occurrences import pack_occurrences
 from embedcore.kernels.update import STATUS_RAISED, kernel_namespace, kernel_source, update_kernel
 
+from .harness import assert_unchanged, snapshot
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def state(emb):
-    """Tables, slots and step, copied (compared bit for bit)."""
-    return (emb.step, {n: t.copy() for n, t in emb.embedding_tables.items()},
-            {n: {s: v.copy() for s, v in d.items()} for n, d in emb.slot_variables.items()})
 
 
-def assert_state(emb, expected):
-    step, tables, slots = expected
-    assert emb.step == step
-    for name, table in tables.items():
-        np.testing.assert_array_equal(emb.embedding_tables[name], table, err_msg=name)
-        for slot, value in slots[name].items():
-            np.testing.assert_array_equal(emb.slot_variables[name][slot], value, err_msg=f"{name}/{slot}")
 
 
 def small_engine(vocab=20, optimizer=None):
@@ -102,12 +93,12 @@ def test_a_context_of_another_live_engine_is_refused_and_changes_neither():
     a, b = small_engine(), small_engine()
     acts, ctx_a = a(IDS)
     _, ctx_b = b(IDS)
-    before_a, before_b = state(a), state(b)
+    before_a, before_b = snapshot(a), snapshot(b)
     with pytest.raises(ec.InputError, match=r"ctx must be the context returned by this engine's lookup; this one "
                                             r"was returned by another engine, Embedding"):
         a.apply_gradients(ones_like(acts), ctx_b)
-    assert_state(a, before_a)
-    assert_state(b, before_b)
+    assert_unchanged(a, before_a)
+    assert_unchanged(b, before_b)
     # Neither context was used up by the refusal.
     a.apply_gradients(ones_like(acts), ctx_a)
     b.apply_gradients(ones_like(acts), ctx_b)
@@ -118,7 +109,7 @@ def test_a_context_of_another_live_engine_is_refused_and_changes_neither():
 def test_something_else_than_a_context_is_refused(what):
     emb = small_engine()
     acts, ctx = emb(IDS)
-    before = state(emb)
+    before = snapshot(emb)
     if what == "not a context":
         bad = {"engine_token": ctx.engine_token}
     else:
@@ -127,7 +118,7 @@ def test_something_else_than_a_context_is_refused(what):
         bad.table_batches, bad.features = ctx.table_batches, ctx.features  # every field but the token
     with pytest.raises(ec.InputError, match="ctx must be the context returned by this engine's lookup"):
         emb.apply_gradients(ones_like(acts), bad)
-    assert_state(emb, before)
+    assert_unchanged(emb, before)
 
 
 def test_a_context_looked_up_before_load_is_refused_after_it(tmp_path):
@@ -138,11 +129,11 @@ def test_a_context_looked_up_before_load_is_refused_after_it(tmp_path):
     acts, stale = emb(IDS)
     acts2, stale2 = emb(IDS)
     emb.load(tmp_path / "ckpt")
-    loaded = state(emb)
+    loaded = snapshot(emb)
     for c in (stale, stale2):
         with pytest.raises(ec.InputError, match=r"before this engine's tables were replaced \(load\)"):
             emb.apply_gradients(ones_like(acts), c)
-        assert_state(emb, loaded)
+        assert_unchanged(emb, loaded)
     acts, fresh = emb(IDS)  # a lookup after the load works
     emb.apply_gradients(ones_like(acts), fresh)
     assert emb.step == 2
@@ -163,15 +154,15 @@ def test_a_consumed_or_released_context_is_refused():
     emb = small_engine()
     acts, ctx = emb(IDS)
     emb.apply_gradients(ones_like(acts), ctx)
-    after = state(emb)
+    after = snapshot(emb)
     with pytest.raises(ec.InputError, match="already applied"):
         emb.apply_gradients(ones_like(acts), ctx)
-    assert_state(emb, after)
+    assert_unchanged(emb, after)
     acts, released = emb(IDS)
     released.release()
     with pytest.raises(ec.InputError, match="already applied .or their context released"):
         emb.apply_gradients(ones_like(acts), released)
-    assert_state(emb, after)
+    assert_unchanged(emb, after)
 
 
 def test_restore_makes_a_new_engine_that_refuses_the_old_ones_contexts(tmp_path):
@@ -179,10 +170,10 @@ def test_restore_makes_a_new_engine_that_refuses_the_old_ones_contexts(tmp_path)
     emb.save(tmp_path / "ckpt")
     acts, ctx = emb(IDS)
     restored = ec.Embedding.restore(tmp_path / "ckpt")
-    before = state(restored)
+    before = snapshot(restored)
     with pytest.raises(ec.InputError, match="another engine, Embedding"):
         restored.apply_gradients(ones_like(acts), ctx)
-    assert_state(restored, before)
+    assert_unchanged(restored, before)
 
 
 def test_the_torch_adapter_refuses_a_stale_context_in_backward(tmp_path):
@@ -192,10 +183,10 @@ def test_the_torch_adapter_refuses_a_stale_context_in_backward(tmp_path):
     module.embedding.save(tmp_path / "ckpt")
     acts = module({"f": torch.as_tensor(IDS["f"])})
     module.embedding.load(tmp_path / "ckpt")
-    loaded = state(module.embedding)
+    loaded = snapshot(module.embedding)
     with pytest.raises(ec.InputError, match="tables were replaced"):
         acts["f"].sum().backward()
-    assert_state(module.embedding, loaded)
+    assert_unchanged(module.embedding, loaded)
     acts = module({"f": torch.as_tensor(IDS["f"])})
     acts["f"].sum().backward()
     assert module.embedding.step == 1
@@ -207,14 +198,14 @@ def test_the_jax_adapter_refuses_a_foreign_or_stale_context(tmp_path):
     emb, other = small_engine(), small_engine()
     acts, ctx = ecj.lookup(emb, IDS)
     _, foreign = ecj.lookup(other, IDS)
-    before = state(emb)
+    before = snapshot(emb)
     with pytest.raises(ec.InputError, match="another engine"):
         ecj.apply_gradients(emb, {"f": np.ones(acts["f"].shape, np.float32)}, foreign)
     emb.save(tmp_path / "ckpt")
     emb.load(tmp_path / "ckpt")
     with pytest.raises(ec.InputError, match="tables were replaced"):
         ecj.apply_gradients(emb, {"f": np.ones(acts["f"].shape, np.float32)}, ctx)
-    assert_state(emb, before)
+    assert_unchanged(emb, before)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -268,8 +259,8 @@ def oracle(before, ids, grads, slots):
     summed gradient makes the row function raise (kept as they were)."""
     out = {}
     for f, name in (("fa", "a"), ("fb", "b")):
-        table = before[1][name].astype(np.float64)
-        acc = before[2][name]["acc"].astype(np.float64) if slots else None
+        table = before[0][name].astype(np.float64)
+        acc = before[1][name]["acc"].astype(np.float64) if slots else None
         g = np.zeros_like(table)
         for k in range(ids[f].shape[1]):  # "sum": each id of a sample gets the sample's gradient
             np.add.at(g, ids[f][:, k], grads[f].astype(np.float64))
@@ -290,13 +281,13 @@ def check_partial_update(emb, before, expected, slots):
     for name, (table, acc, failing) in expected.items():
         got = emb.embedding_tables[name]
         np.testing.assert_allclose(got, table, rtol=1e-5, atol=1e-6, err_msg=name)
-        np.testing.assert_array_equal(got[failing], before[1][name][failing])  # untouched, bit for bit
-        changed = np.flatnonzero((got != before[1][name]).any(axis=1))
+        np.testing.assert_array_equal(got[failing], before[0][name][failing])  # untouched, bit for bit
+        changed = np.flatnonzero((got != before[0][name]).any(axis=1))
         assert not np.isin(failing, changed).any()
         if slots:
             np.testing.assert_allclose(emb.slot_variables[name]["acc"], acc, rtol=1e-5, err_msg=name)
             np.testing.assert_array_equal(emb.slot_variables[name]["acc"][failing],
-                                          before[2][name]["acc"][failing])
+                                          before[1][name]["acc"][failing])
 
 
 @st.composite
@@ -319,7 +310,7 @@ def raising_batches(draw):
 def test_a_row_function_raising_on_some_rows_updates_every_other_row_exactly_once(threads, function, slots, batch):
     ids, grads = batch
     emb = raising_engine(function, slots)
-    before = state(emb)
+    before = snapshot(emb)
     acts, ctx = emb(ids)
     expected = oracle(before, ids, grads, slots)
     failing = {name: rows for name, (_, _, rows) in expected.items() if rows.size}
@@ -335,10 +326,10 @@ def test_a_row_function_raising_on_some_rows_updates_every_other_row_exactly_onc
             assert f"table '{name}': {rows.size} row(s) left unchanged because " in str(info.value)
     assert emb.step == 1
     check_partial_update(emb, before, expected, slots)
-    applied = state(emb)
+    applied = snapshot(emb)
     with pytest.raises(ec.InputError, match="already applied"):  # a retry never applies rows twice
         emb.apply_gradients(grads, ctx)
-    assert_state(emb, applied)
+    assert_unchanged(emb, applied)
 
 
 def test_a_row_function_raising_on_every_row_leaves_the_table_and_advances_step(threads):
@@ -349,7 +340,7 @@ def test_a_row_function_raising_on_every_row_leaves_the_table_and_advances_step(
     ids = {"f": np.arange(1000).reshape(-1, 1)}
     acts, ctx = emb(ids)
     emb.apply_gradients(ones_like(acts), ctx)
-    before = state(emb)
+    before = snapshot(emb)
     rate[0] = 5.0
     acts, ctx = emb(ids)
     with pytest.raises(ec.RowFunctionError, match=r"table 't': 1000 row\(s\) left unchanged because "
@@ -357,7 +348,7 @@ def test_a_row_function_raising_on_every_row_leaves_the_table_and_advances_step(
                                                   r"1, 2, 3, 4, \.\.\..*step is now 2"):
         emb.apply_gradients(ones_like(acts), ctx)
     assert emb.step == 2
-    np.testing.assert_array_equal(emb.embedding_tables["t"], before[1]["t"])
+    np.testing.assert_array_equal(emb.embedding_tables["t"], before[0]["t"])
 
 
 def kernel_inputs(n_rows, touched, big):

@@ -21,6 +21,8 @@ from embedcore.compiler import RowFunctionError
 from embedcore.initializers import fill_rows
 from embedcore.inputs import InputError
 
+from .harness import assert_unchanged, snapshot
+
 F32_MAX = float(np.finfo(np.float32).max)
 HUGE = [float("nan"), float("inf"), float("-inf"), 1e39, -1e39, 10 ** 400]
 SETTINGS = settings(max_examples=60, deadline=None, derandomize=True,
@@ -37,18 +39,8 @@ def _finite_in_float32(v) -> bool:
         return bool(np.isfinite(np.float32(f)))
 
 
-def _state(emb):
-    return ({k: v.copy() for k, v in emb.embedding_tables.items()},
-            {t: {s: a.copy() for s, a in slots.items()} for t, slots in emb.slot_variables.items()}, emb.step)
 
 
-def _same(a, b):
-    (ta, sa, step_a), (tb, sb, step_b) = a, b
-    assert step_a == step_b
-    assert ta.keys() == tb.keys() and all(np.array_equal(ta[k], tb[k]) for k in ta)
-    assert sa.keys() == sb.keys()
-    for t in sa:
-        assert all(np.array_equal(sa[t][s], sb[t][s]) for s in sa[t])
 
 
 def _sgd_row(gradient, embedding_table, slot_variables, learning_rate, hyperparameters):
@@ -224,10 +216,10 @@ def test_callables_evaluating_to_non_finite_values_are_refused_before_anything_c
     opt = make(lambda: value)
     emb = ec.Embedding({"f": ec.FeatureConfig(ec.TableConfig(5, 2, name="t"), name="f")}, opt)
     acts, ctx = emb({"f": np.array([1, 3])})
-    before = _state(emb)
+    before = snapshot(emb)
     with pytest.raises(ValueError, match=fragment):
         emb.apply_gradients({"f": np.ones_like(acts["f"])}, ctx)
-    _same(before, _state(emb))
+    assert_unchanged(emb, before)
 
 
 # -------------------------------------------------------------- item 14b: what cannot be a row function at all
@@ -326,12 +318,12 @@ GOOD_SEQ = ec.Sparse([[0, 0]], [1], (1, 3))
                          ids=["flat_list", "nested_list", "object_array", "negative", "huge"])
 def test_ids_beyond_64_bits_are_refused_naming_feature_and_value(ids):
     emb = _feature_engine()
-    before = _state(emb)
+    before = snapshot(emb)
     flat = [v for x in ids for v in (x if isinstance(x, list) else [x])]
     bad = next(int(v) for v in flat if not -2 ** 63 <= int(v) < 2 ** 64)
     with pytest.raises(InputError, match=rf"feature 'pooled'.*{bad}.*does not fit in 64 bits"):
         emb({"pooled": ids, "seq": GOOD_SEQ})
-    _same(before, _state(emb))
+    assert_unchanged(emb, before)
 
 
 @pytest.mark.parametrize("ids", [[1, 2 ** 63], [[1, 2 ** 63]], [[2 ** 64 - 1]]])
@@ -353,7 +345,7 @@ def test_bad_dense_shapes_are_refused_naming_the_feature(shape):
 def test_a_dense_shape_beyond_memory_is_refused_before_allocating(monkeypatch):
     import resource
     emb = _feature_engine()
-    before = _state(emb)
+    before = snapshot(emb)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     t0 = time.perf_counter()
     with pytest.raises(InputError, match=r"feature 'pooled' with dense_shape \(549755813888, 1\).*would take 8\.0 TiB"):
@@ -365,16 +357,16 @@ def test_a_dense_shape_beyond_memory_is_refused_before_allocating(monkeypatch):
     monkeypatch.setenv("EMBEDCORE_MEMORY_LIMIT", str(1 << 21))  # the row splits (1.6 MB) fit, 300,000 rows not
     with pytest.raises(InputError, match=r"occurrence offsets of 300,001 activation rows \(features \[.pooled., .seq.\]\) would take"):
         emb({"pooled": np.array([1]), "seq": ec.Sparse([[0, 0]], [1], (100_000, 3))})
-    _same(before, _state(emb))
+    assert_unchanged(emb, before)
 
 
 def test_a_sequence_position_given_twice_is_refused_and_pooled_duplicates_still_sum():
     emb = _feature_engine()
-    before = _state(emb)
+    before = snapshot(emb)
     dup = ec.Sparse([[1, 2], [0, 0], [1, 2]], [4, 5, 7], (2, 3))
     with pytest.raises(InputError, match=r"feature 'seq': sparse index \(1, 2\) is given twice \(ids 4 and 7\)"):
         emb({"pooled": np.array([1, 2]), "seq": dup})
-    _same(before, _state(emb))
+    assert_unchanged(emb, before)
     acts, _ = emb({"pooled": dup, "seq": GOOD_SEQ})  # a bag: both ids count (table row r holds r)
     np.testing.assert_array_equal(acts["pooled"], np.array([[5, 5], [11, 11]], np.float32))
 

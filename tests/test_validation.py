@@ -7,6 +7,8 @@ import pytest
 
 import embedcore as ec
 
+from .harness import assert_unchanged, snapshot
+
 B = 4  # batch size of every good batch ("shaped" has output_shape (2, 2), i.e. 4 activation rows)
 
 
@@ -52,23 +54,8 @@ def no_weights():
     return {"pooled": None, "seq": None, "shaped": None, "sparse": None}
 
 
-def snapshot(e):
-    return ({k: v.copy() for k, v in e.embedding_tables.items()},
-            {k: {s: a.copy() for s, a in slots.items()} for k, slots in e.slot_variables.items()},
-            e.step)
 
 
-def assert_unchanged(e, snap):
-    tables, slots, step = snap
-    assert e.step == step
-    now = e.embedding_tables
-    assert set(now) == set(tables)
-    for k in tables:
-        assert np.array_equal(now[k], tables[k]), f"table {k} changed"
-    now_slots = e.slot_variables
-    for k in slots:
-        for s in slots[k]:
-            assert np.array_equal(now_slots[k][s], slots[k][s]), f"slot {k}/{s} changed"
 
 
 def expect_input_error(e, call, *patterns):
