@@ -26,6 +26,7 @@ import embedcore as ec
 from embedcore.distributed import DistributedError, ShardedEmbedding
 from embedcore.checkpoint import open_snapshot
 from embedcore.distributed import checkpoint as sharded_checkpoint
+from misuse import attempt, same, state  # noqa: E402  (tests/workers/misuse.py, beside this file)
 
 OUT = sys.argv[2]
 _facts = {}
@@ -46,24 +47,10 @@ def build(lr=0.1, timeout=120.0, optimizer=None):
     return ShardedEmbedding({"f": ec.FeatureConfig(table())}, optimizer or ec.Adagrad(lr), timeout=timeout)
 
 
-def state(emb):
-    return [emb.step] + [a.copy() for a in emb.embedding_tables.values()] + \
-        [v.copy() for slots in emb.slot_variables.values() for v in slots.values()]
 
 
-def same(a, b):
-    return a[0] == b[0] and all(np.array_equal(x, y, equal_nan=True) for x, y in zip(a[1:], b[1:]))
 
 
-def attempt(emb, fn):
-    """Run ``fn()``; the error it raised (type and message), and whether ``emb`` is unchanged."""
-    before = state(emb)
-    try:
-        fn()
-        outcome = {"error": None}
-    except Exception as e:  # noqa: BLE001  (the test checks which)
-        outcome = {"error": str(e), "type": type(e).__name__, "types": [c.__name__ for c in type(e).__mro__]}
-    return dict(outcome, unchanged=same(before, state(emb)), step=emb.step)
 
 
 def step(emb, ids, grads=None):
@@ -217,7 +204,7 @@ def save_stuck(rank, ckpt):
     step(emb, IDS)
     emb.save(ckpt)
     step(emb, IDS)
-    emb._exchange.timeout = 5.0  # short only now: compile times differ between ranks
+    emb.exchange.timeout = 5.0  # short only now: compile times differ between ranks
     if rank == 1:
         real = emb._exchange.gather_bytes
 
@@ -289,7 +276,7 @@ if __name__ == "__main__":
     else:
         emb = build()
         step(emb, IDS)  # compiles (times differ between ranks); only then a short timeout
-        emb._exchange.timeout = 5.0
+        emb.exchange.timeout = 5.0
         try:
             acts, ctx = emb.lookup({"f": IDS})
             if mode == "stuck" and rank == 1:

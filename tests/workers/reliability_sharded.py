@@ -17,6 +17,7 @@ import numpy as np
 
 import embedcore as ec
 from embedcore.distributed import ShardedEmbedding
+from misuse import attempt, same, state  # noqa: E402  (tests/workers/misuse.py, beside this file)
 
 OUT = sys.argv[1]
 
@@ -35,23 +36,10 @@ def build(optimizer=None):
     return ShardedEmbedding(features(), optimizer or ec.Adagrad(0.1))
 
 
-def state(emb):
-    return [emb.step] + [a.copy() for a in emb.embedding_tables.values()] + \
-        [v.copy() for slots in emb.slot_variables.values() for v in slots.values()]
 
 
-def same(a, b):
-    return a[0] == b[0] and all(np.array_equal(x, y) for x, y in zip(a[1:], b[1:]))
 
 
-def attempt(emb, fn):
-    before = state(emb)
-    try:
-        fn()
-        outcome = {"error": None}
-    except Exception as e:  # noqa: BLE001  (the test checks which)
-        outcome = {"error": str(e), "types": [c.__name__ for c in type(e).__mro__]}
-    return dict(outcome, unchanged=same(before, state(emb)), step=emb.step)
 
 
 def batch(rank):
