@@ -59,21 +59,8 @@ def adagrad_optimizer_computation(
   return (updated_embedding_table, new_accumulator)
 
 
-def plain_adagrad_optimizer_computation(
-    gradient,
-    embedding_table,
-    slot_variables,
-    learning_rate,
-    hyperparameters,
-):
-  del hyperparameters
-  accumulator = slot_variables[0]
-  new_accumulator = accumulator + gradient * gradient
-  updated_embedding_table = (
-      embedding_table
-      - learning_rate * gradient / math_ops.sqrt(new_accumulator)
-  )
-  return (updated_embedding_table, new_accumulator)
+# The same function as plain Python over TensorFlow ops (what a user writes without the decorator).
+plain_adagrad_optimizer_computation = adagrad_optimizer_computation.python_function
 
 
 def numpy_sgd(gradient, embedding_table, slot_variables, learning_rate, hyperparameters):
@@ -385,17 +372,7 @@ MODULE = textwrap.dedent('''
     from tensorflow.python.eager import def_function
     from tensorflow.python.ops import math_ops
 
-    @def_function.function
-    def adagrad_optimizer_computation(gradient, embedding_table, slot_variables, learning_rate, hyperparameters):
-      del hyperparameters
-      accumulator = slot_variables[0]
-      new_accumulator = accumulator + gradient * gradient
-      updated_embedding_table = (
-          embedding_table
-          - learning_rate * gradient / math_ops.sqrt(new_accumulator)
-      )
-      return (updated_embedding_table, new_accumulator)
-''')
+''') + inspect.getsource(adagrad_optimizer_computation.python_function)  # TF's example, decorator included
 
 WORKER = textwrap.dedent('''
     import json, sys

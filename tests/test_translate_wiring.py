@@ -6,58 +6,18 @@ The translation itself is tested in tests/test_translate_tensorflow.py and tests
 
 import inspect
 
-import numpy as np
 import pytest
 
 tf = pytest.importorskip("tensorflow")
 jax = pytest.importorskip("jax")
-import jax.numpy as jnp  # noqa: E402
-from tensorflow.python.eager import def_function  # noqa: E402
-from tensorflow.python.ops import math_ops  # noqa: E402
 
 import embedcore as ec  # noqa: E402
 from embedcore.compiler import RowFunctionError  # noqa: E402
 
 from .test_translate_numpy_source import assert_engines_equal, run_engine  # noqa: E402
-
-
-@def_function.function
-def adagrad_optimizer_computation(
-    gradient,
-    embedding_table,
-    slot_variables,
-    learning_rate,
-    hyperparameters,
-):
-  del hyperparameters
-  accumulator = slot_variables[0]
-  new_accumulator = accumulator + gradient * gradient
-  updated_embedding_table = (
-      embedding_table
-      - learning_rate * gradient / math_ops.sqrt(new_accumulator)
-  )
-  return (updated_embedding_table, new_accumulator)
-
-
-def numpy_adagrad(gradient, embedding_table, slot_variables, learning_rate, hyperparameters):
-    new_accumulator = slot_variables[0] + gradient * gradient
-    return embedding_table - learning_rate * gradient / np.sqrt(new_accumulator), new_accumulator
-
-
-def tf_rowwise(gradient, embedding_table, slot_variables, learning_rate, hyperparameters):
-    accumulator = slot_variables[0] + tf.reduce_mean(gradient * gradient)
-    return embedding_table - learning_rate * gradient / (tf.sqrt(accumulator) + hyperparameters[0]), accumulator
-
-
-def np_rowwise(gradient, embedding_table, slot_variables, learning_rate, hyperparameters):
-    accumulator = slot_variables[0] + np.mean(gradient * gradient)
-    return embedding_table - learning_rate * gradient / (np.sqrt(accumulator) + hyperparameters[0]), accumulator
-
-
-def jax_adagrad(gradient, embedding_table, slot_variables, learning_rate, hyperparameters):
-    del hyperparameters
-    accumulator = slot_variables[0] + gradient * gradient
-    return embedding_table - learning_rate * gradient / jnp.sqrt(accumulator), accumulator
+from .test_translate_tensorflow import (adagrad_optimizer_computation, np_rowwise, numpy_adagrad,  # noqa: E402
+                                       tf_rowwise)
+from .test_translate_jax import jax_adagrad  # noqa: E402
 
 
 def test_wiring_documented_tf_function_directly():
