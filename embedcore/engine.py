@@ -8,7 +8,6 @@ kernel pass; ``stack_tables=False`` keeps one array per table (results are ident
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from time import perf_counter
 
@@ -18,7 +17,7 @@ from . import inputs
 from .compiler import RowFunctionError
 from .inputs import InputError
 from .kernels.rows import count_non_finite
-from .lookup import LookupContext, TableLookup, _FeatureSlot
+from .lookup import LookupContext, TrainingEngine, _FeatureSlot
 from .optimizers import Optimizer
 from .tables import physical_tables
 from .tuning import DEFAULT_TUNING, Tuning
@@ -90,7 +89,7 @@ class UpdateReport:
 
 
 
-class Embedding(TableLookup):
+class Embedding(TrainingEngine):
     """Embedding tables with fused, sparse, per-row optimizers.
 
     Args:
@@ -112,6 +111,8 @@ class Embedding(TableLookup):
     while another runs gets a ``RuntimeError`` and changes nothing. Serialize them yourself if several
     threads train one engine.
     """
+
+    _busy = "another thread is using this Embedding's state (apply_gradients, save or load)"
 
     def __init__(self, feature_config, optimizer=None, *, seed=0, stack_tables=True, non_finite="raise",
                  tuning: Tuning | None = None, fill: bool = True):
@@ -140,16 +141,6 @@ class Embedding(TableLookup):
         mine = {id(t) for t in table.tables}
         return all(inputs.gains_are_weights(f.table.combiner, f.max_sequence_length) for _, f in self._features
                    if id(f.table) in mine)
-
-    @property
-    def optimizer(self):
-        """The optimizer of every table that does not set its own (as passed; may be None)."""
-        return self._optimizer
-
-    @property
-    def slot_variables(self) -> dict:
-        """Table name -> {slot name: ``[vocabulary_size, dim]`` (or ``[vocabulary_size]``) float32 array}."""
-        return {name: table.slot_rows(name) for table in self._physical for name in table.table_names}
 
     @property
     def num_physical_tables(self) -> int:
@@ -197,17 +188,6 @@ class Embedding(TableLookup):
         from .checkpoint import restore
         return restore(cls, path, functions=functions, allow_import=allow_import, stack_tables=stack_tables,
                        tuning=tuning)
-
-    @contextlib.contextmanager
-    def _exclusive(self, what: str):
-        """Hold the engine's lock for ``what``; a second thread gets an error instead of waiting."""
-        if not self._lock.acquire(blocking=False):
-            raise RuntimeError(f"cannot {what}: another thread is using this Embedding's state "
-                               f"(apply_gradients, save or load)")
-        try:
-            yield
-        finally:
-            self._lock.release()
 
     # -- update ------------------------------------------------------------------------------------------
     def apply_gradients(self, gradients, ctx: LookupContext):

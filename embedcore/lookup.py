@@ -9,6 +9,7 @@ memory-mapped from a checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import weakref
 from dataclasses import dataclass, field
@@ -243,3 +244,33 @@ class TableLookup:
         activations = [acts[s.group][s.out_offset:s.out_offset + s.n_rows].reshape(s.shape) for s in slots]
         ctx = LookupContext(token, generation, table_batches, slots, leases=leases)
         return inputs.unflatten(self._feature_config, activations), ctx
+
+
+class TrainingEngine(TableLookup):
+    """What the training engines (:class:`~embedcore.Embedding`, ``ShardedEmbedding``) add to lookups: slots,
+    the default optimizer, and state changes (``apply_gradients``, ``save``, ``load``) one at a time.
+
+    Subclasses set ``_lock`` (a ``threading.Lock``), ``_optimizer`` and ``_busy`` (why a second caller is
+    refused)."""
+
+    _busy = "another thread is using this engine's state"
+
+    @property
+    def slot_variables(self) -> dict:
+        """Table name -> {slot name: the slot's rows this engine holds, ``[rows, dim]`` or ``[rows]`` float32}."""
+        return {name: table.slot_rows(name) for table in self._physical for name in table.table_names}
+
+    @property
+    def optimizer(self):
+        """The optimizer of every table that does not set its own (as passed; may be None)."""
+        return self._optimizer
+
+    @contextlib.contextmanager
+    def _exclusive(self, what: str):
+        """Hold the engine's lock for ``what``; a second thread gets a ``RuntimeError`` instead of waiting."""
+        if not self._lock.acquire(blocking=False):
+            raise RuntimeError(f"cannot {what}: {self._busy}")
+        try:
+            yield
+        finally:
+            self._lock.release()

@@ -42,7 +42,7 @@ from ..engine import NON_FINITE_POLICIES, NonFiniteError, UpdateReport, check_gr
 from ..kernels.aligned import aligned_zeros
 from ..kernels.rows import gather_combine, sum_gradients
 from ..kernels.workspace import Workspace
-from ..lookup import LookupContext, TableLookup
+from ..lookup import LookupContext, TrainingEngine
 from ..optimizers import Optimizer
 from ..tables import physical_tables
 from ..tuning import DEFAULT_TUNING, Tuning
@@ -108,7 +108,7 @@ def _attempt(fn):
         return None, describe_error(e), e
 
 
-class ShardedEmbedding(TableLookup):
+class ShardedEmbedding(TrainingEngine):
     """Embedding tables sharded by rows over MPI processes; the API of :class:`~embedcore.Embedding`.
 
     Args:
@@ -123,6 +123,8 @@ class ShardedEmbedding(TableLookup):
     Thread safety: one call at a time per engine (lookups too, unlike ``Embedding``: each is a collective);
     a second thread gets a ``RuntimeError`` and changes nothing.
     """
+
+    _busy = "another thread is using this ShardedEmbedding (its calls are collectives: one at a time)"
 
     def __init__(self, feature_config, optimizer=None, *, comm=None, seed=0, non_finite="raise",
                  timeout: float = 120.0, tuning: Tuning | None = None):
@@ -199,29 +201,14 @@ class ShardedEmbedding(TableLookup):
     @contextlib.contextmanager
     def _exclusive(self, what: str):
         self._exchange.check_usable()
-        if not self._lock.acquire(blocking=False):
-            raise RuntimeError(f"cannot {what}: another thread is using this ShardedEmbedding (its calls are "
-                               f"collectives: one at a time)")
-        try:
+        with super()._exclusive(what):
             yield
-        finally:
-            self._lock.release()
 
     # -- state -------------------------------------------------------------------------------------------
     @property
     def embedding_tables(self) -> dict:
         """Table name -> this rank's rows of the table (global rows ``shards[name].global_rows()``)."""
         return super().embedding_tables
-
-    @property
-    def slot_variables(self) -> dict:
-        """Table name -> {slot name: this rank's rows of the slot}."""
-        return {name: table.slot_rows(name) for table in self._physical for name in table.table_names}
-
-    @property
-    def optimizer(self):
-        """The optimizer of every table that does not set its own (as passed; may be None)."""
-        return self._optimizer
 
     @property
     def exchange(self) -> Exchanger:
