@@ -65,7 +65,7 @@ import numba
 from numba import njit, prange
 
 import embedcore
-from embedcore.bench.machine import cpu_snapshot, others_share, peak_rss_gb
+from embedcore.bench.machine import allocator_name, cpu_snapshot, others_share, peak_rss_gb
 from embedcore.kernels.grouping import Grouper
 from embedcore.kernels.update import fused_update_kernel
 from embedcore.kernels.workspace import Workspace
@@ -192,17 +192,6 @@ def summarize(times, extra=None):
     if extra:
         out.update(extra)
     return out
-
-
-def allocator_name():
-    preload = os.environ.get("LD_PRELOAD", "")
-    if not preload:
-        return "glibc malloc", preload
-    low = preload.lower()
-    for name in ("jemalloc", "tcmalloc", "mimalloc"):
-        if name in low:
-            return name, preload
-    return "LD_PRELOAD=" + preload, preload
 
 
 def main(argv=None):

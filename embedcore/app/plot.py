@@ -43,24 +43,18 @@ def learning_curve(metrics: dict, path: str) -> bool:
         left.plot(steps[window - 1:], smooth, color="#1f5f99", lw=1.8, label=f"train, mean of {window} steps")
     evaluations = metrics.get("evaluations") or [dict(e["eval"], step=e["step"]) for e in epochs]
     ends = [e["step"] for e in evaluations]
-    left.plot(ends, values(e["log_loss"] for e in evaluations), "o-", color="#d35400", ms=4, label="eval log loss")
-    if optimum and defined(optimum["log_loss"]):
-        left.axhline(optimum["log_loss"], color="#27ae60", ls="--", label=f"teacher optimum {optimum['log_loss']:.4f}")
-    left.set_xlabel("step")
-    left.set_ylabel("log loss")
-    left.set_title("Log loss")
-    left.legend(fontsize=8)
-    left.grid(alpha=0.3)
-    right.plot(ends, values(e["auc"] for e in evaluations), "o-", color="#d35400", ms=4, label="eval AUC")
     for e in epochs:
         right.axvline(e["step"], color="#999999", lw=0.6, ls=":")
-    if optimum and defined(optimum["auc"]):
-        right.axhline(optimum["auc"], color="#27ae60", ls="--", label=f"teacher optimum {optimum['auc']:.4f}")
-    right.set_xlabel("step")
-    right.set_ylabel("AUC")
-    right.set_title("AUC on the eval split")
-    right.legend(fontsize=8)
-    right.grid(alpha=0.3)
+    panels = ((left, "log_loss", "log loss", "Log loss"), (right, "auc", "AUC", "AUC on the eval split"))
+    for ax, key, label, title in panels:
+        ax.plot(ends, values(e[key] for e in evaluations), "o-", color="#d35400", ms=4, label=f"eval {label}")
+        if optimum and defined(optimum[key]):
+            ax.axhline(optimum[key], color="#27ae60", ls="--", label=f"teacher optimum {optimum[key]:.4f}")
+        ax.set_xlabel("step")
+        ax.set_ylabel(label)
+        ax.set_title(title)
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
     fig.suptitle(metrics.get("title", "embedcore"), fontsize=10)
     fig.tight_layout()
     fig.savefig(path)
