@@ -9,8 +9,9 @@ TensorFlow or JAX custom computations to ``translate``:
 
 * core: ``config``, ``initializers``, ``optimizers`` (with ``common_options``, ``compiler``,
   ``split_reductions``, ``compile_cache``), ``inputs``, ``tuning``, ``memory_budget``, ``kernels/``,
-  ``lookup`` and ``engine`` (:class:`Embedding`), ``checkpoint/``, ``serving``, ``distributed/``; this
-  package exports its API.
+  ``tables/`` (``PhysicalTable``: a stacked table's storage, scratch, grouping and kernels, made by one
+  factory for every engine), ``lookup`` and ``engine`` (:class:`Embedding`), ``checkpoint/``, ``serving``,
+  ``distributed/``; this package exports its API.
 * adapters, at top level beside the core they wrap: ``torch`` and ``jax`` (the framework fronts) and
   ``translate/`` (TensorFlow and JAX custom computations to NumPy row functions).
 * ``app/``: an application built on the core: the trainer and its run configuration, the NumPy DLRM
@@ -27,6 +28,7 @@ from .initializers import Constant, Initializer, RandomUniform, RowId, Truncated
 from .inputs import InputError, Ragged, Sparse
 from .optimizers import FTRL, SGD, Adagrad, AdagradMomentum, Adam, CustomOptimizer, Optimizer, RowwiseAdagrad
 from .serving import ServingEmbedding
+from .tuning import Tuning
 
 __version__ = "0.1.0"
 
@@ -34,5 +36,5 @@ __all__ = [
     "TableConfig", "FeatureConfig", "Embedding", "LookupContext", "UpdateReport", "NonFiniteError",
     "Optimizer", "CustomOptimizer", "SGD", "Adagrad", "AdagradMomentum", "Adam", "FTRL", "RowwiseAdagrad",
     "Initializer", "Constant", "Zeros", "TruncatedNormal", "RandomUniform", "RowId",
-    "Ragged", "Sparse", "InputError", "RowFunctionError", "CheckpointError", "ServingEmbedding",
+    "Ragged", "Sparse", "InputError", "RowFunctionError", "CheckpointError", "ServingEmbedding", "Tuning",
 ]
