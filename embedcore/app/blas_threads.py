@@ -1,9 +1,9 @@
 """Setting the thread count of NumPy's BLAS (OpenBLAS) at run time, for the dense model's small matmuls.
 
 OpenBLAS's worker threads spin for a while after each call. In a training step they then compete for the
-cores with Numba's threads running the embedding kernels: measured on a 2-core machine (``embedcore demo``'s
-DLRM, batch 1024), forward + backward took 12 + 11 ms with one BLAS thread and 92 + 193 ms with the default
-two. The trainer therefore runs BLAS on one thread. This finds the OpenBLAS library NumPy loaded (Linux:
+cores with Numba's threads running the embedding kernels: on a 2-core machine ``embedcore demo``'s DLRM
+(batch 1024) ran its forward and backward passes several times slower with the default two BLAS threads
+than with one. The trainer therefore runs BLAS on one thread. This finds the OpenBLAS library NumPy loaded (Linux:
 ``/proc/self/maps``) and calls its ``*_set_num_threads``; elsewhere it does nothing.
 """
 

@@ -14,9 +14,8 @@ The sort makes one pass per 11-bit digit of the row numbers, skipping digits on 
 batches sort in parallel: each thread counts and then scatters its own contiguous part of the input; the
 parts are placed in input order within every digit, which keeps the sort stable (and the result identical
 to the serial sort's). There, each element is one 64-bit word, row and occurrence number, and the last pass
-writes each word's payload beside it (a sort carrying a separate key and payload moved twice the bytes:
-1.6-2.6 ms against 1.3-1.6 ms for 262,144 occurrences on two threads; a separate pass gathering the
-payloads after the sort took 0.13-0.42 ms of its own).
+writes each word's payload beside it (a sort carrying a separate key and payload moves twice the bytes,
+and a separate pass gathering the payloads after the sort reads them all once more).
 """
 
 from typing import NamedTuple
@@ -205,9 +204,8 @@ def _group_words(words, uniq, ptr, n_parts):
 
     ``n_parts`` contiguous parts in parallel: each counts the runs starting in it, then writes them from its
     offset. The writes are branch-free (every word writes its row and position to the next free slot, and
-    only a run's first word advances it): with rows repeating at random, a branch per word was mispredicted
-    about half the time (262,144 words of 150,000 rows: 0.28 ms serially, 0.16 branch-free, 0.11 on two
-    threads). A part's writes after its last run start land in the next part's first slot, which is
+    only a run's first word advances it): with rows repeating at random, a branch per word is mispredicted
+    about half the time. A part's writes after its last run start land in the next part's first slot, which is
     rewritten afterwards."""
     n = words.shape[0]
     size = (n + n_parts - 1) // n_parts
@@ -252,9 +250,8 @@ def _group_words(words, uniq, ptr, n_parts):
 # A physical table stacks several tables, and the lookup lays out each feature's occurrences in one block;
 # when the blocks' row ranges are disjoint and increasing, grouping every block on its own and concatenating
 # gives exactly the global result. Blocks are grouped in parallel, each by a hash table of its distinct rows
-# (two passes over the occurrences and a sort of the distinct rows alone: TBE shape, 327,680 occurrences of
-# 7,093 rows in 8 blocks, 0.90-0.97 ms against 1.04-1.22 ms for the parallel word sort, and 1.44 against
-# 1.81 ms inside a training step); a block with more distinct rows than HASH_DISTINCT_MAX of its
+# (two passes over the occurrences and a sort of the distinct rows alone, quicker than sorting every
+# occurrence when blocks repeat rows, as Zipf ids do); a block with more distinct rows than HASH_DISTINCT_MAX of its
 # occurrences, or whose rows' hashes cluster, is sorted instead (serially, in parallel with the other
 # blocks), and then the next RETRY_AFTER calls use the global sort (their batches are likely alike).
 # Blocks are shared out among the threads largest first.

@@ -10,7 +10,7 @@ weights, ``sum`` or sequence features: the common case) no payload is written at
 grouped order, and the lookup and the update read no gains (:func:`payload_views` reads either kind of
 grouped payload). :func:`fill_occurrences` writes one
 feature's part of those arrays in a single pass over its ids, range-checking them in the same pass (a
-separate check read every id once more, from memory: TBE shape, ids not in cache, 0.19 ms of 0.71):
+separate check would read every id once more, from memory):
 
 * pooled feature (``seq_len == 0``), sample ``b`` holding ids ``lo..hi``: every id feeds activation row
   ``out_offset + b`` with gain ``w`` (``sum``), ``w / sum(w)`` (``mean``) or ``w / sqrt(sum(w^2))``
@@ -103,8 +103,8 @@ def _fill_pooled(ids, splits, weights, combiner, row_offset, out_offset, start, 
     """The occurrences of samples ``b_lo..b_hi`` of a pooled feature (every id kept: occurrence
     ``start + i`` for id ``i``); returns the largest of their ids read as unsigned (a negative id reads as
     one above 2**63, so one comparison with the vocabulary size range-checks them all). Subscripts are
-    unsigned (``_U``): Numba adds negative-index wraparound code to signed ones (laying out the TBE shape
-    0.65 -> 0.21 ms)."""
+    unsigned (``_U``): Numba adds negative-index wraparound code to signed ones, which tripled the layout's
+    time."""
     weighted = weights.shape[0] > 0
     largest = _U(0)
     for i in range(splits[b_lo], splits[b_hi]):
@@ -135,9 +135,9 @@ def _fill_pooled(ids, splits, weights, combiner, row_offset, out_offset, start, 
     return largest
 
 
-# Ids of a pooled feature from which it is laid out by all threads. The serial layout writes ~2e9 ids/s
-# (TBE features of 40,960 ids: 0.02 ms each), so waking the workers pays only for larger features, and only
-# while they spin: asleep (OMP_WAIT_POLICY=PASSIVE, a busy machine) each wake-up cost 20-160 us.
+# Ids of a pooled feature from which it is laid out by all threads. The serial layout writes billions of ids
+# a second, so waking the workers pays only for larger features, and only while they spin: asleep
+# (OMP_WAIT_POLICY=PASSIVE, a busy machine) a wake-up costs more than laying out a typical feature.
 PARALLEL_MIN = 1 << 18
 
 

@@ -38,8 +38,8 @@ from .row_vector import block_width, no_gains, sequential_sum_registers, sums_in
 __all__ = ["weighted_sum", "weighted_sum_fixed", "sequential_sum", "sequential_sum_fixed", "copy_row", "gather_combine", "gather_kernel", "fixed_length",
            "sum_gradients", "count_non_finite", "ROWS_AHEAD"]
 
-ROWS_AHEAD = 16  # occurrences whose source rows are prefetched ahead of the current one (8 -> 16: lookup of
-                 # the update shape, rows from DRAM, -7%; TBE lookups 0 to -9%; 32 was slower on DRAM rows)
+ROWS_AHEAD = 16  # occurrences whose source rows are prefetched ahead of the current one (a shorter distance
+                 # leaves rows from DRAM late; a longer one was slower on them too)
 _U = np.uint64
 
 
@@ -103,7 +103,7 @@ def weighted_sum(dst, d, lo, hi, index, gain, src, ahead, dim):
 
     Every subscript is unsigned (``_U``): Numba wraps a negative signed subscript around, which costs a
     compare and an add per subscript and, here, registers spilled to the stack; the indices are never
-    negative (TBE-shape lookup 1.32 -> 1.00 ms, the same sums)."""
+    negative, so nothing is lost."""
     if hi - lo < 4:  # no group: one by one from the first, which is sequential_sum
         sequential_sum(dst, d, lo, hi, index, gain, src, ahead, dim)
         return
@@ -172,8 +172,7 @@ _overload_fixed(sequential_sum_fixed, sequential_sum_registers, sequential_sum)
 # the line's sixteen values all loaded before any is stored. A plain loop over a row of constant length (the
 # kernels compiled for one row length) becomes scalar code: LLVM unrolls it fully before it vectorises, and
 # it may not reorder the unrolled loads and stores of arrays that might overlap. Loaded first, each line is
-# one vector load and one vector store (a 64-value row: 22.9 -> 5.7 ns; TBE row-wise update kernel, its
-# three row copies, 1.17 -> 0.96 ms).
+# one vector load and one vector store, about four times quicker per row.
 _LINE = CACHE_LINE_FLOATS
 _COPY_ROW_SOURCE = "\n".join(
     ["def copy_row(dst, src):",
@@ -199,8 +198,7 @@ def _gather_any_dim(table, rows, gains, out_ptr, act, ahead):
 
 
 # The gather compiled for one row length: with ``dim`` a constant, LLVM drops the row loops' trip-count
-# checks and remainders (TBE Adagrad step -6.5%, update shape -5%, SGD and row-wise within 1%; the gather
-# alone, on rows in L1, 0.55 -> 0.38 ms).
+# checks and remainders, which matters most for rows already in cache.
 _GATHER_SOURCE = '''
 def gather(table, rows, gains, out_ptr, act):
     if table.shape[1] != {dim} or act.shape[1] != {dim}:

@@ -69,7 +69,7 @@ CHUNK_ROWS = 256
 ROWS_AHEAD = 4          # unique rows whose table and slot rows are prefetched ahead of the current one
 OCCURRENCES_AHEAD = 8   # occurrences whose gradient rows are prefetched ahead of the current one, when
 PREFETCH_MIN_BYTES = 16 << 20  # the gradients are at least this large (smaller ones stay in the last-level
-                               # cache, where the prefetches cost more than they save: TBE shape 3.0 -> 3.8 ms)
+                               # cache, where the prefetches cost more than they save)
 STATUS_GRADIENT, STATUS_OUTPUT, STATUS_LENGTH, STATUS_RAISED = 1, 2, 3, 4
 
 
@@ -89,7 +89,7 @@ def balanced_chunks(ptr, chunk_rows):
     for c in range(1, n_chunks):  # the first row whose work before it reaches the target: work grows with u
         target = total * c // n_chunks
         hi = n_unique
-        while u < hi:  # binary search (a walk over every row took 0.09 ms for 150,000 rows)
+        while u < hi:  # binary search: a walk over every row would cost a pass over the batch
             mid = (u + hi) // 2
             if (ptr[mid] - ptr[0]) + ROW_COST * mid < target:
                 u = mid + 1
