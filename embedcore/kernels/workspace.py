@@ -75,7 +75,8 @@ class ArrayPool:
     megabytes cost page faults on their first write (milliseconds a step), on some steps and not others,
     as glibc's malloc hands memory back to the system. ``empty`` returns a view of a pooled buffer that
     nothing else refers to any more (its reference count says so: every NumPy view, and every consumer of
-    the buffer protocol, such as ``torch.from_numpy``, holds a reference to it), else a new buffer. So a caller sees exactly what a new array would give it, but for starting on a cache line
+    the buffer protocol, such as ``torch.from_numpy``, holds a reference to it), else a new buffer. So a
+    caller sees exactly what a new array would give it, but for starting on a cache line
     (:mod:`embedcore.kernels.aligned`). Small arrays come from ``aligned_empty``.
     """
 
