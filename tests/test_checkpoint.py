@@ -314,6 +314,13 @@ def test_functions_are_imported_only_when_allowed(saved):
     assert ec.Embedding.restore(path, functions={"embedcore.app.quickstart:custom_adagrad": custom_adagrad}).step == 2
 
 
+def test_a_checkpoint_naming_an_application_module_at_its_old_place_still_restores(saved):
+    engine, path = saved  # embedcore.quickstart moved to embedcore.app.quickstart; old checkpoints name the former
+    rewrite_manifest(path, lambda t: t.replace("embedcore.app.quickstart:", "embedcore.quickstart:"))
+    back = ec.Embedding.restore(path, allow_import=True)
+    assert back.tables["items"].optimizer.custom_computation is custom_adagrad and back.step == engine.step
+
+
 def test_unimportable_functions_need_the_callers_engine(tmp_path):
     opt = ec.CustomOptimizer(lambda g, w, s, lr, h: w - lr * g, learning_rate=lambda: 0.1)
     emb = ec.Embedding({"f": ec.FeatureConfig(ec.TableConfig(10, 2, name="t"))}, opt)

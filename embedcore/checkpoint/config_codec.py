@@ -58,12 +58,27 @@ def _resolve(module: str, qualname: str):
     return obj
 
 
+# embedcore's application modules moved into ``embedcore.app``; checkpoints written before name them where
+# they were (e.g. the demo's ``embedcore.quickstart:custom_adagrad``).
+_MOVED_TO_APP = ("blas_threads", "cli", "data", "metrics", "models", "plot", "progress", "quickstart",
+                 "run_config", "trainer")
+
+
+def current_module(module: str) -> str:
+    """Where ``module`` lives now: ``embedcore.X`` for a module moved into the application is ``embedcore.app.X``."""
+    package, _, rest = module.partition(".")
+    if package == "embedcore" and rest.split(".", 1)[0] in _MOVED_TO_APP:
+        return f"embedcore.app.{rest}"
+    return module
+
+
 def import_function(path: str):
-    """The object named ``module:qualified.name`` (imports the module); ImportError/AttributeError if absent."""
+    """The object named ``module:qualified.name`` (imports the module, at its current place:
+    :func:`current_module`); ImportError/AttributeError if absent."""
     module, sep, qualname = path.partition(":")
     if not sep or not module or not qualname:
         raise ImportError(f"'{path}' is not of the form module:name")
-    return _resolve(module, qualname)
+    return _resolve(current_module(module), qualname)
 
 
 def constructor_parameters(cls) -> list:
