@@ -70,15 +70,10 @@ def tensorflow_functions():
     @def_function.function
     def adagrad_optimizer_computation(gradient, embedding_table, slot_variables, learning_rate,
                                       hyperparameters):
-        # TensorFlow's documented example (tf.tpu.experimental.embedding.CustomOptimizer)
+        # TensorFlow's documented example (tf.tpu.experimental.embedding.CustomOptimizer), its lines joined
         del hyperparameters
-        accumulator = slot_variables[0]
-        new_accumulator = accumulator + gradient * gradient
-        updated_embedding_table = (
-            embedding_table
-            - learning_rate * gradient / math_ops.sqrt(new_accumulator)
-        )
-        return (updated_embedding_table, new_accumulator)
+        new_accumulator = slot_variables[0] + gradient * gradient
+        return embedding_table - learning_rate * gradient / math_ops.sqrt(new_accumulator), new_accumulator
 
     @tf.function
     def rowwise_adagrad_computation(gradient, embedding_table, slot_variables, learning_rate, hyperparameters):
