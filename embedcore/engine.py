@@ -189,6 +189,121 @@ class Embedding(TrainingEngine):
         return restore(cls, path, functions=functions, allow_import=allow_import, stack_tables=stack_tables,
                        tuning=tuning)
 
+    # -- state from arrays, copies and pickles (one block: set_state, deepcopy, pickle) ----------------
+    def set_state(self, tables=None, slots=None, step=None) -> None:
+        """Copy arrays into tables and slots and set ``step``: what ``load`` does, from memory.
+
+        ``tables`` maps table names to arrays of the table's shape and dtype, ``slots`` table names to
+        ``{slot name: array}``; tables and slots not named keep their values, ``step=None`` keeps ``step``.
+        Everything is checked first (names, shapes, dtypes, NaN/Inf, ``step`` an int >= 0): a problem raises
+        ``ValueError`` listing every one, and nothing changes. Contexts of earlier lookups are refused
+        afterwards, as after :meth:`load`.
+        """
+        current, current_slots = self.embedding_tables, self.slot_variables
+        staged, problems = [], []
+
+        def stage(target, source, what):
+            if not isinstance(source, np.ndarray) or source.dtype != target.dtype or source.shape != target.shape:
+                got = (f"{source.dtype} of shape {source.shape}" if isinstance(source, np.ndarray)
+                       else type(source).__name__)
+                problems.append(f"{what} must be a {target.dtype} array of shape {target.shape}, got {got}")
+            else:
+                with np.errstate(over="ignore", invalid="ignore"):  # float64 sums of finite 16/32-bit values
+                    finite = source.size == 0 or np.isfinite(np.add.reduce(source.reshape(-1), dtype=np.float64))
+                if not finite:
+                    rows = np.flatnonzero(~np.isfinite(source.reshape(source.shape[0], -1).astype(np.float32)).all(1))
+                    problems.append(f"{what} holds NaN or Inf in {rows.size} row(s), e.g. rows {rows[:5].tolist()}")
+                staged.append((target, source))
+
+        for name, source in (tables or {}).items():
+            if name not in current:
+                problems.append(f"no table '{name}' (the tables are {sorted(current)})")
+            else:
+                stage(current[name], source, f"table '{name}'")
+        for name, named in (slots or {}).items():
+            for slot, source in dict(named).items():
+                if slot not in current_slots.get(name, {}):
+                    problems.append(f"no slot '{slot}' of table '{name}' (its slots are "
+                                    f"{list(current_slots.get(name, {}))})")
+                else:
+                    stage(current_slots[name][slot], source, f"table '{name}' slot '{slot}'")
+        if step is not None and (isinstance(step, (bool, np.bool_)) or not isinstance(step, (int, np.integer))
+                                 or not 0 <= int(step) < 2 ** 63):
+            problems.append(f"step must be an int from 0 to 2**63-1, got {step!r:.60}")
+        if problems:
+            raise ValueError("set_state: " + "; ".join(problems) + " (nothing was changed)")
+        with self._exclusive("set_state"):
+            for target, source in staged:
+                target[...] = source
+            if step is not None:
+                self.step = int(step)
+            self._tables_replaced()
+
+    def _copy_arguments(self) -> dict:
+        """Constructor arguments, besides the configuration, that a copy of this engine is built with."""
+        return {"seed": self.seed, "stack_tables": len(self._physical) < len(self._table_configs),
+                "non_finite": self.non_finite, "tuning": self.tuning}
+
+    def __deepcopy__(self, memo):
+        """An independent engine: configuration deep-copied (functions shared), tables, slots, ``step`` copied."""
+        import copy
+        feature_config, optimizer = copy.deepcopy((self._feature_config, self._optimizer), memo)
+        emb = type(self)(feature_config, optimizer, fill=False, **self._copy_arguments())
+        emb.set_state(self.embedding_tables, self.slot_variables, self.step)
+        emb.skipped_rows = dict(self.skipped_rows)
+        memo[id(self)] = emb
+        return emb
+
+    def __reduce__(self):
+        """Pickled as a checkpoint is written: the configuration encoded by :mod:`embedcore.checkpoint`
+        (functions by import path, imported again on unpickling), tables, slots and ``step`` as arrays.
+        A tuning's ``phase_timer`` (profiling only) is not kept."""
+        import pickle
+        from .checkpoint import CheckpointError, engine_config
+        try:
+            config = engine_config(self)
+        except CheckpointError as e:
+            raise pickle.PicklingError(f"cannot pickle this {type(self).__name__}: {e}") from None
+        unnamed = [f"{where} is {value.get('repr') or 'a function'}"
+                   for where, node in [(f"table '{t['name']}'", t) for t in config["tables"]] +
+                   [("the engine's optimizer", config["optimizer"])]
+                   for where, value in self._functions_without_path(node, where)]
+        if unnamed:
+            raise pickle.PicklingError(
+                f"cannot pickle this {type(self).__name__}: {'; '.join(unnamed)}, which has no import path (a lambda, "
+                f"a local function or one defined in __main__); pickling stores functions by reference: define it "
+                f"at module level in an importable module (copy.deepcopy works without)")
+        arguments = self._copy_arguments()
+        arguments["tuning"] = self.tuning.replace(phase_timer=None)
+        state = {"version": 1, "config": config, "arguments": arguments, "step": self.step,
+                 "skipped_rows": dict(self.skipped_rows), "tables": self.embedding_tables,
+                 "slots": self.slot_variables}
+        return type(self)._from_pickled, (state,)
+
+    @staticmethod
+    def _functions_without_path(node, where):
+        """``(where, entry)`` for each function in an encoded configuration that has no import path."""
+        if isinstance(node, dict):
+            if "function" in node and node["function"] is None:
+                return [(where, node)]
+            return [x for k, v in node.items() if k != "name" for x in
+                    Embedding._functions_without_path(v, where if k in ("args", "tuple") else f"{where}.{k}")]
+        if isinstance(node, list):
+            return [x for i, v in enumerate(node) for x in Embedding._functions_without_path(v, f"{where}[{i}]")]
+        return []
+
+    @classmethod
+    def _from_pickled(cls, state):
+        from .checkpoint.config_codec import FunctionResolver, decode_engine_config
+        if state.get("version") != 1:
+            raise ValueError(f"this pickled {cls.__name__} has version {state.get('version')!r}; this embedcore "
+                             f"reads version 1")
+        feature_config, optimizer, _ = decode_engine_config(state["config"], FunctionResolver(allow_import=True))
+        emb = cls(feature_config, optimizer, fill=False, **state["arguments"])
+        emb.set_state(state["tables"], state["slots"], state["step"])
+        emb.skipped_rows = dict(state["skipped_rows"])
+        return emb
+
     # -- update ------------------------------------------------------------------------------------------
     def apply_gradients(self, gradients, ctx: LookupContext):
         """Apply ``d loss / d activations`` (mirroring the activations) with each table's fused optimizer.
