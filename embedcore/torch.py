@@ -30,6 +30,9 @@ Semantics, step by step (as FBGEMM's table-batched embeddings do it, "optimizer 
 
 from __future__ import annotations
 
+import math
+import sys
+
 import numpy as np
 
 try:
@@ -40,7 +43,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without torch
 
 from . import inputs
 from .engine import Embedding
-from .inputs import InputError
+from .inputs import InputError, Ragged
 
 __all__ = ["EmbeddingModule"]
 
@@ -64,6 +67,83 @@ def _leaf_to_numpy(leaf):
     if isinstance(leaf, list):
         return [_tensor_to_numpy(x) if isinstance(x, torch.Tensor) else x for x in leaf]
     return leaf
+
+
+def _ids_to_numpy(value, name, what):
+    """A 1-D integer array (a tensor's memory when it is one) for ``what`` of feature ``name``."""
+    array = _tensor_to_numpy(value) if isinstance(value, torch.Tensor) else np.asarray(value)
+    if array.ndim != 1 or array.dtype.kind not in "iu" or array.dtype == np.bool_:
+        raise InputError(f"{what} of feature '{name}' must be a 1-D integer tensor or array, got "
+                         f"{array.dtype} of shape {array.shape}")
+    return array
+
+
+def _bags(pair, weights, name, include_last_offset):
+    """``(values, offsets)`` as :class:`Ragged` ids (``values`` not copied), as ``nn.EmbeddingBag`` reads them:
+    ``offsets`` are the bags' starts, with the end of the last bag too when ``include_last_offset``;
+    ``weights`` (per-value, like ``per_sample_weights``) follows the same bags."""
+    if len(pair) != 2:
+        raise InputError(f"feature '{name}': a tuple of ids must be (values, offsets), got {len(pair)} entries")
+    values = _ids_to_numpy(pair[0], name, "values")
+    offsets = _ids_to_numpy(pair[1], name, "offsets")
+    if include_last_offset:
+        if offsets.shape[0] < 1:
+            raise InputError(f"offsets of feature '{name}' must hold at least one entry with include_last_offset")
+        splits = offsets
+    else:  # the bags' starts: the end of the last bag is the number of values (a new array of B + 1 ints)
+        splits = np.empty(offsets.shape[0] + 1, np.int64)
+        splits[:-1] = offsets
+        splits[-1] = values.shape[0]
+    if weights is not None and not isinstance(weights, Ragged):
+        weights = Ragged(_leaf_to_numpy(weights), splits)
+    return Ragged(values, splits), weights
+
+
+def _is_keyed_jagged(value) -> bool:
+    """Whether ``value`` looks like torchrec's ``KeyedJaggedTensor`` (duck typing: torchrec is optional)."""
+    return (all(callable(getattr(value, m, None)) for m in ("keys", "values", "weights_or_none"))
+            and any(callable(getattr(value, m, None)) for m in ("offsets", "lengths")))
+
+
+def _keyed_tensor_class(kjt):
+    """torchrec's ``KeyedTensor`` when ``kjt`` is a real torchrec ``KeyedJaggedTensor``, else None."""
+    module = sys.modules.get("torchrec.sparse.jagged_tensor")
+    if module is not None and isinstance(kjt, getattr(module, "KeyedJaggedTensor", ())):
+        return module.KeyedTensor
+    return None
+
+
+def _call(obj, *names):
+    """The result of the first of ``obj``'s methods ``names`` that exists and returns something else than None."""
+    for name in names:
+        method = getattr(obj, name, None)
+        if callable(method):
+            result = method()
+            if result is not None:
+                return result
+    return None
+
+
+def _jagged_offsets(kjt, n_keys, n_values):
+    """The KJT's offsets (``n_keys * B + 1`` int64, key-major) and its batch size ``B``, checked."""
+    offsets = _call(kjt, "offsets_or_none")
+    lengths = None if offsets is not None else _call(kjt, "lengths_or_none", "lengths")
+    if offsets is None and lengths is None:
+        offsets = _call(kjt, "offsets")
+    if offsets is not None:
+        offsets = _ids_to_numpy(offsets, "<KeyedJaggedTensor>", "offsets").astype(np.int64, copy=False)
+        n = offsets.shape[0] - 1
+    else:
+        lengths = _ids_to_numpy(lengths, "<KeyedJaggedTensor>", "lengths")
+        n = lengths.shape[0]
+        offsets = np.zeros(n + 1, np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+    if n < 0 or (n_keys and n % n_keys) or (not n_keys and n):
+        raise InputError(f"a KeyedJaggedTensor of {n_keys} keys has {n} lengths, not a multiple of {n_keys}")
+    if offsets[0] != 0 or offsets[-1] > n_values or (n and np.any(offsets[1:] < offsets[:-1])):
+        raise InputError(f"the KeyedJaggedTensor's offsets must start at 0, not decrease and end at most at the "
+                         f"number of values ({n_values}); got {offsets[:16].tolist()}")
+    return offsets, n // n_keys if n_keys else 0
 
 
 def _grad_to_numpy(grad, shape):
@@ -109,6 +189,28 @@ class _ApplyInBackward(torch.autograd.Function):
         return (None, None) + (None,) * len(grads)
 
 
+def _torch_dtype(dtype: np.dtype):
+    """The torch dtype of a table's NumPy dtype (``ml_dtypes.bfloat16`` is ``torch.bfloat16``)."""
+    if dtype.name == "bfloat16":
+        return torch.bfloat16
+    return torch.from_numpy(np.empty(0, dtype)).dtype
+
+
+def _as_tensor(array: np.ndarray) -> torch.Tensor:
+    """A table or slot as a tensor over the same memory (bfloat16 through a 16-bit integer view)."""
+    if array.dtype.name == "bfloat16":
+        return torch.from_numpy(array.view(np.uint16)).view(torch.bfloat16)
+    return torch.from_numpy(array)
+
+
+def _as_array(tensor: torch.Tensor, dtype: np.dtype) -> np.ndarray:
+    """A CPU copy-free view of ``tensor`` (already of the torch twin of ``dtype``) as a NumPy array of ``dtype``."""
+    tensor = tensor.detach().cpu()
+    if dtype.name == "bfloat16":
+        return tensor.view(torch.uint16).numpy().view(dtype)
+    return tensor.resolve_neg().numpy()
+
+
 class EmbeddingModule(torch.nn.Module):
     """A ``torch.nn.Module`` around an :class:`embedcore.Embedding`, updating the tables during backward.
 
@@ -116,19 +218,37 @@ class EmbeddingModule(torch.nn.Module):
         embedding: an :class:`embedcore.Embedding`, or a feature config (then ``optimizer`` and ``kwargs``
             such as ``seed`` and ``stack_tables`` build the engine).
         optimizer: the tables' default embedcore optimizer when building from a feature config.
+        include_last_offset: how a feature given as ``(values, offsets)`` reads its offsets, as in
+            ``torch.nn.EmbeddingBag``: False (the default), one start per bag; True, one more entry at the end
+            (the number of values), as in CSR and torchrec.
 
-    ``forward(features, weights=None)`` takes what :meth:`Embedding.lookup` takes, with CPU torch tensors
-    allowed wherever an array is (ids and weights; converted to NumPy without a copy when the dtype allows;
-    weights are constants, no gradient flows to them) and returns the activations, mirroring ``features``, as
-    float32 tensors sharing memory with the engine's NumPy activations. See the module docstring for when
-    and how the tables are updated (during ``loss.backward()``, before the dense ``optimizer.step()``).
+    ``forward(features, weights=None)`` takes
+
+    * what :meth:`Embedding.lookup` takes, with CPU torch tensors allowed wherever an array is (ids and
+      weights; converted to NumPy without a copy when the dtype allows; weights of any float dtype, with
+      ``requires_grad`` or not, are constants: no gradient flows to them);
+    * per feature, a tuple ``(values, offsets)`` of 1-D integer tensors (``nn.EmbeddingBag``'s input; see
+      ``include_last_offset``), its weights a 1-D tensor like ``per_sample_weights``;
+    * or a torchrec ``KeyedJaggedTensor`` (anything with ``keys()``, ``values()``, ``lengths()`` or
+      ``offsets()`` and ``weights_or_none()``; variable batch sizes per key are refused): its keys name the
+      features (a feature's key in the feature config dict, its path in a nested config, or its
+      ``FeatureConfig.name``); keys naming no feature are ignored; its weights, if any, are the features'.
+
+    The ids are never copied on the way (int64 ids reach the engine as they are; int32 ones the engine
+    widens). It returns the activations, mirroring ``features``, as float32 tensors sharing memory with the
+    engine's NumPy activations; for a ``KeyedJaggedTensor`` a dict ``{key: activations}`` in the feature
+    config's order or, for a real torchrec one, a ``KeyedTensor`` as torchrec's ``EmbeddingBagCollection``
+    returns (the features' activations concatenated along dim 1, a sequence feature's ``[B, L, dim]`` as
+    ``L * dim`` columns). See the module docstring for when and how the tables are updated (during
+    ``loss.backward()``, before the dense ``optimizer.step()``).
 
     The module registers no parameters: ``torch.optim.X(model.parameters())`` sees only the dense model's.
     ``requires_grad_(False)`` freezes the tables (forward becomes lookup-only), ``requires_grad_(True)``
-    unfreezes them. ``state_dict()`` does not hold the tables: checkpoint ``.embedding`` with embedcore.
+    unfreezes them. ``state_dict()`` holds the tables, slots and step (see the module docstring); the module
+    pickles (``torch.save``) and deep-copies.
     """
 
-    def __init__(self, embedding, optimizer=None, **kwargs):
+    def __init__(self, embedding, optimizer=None, *, include_last_offset: bool = False, **kwargs):
         super().__init__()
         if isinstance(embedding, Embedding):
             if optimizer is not None or kwargs:
@@ -137,17 +257,18 @@ class EmbeddingModule(torch.nn.Module):
         else:
             embedding = Embedding(embedding, optimizer, **kwargs)
         self.embedding = embedding
+        self.include_last_offset = bool(include_last_offset)
         # The autograd node's input: zero-size, never given a gradient, not an nn.Parameter.
         self._trigger = torch.zeros(0, requires_grad=True)
 
     @property
     def embedding_tables(self) -> dict:
-        """Table name -> ``[vocabulary_size, dim]`` float32 NumPy array (the engine's storage, live)."""
+        """Table name -> ``[vocabulary_size, dim]`` NumPy array (the engine's storage, live)."""
         return self.embedding.embedding_tables
 
     @property
     def slot_variables(self) -> dict:
-        """Table name -> {slot name: float32 NumPy array} (the engine's storage, live)."""
+        """Table name -> {slot name: NumPy array} (the engine's storage, live)."""
         return self.embedding.slot_variables
 
     def requires_grad_(self, requires_grad: bool = True):
@@ -161,21 +282,152 @@ class EmbeddingModule(torch.nn.Module):
         return torch.is_grad_enabled() and self.training and self._trigger.requires_grad
 
     def forward(self, features, weights=None):
-        features = self._from_torch(features, "features")
-        weights = None if weights is None else self._from_torch(weights, "weights")
+        keyed = None
+        if _is_keyed_jagged(features):
+            if weights is not None:
+                raise InputError("a KeyedJaggedTensor carries its own weights (weights_or_none()); pass weights=None")
+            keyed = features
+            features, weights, keys, batch = self._from_keyed_jagged(features)
+        features, weights = self._from_torch(features, weights)
         acts, lookup_ctx = self.embedding.lookup(features, weights)
         leaves = [a for _, a in inputs.flatten(acts)]
         if not self.updates_enabled:
-            return inputs.unflatten(acts, [torch.from_numpy(a) for a in leaves])
-        skeleton = inputs.unflatten(acts, [None] * len(leaves))  # the structure, without holding the arrays
-        pending = _Pending(self.embedding, lookup_ctx, skeleton, [a.shape for a in leaves])
-        tensors = _ApplyInBackward.apply(self._trigger, pending, *leaves)
-        return inputs.unflatten(acts, list(tensors))
+            tensors = [torch.from_numpy(a) for a in leaves]
+        else:
+            skeleton = inputs.unflatten(acts, [None] * len(leaves))  # the structure, without holding the arrays
+            pending = _Pending(self.embedding, lookup_ctx, skeleton, [a.shape for a in leaves])
+            tensors = list(_ApplyInBackward.apply(self._trigger, pending, *leaves))
+        if keyed is None:
+            return inputs.unflatten(acts, tensors)
+        keyed_tensor = _keyed_tensor_class(keyed)
+        if keyed_tensor is None:
+            return dict(zip(keys, tensors))
+        columns = [t.reshape(batch, math.prod(t.shape) // batch if batch else math.prod(t.shape[1:]))
+                   for t in tensors]  # [B, dim]; a sequence feature's [B, L, dim] as L * dim columns
+        return keyed_tensor(keys=list(keys), length_per_key=[t.shape[1] for t in columns],
+                            values=torch.cat(columns, 1))
 
-    def _from_torch(self, nest, what):
-        """``nest`` (mirroring the feature config) with its torch tensors turned into NumPy arrays."""
+    def _from_torch(self, features, weights):
+        """``features`` and ``weights`` (mirroring the feature config) with their torch tensors turned into NumPy
+        arrays and ``(values, offsets)`` pairs into :class:`Ragged`."""
         config = self.embedding.feature_config
-        return inputs.unflatten(config, [_leaf_to_numpy(x) for x in inputs.flatten_like(config, nest, what)])
+        id_leaves = inputs.flatten_like(config, features, "features")
+        weight_leaves = [None] * len(id_leaves) if weights is None else inputs.flatten_like(config, weights, "weights")
+        ids_out, weights_out = [], []
+        for (path, feature), ids, w in zip(inputs.flatten(config), id_leaves, weight_leaves):
+            if isinstance(ids, tuple):
+                ids, w = _bags(ids, w, feature.name or path, self.include_last_offset)
+            ids_out.append(_leaf_to_numpy(ids))
+            weights_out.append(_leaf_to_numpy(w))
+        return (inputs.unflatten(config, ids_out),
+                None if weights is None and all(w is None for w in weights_out) else
+                inputs.unflatten(config, weights_out))
+
+    def _from_keyed_jagged(self, kjt):
+        """Features and weights (mirroring the feature config) from a ``KeyedJaggedTensor``, ids not copied;
+        the key of each feature, in the feature config's order; the batch size."""
+        kjt_keys = list(kjt.keys())
+        if len(set(kjt_keys)) != len(kjt_keys):
+            raise InputError(f"the KeyedJaggedTensor's keys repeat: {kjt_keys}")
+        if callable(getattr(kjt, "variable_stride_per_key", None)) and kjt.variable_stride_per_key():
+            raise InputError("a KeyedJaggedTensor with a batch size per key (variable stride) is not supported: "
+                             "give every key the same batch size")
+        values = _ids_to_numpy(kjt.values(), "<KeyedJaggedTensor>", "values")
+        w = kjt.weights_or_none()
+        w = None if w is None else _leaf_to_numpy(w)
+        if w is not None and w.shape != values.shape:
+            raise InputError(f"the KeyedJaggedTensor's weights have shape {tuple(w.shape)}, its values "
+                             f"{tuple(values.shape)}")
+        offsets, batch = _jagged_offsets(kjt, len(kjt_keys), values.shape[0])
+        if callable(getattr(kjt, "stride", None)) and kjt_keys and int(kjt.stride()) != batch:
+            raise InputError(f"the KeyedJaggedTensor's stride() is {kjt.stride()}, its lengths give {batch} "
+                             f"samples per key")
+        index = {key: k for k, key in enumerate(kjt_keys)}
+        ids_out, weights_out, keys, missing = [], [], [], []
+        for path, feature in inputs.flatten(self.embedding.feature_config):
+            key = next((c for c in (path, feature.name) if c is not None and c in index), None)
+            if key is None:
+                missing.append(path if feature.name in (None, path) else f"{path} (named {feature.name})")
+                continue
+            k = index[key]
+            segment = offsets[k * batch:(k + 1) * batch + 1]
+            start, end = int(segment[0]), int(segment[-1])
+            splits = segment - start
+            ids_out.append(Ragged(values[start:end], splits))
+            weights_out.append(None if w is None else Ragged(w[start:end], splits))
+            keys.append(key)
+        if missing:
+            raise InputError(f"the KeyedJaggedTensor has no key for the features {missing} (its keys are "
+                             f"{kjt_keys})")
+        config = self.embedding.feature_config
+        return (inputs.unflatten(config, ids_out), None if w is None else inputs.unflatten(config, weights_out),
+                keys, batch)
+
+    # -- state: state_dict, load_state_dict ------------------------------------------------------------
+    def _state_entries(self, prefix):
+        """``{key: (table, slot or None)}`` of the tables and slots in ``state_dict``; ``step`` apart."""
+        entries = {}
+        slots = self.embedding.slot_variables
+        for name in self.embedding.tables:  # the configuration's order, whatever the stacking
+            entries[f"{prefix}tables.{name}.weights"] = (name, None)
+            for slot in slots[name]:
+                entries[f"{prefix}tables.{name}.slot.{slot}"] = (name, slot)
+        return entries
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        tables, slots = self.embedding.embedding_tables, self.embedding.slot_variables
+        for key, (name, slot) in self._state_entries(prefix).items():
+            destination[key] = _as_tensor(tables[name] if slot is None else slots[name][slot])
+        destination[prefix + "step"] = torch.tensor(self.embedding.step, dtype=torch.int64)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        entries = self._state_entries(prefix)
+        step_key = prefix + "step"
+        ours = set(entries) | {step_key}
+        super()._load_from_state_dict({k: v for k, v in state_dict.items() if k not in ours}, prefix,
+                                      local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+        current, current_slots = self.embedding.embedding_tables, self.embedding.slot_variables
+        tables, slots, step, problems = {}, {}, None, []
+        for key, (name, slot) in entries.items():
+            if key not in state_dict:
+                missing_keys.append(key)
+                continue
+            value = state_dict[key]
+            target = current[name] if slot is None else current_slots[name][slot]
+            dtype = _torch_dtype(target.dtype)
+            if not isinstance(value, torch.Tensor) or value.dtype != dtype or tuple(value.shape) != target.shape \
+                    or value.device.type == "meta":
+                got = (f"{value.dtype} of shape {tuple(value.shape)} on '{value.device}'"
+                       if isinstance(value, torch.Tensor) else type(value).__name__)
+                problems.append(f'"{key}" must be a {dtype} tensor of shape {target.shape} with data, as the table '
+                                f'is; the state dict holds {got} (convert it with .to({dtype}) if that is meant)')
+                continue
+            array = _as_array(value, target.dtype)
+            if slot is None:
+                tables[name] = array
+            else:
+                slots.setdefault(name, {})[slot] = array
+        if step_key not in state_dict:
+            missing_keys.append(step_key)
+        else:
+            value = state_dict[step_key]
+            if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_floating_point() \
+                    and not value.is_complex() and value.dtype != torch.bool and value.device.type != "meta":
+                step = int(value.item())
+            elif isinstance(value, int) and not isinstance(value, bool):
+                step = value
+            else:
+                problems.append(f'"{step_key}" must be one integer (a tensor or an int), got {value!r:.80}')
+        if not problems:
+            try:
+                self.embedding.set_state(tables, slots, step)
+            except ValueError as e:
+                error_msgs.append(f"embedcore tables at '{prefix or '<root>'}': {e}")
+        else:
+            error_msgs.append(f"embedcore tables at '{prefix or '<root>'}': " + "; ".join(problems)
+                              + " (nothing was changed)")
 
     def extra_repr(self) -> str:
         return repr(self.embedding)
