@@ -21,8 +21,11 @@ def _is_int(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+DTYPES = ("float32", "float16", "bfloat16")
+
+
 class TableConfig:
-    """One embedding table: ``vocabulary_size`` rows of ``dim`` float32 values.
+    """One embedding table: ``vocabulary_size`` rows of ``dim`` values, stored as float32 or in 16 bits.
 
     Args:
         vocabulary_size: number of rows, an int >= 1.
@@ -34,9 +37,18 @@ class TableConfig:
         combiner: how the rows of one sample are reduced: ``"mean"`` (sum of w_i x_i / sum of w_i),
             ``"sum"`` or ``"sqrtn"`` (sum of w_i x_i / sqrt(sum of w_i^2)).
         name: unique name of the table; unnamed tables are named ``table_<k>`` by the engine.
+        weights_dtype: how the rows are stored: ``"float32"``, ``"float16"`` or ``"bfloat16"`` (2 bytes a
+            value: ``np.float16``, ``ml_dtypes.bfloat16``). Optimizers and lookups compute in float32 either
+            way; each new value is rounded to the table's dtype when stored.
+        slot_dtype: how the optimizer's slots (accumulators, moments) are stored; the same choices.
+        stochastic_rounding: round to a 16-bit dtype stochastically (unbiased: up with probability equal to
+            the distance from the value below, in units of the gap; the random bits are a function of the
+            seed, table, row, column and step), else to nearest (ties to even). Initial values are always
+            rounded to nearest.
     """
 
-    def __init__(self, vocabulary_size, dim, initializer=None, optimizer=None, combiner="mean", name=None):
+    def __init__(self, vocabulary_size, dim, initializer=None, optimizer=None, combiner="mean", name=None, *,
+                 weights_dtype="float32", slot_dtype="float32", stochastic_rounding=True):
         if name is not None and (not isinstance(name, str) or not name):
             raise ValueError(f"Argument `name` must be a non-empty string or None. Received: {name!r:.80}")
         table = f"TableConfig '{name}'" if name else "TableConfig"
@@ -58,17 +70,36 @@ class TableConfig:
                 raise ValueError(
                     f"{table}: Argument `optimizer` must be an embedcore optimizer (SGD, Adagrad, ..., CustomOptimizer) "
                     f"or None. Received: {optimizer!r}")
+        for argument, value in (("weights_dtype", weights_dtype), ("slot_dtype", slot_dtype)):
+            if not isinstance(value, str) or value not in DTYPES:
+                raise ValueError(f"{table}: Argument `{argument}` must be one of {list(DTYPES)}. Received: "
+                                 f"{value!r:.80}")
+        if not isinstance(stochastic_rounding, bool):
+            raise ValueError(f"{table}: Argument `stochastic_rounding` must be a boolean. Received: "
+                             f"{stochastic_rounding!r:.80}")
         self.vocabulary_size = int(vocabulary_size)
         self.dim = int(dim)
         self.initializer = initializer
         self.optimizer = optimizer
         self.combiner = combiner
         self.name = name
+        self.weights_dtype = weights_dtype
+        self.slot_dtype = slot_dtype
+        self.stochastic_rounding = stochastic_rounding
+
+    @property
+    def stored_formats(self):
+        """The table's :class:`~embedcore.kernels.half.StoredFormats` (rows, slots, rounding)."""
+        from .kernels.half import StoredFormats
+        return StoredFormats(self.weights_dtype, self.slot_dtype, self.stochastic_rounding)
 
     def __repr__(self):
+        stored = "" if (self.weights_dtype, self.slot_dtype) == ("float32", "float32") else (
+            f", weights_dtype={self.weights_dtype!r}, slot_dtype={self.slot_dtype!r}, "
+            f"stochastic_rounding={self.stochastic_rounding!r}")
         return (f"TableConfig(vocabulary_size={self.vocabulary_size!r}, dim={self.dim!r}, "
                 f"initializer={self.initializer!r}, optimizer={self.optimizer!r}, "
-                f"combiner={self.combiner!r}, name={self.name!r})")
+                f"combiner={self.combiner!r}, name={self.name!r}{stored})")
 
 
 class FeatureConfig:

@@ -164,17 +164,19 @@ class Embedding(TrainingEngine):
         with self._exclusive("save"):
             return save(self, path, extra=extra, metadata=metadata)
 
-    def load(self, path, strict: bool = True) -> None:
+    def load(self, path, strict: bool = True, convert_dtypes: bool = False) -> None:
         """Replace tables, slots and ``step`` with a checkpoint's; verified in full before anything changes.
 
         ``strict`` requires the checkpoint's configuration to equal this engine's (optimizers and
         hyperparameters included); ``strict=False`` only requires the same tables, shapes and slots.
+        Tables or slots stored in another dtype than this engine's (say a float32 checkpoint into bfloat16
+        tables) are refused unless ``convert_dtypes``, which rounds them to nearest.
         Contexts of lookups made before a successful ``load`` are refused by :meth:`apply_gradients` (their
         activations came from the replaced tables).
         """
         from .checkpoint import load_into
         with self._exclusive("load"):
-            load_into(self, path, strict=strict)
+            load_into(self, path, strict=strict, convert_dtypes=convert_dtypes)
             self._tables_replaced()
 
     @classmethod
@@ -361,7 +363,7 @@ class Embedding(TrainingEngine):
         failing = set()
         for table, tb, d_act in work:
             lr, hyper = values[id(table.optimizer)]
-            update = table.update(tb, d_act, lr, hyper)
+            update = table.update(tb, d_act, lr, hyper, step)
             report.add(update)
             if update.function is not None:
                 failing.add(update.function)

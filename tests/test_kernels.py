@@ -347,7 +347,7 @@ def test_lookup_prefetches_unless_the_last_update_saw_a_hot_set_of_rows(dim, mon
     real = physical.gather_combine
 
     def recording(*args):
-        seen.append(args[-1])
+        seen.append(args[5])  # prefetch
         return real(*args)
     monkeypatch.setattr(physical, "gather_combine", recording)
     table = ec.TableConfig(50_000, dim, name="t", combiner="sum", initializer=ec.RandomUniform(-1, 1))

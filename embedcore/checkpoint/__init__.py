@@ -30,7 +30,7 @@ from .tensor_file import STORABLE_DTYPES
 
 __all__ = ["CheckpointError", "save", "load_into", "restore", "read_extra", "open_snapshot", "read_current",
            "engine_config", "table_tensors", "table_rows", "write_table_shards", "check_save_inputs", "manifest_of",
-           "check_compatible", "check_finite", "stored_shapes"]
+           "check_compatible", "check_finite", "stored_shapes", "as_stored"]
 
 _EXTRA = "extra.safetensors"
 
@@ -120,12 +120,24 @@ def _differences(saved, current, where="config"):
     return [] if saved == current else [f"{where}: checkpoint has {saved!r}, the engine has {current!r}"]
 
 
-def check_compatible(snap: Snapshot, config: dict, slots: dict, strict: bool) -> None:
-    """Refuse a checkpoint whose configuration differs from ``config`` (when ``strict``) or whose tables and
-    slot names differ from ``slots`` (table name -> slot names)."""
+_STORAGE_KEYS = ("weights_dtype", "slot_dtype", "stochastic_rounding")
+
+
+def _without_storage(config: dict) -> dict:
+    """``config`` without the tables' storage settings (compared as dtypes of the arrays instead)."""
+    tables = [{k: v for k, v in t.items() if k not in _STORAGE_KEYS} for t in config.get("tables", [])]
+    return {**config, "tables": tables}
+
+
+def check_compatible(snap: Snapshot, config: dict, slots: dict, strict: bool, convert_dtypes: bool = False) -> None:
+    """Refuse a checkpoint whose configuration differs from ``config`` (when ``strict``; with
+    ``convert_dtypes``, tables may differ in how they are stored) or whose tables and slot names differ from
+    ``slots`` (table name -> slot names)."""
     where = snap.dir
     if strict:
         saved = snap.manifest["config"]
+        if convert_dtypes:
+            saved, config = _without_storage(saved), _without_storage(config)
         diffs = _differences({k: v for k, v in saved.items() if k != "seed"},
                              {k: v for k, v in config.items() if k != "seed"})
         if diffs:
@@ -141,21 +153,40 @@ def check_compatible(snap: Snapshot, config: dict, slots: dict, strict: bool) ->
                                   f"has {list(slots[name])}")
 
 
-def load_into(emb, path_or_snapshot, strict: bool = True) -> None:
+def as_stored(target: np.ndarray, source: np.ndarray, where: str, convert_dtypes: bool) -> np.ndarray:
+    """``source`` (a checkpoint's rows) as it will be copied into ``target`` (an engine's): itself when the
+    dtypes agree; converted (rounded to nearest) when they differ and ``convert_dtypes``, refused
+    (``CheckpointError`` naming ``where``) when they differ otherwise or a converted value leaves the range of
+    ``target``'s dtype."""
+    if source.dtype == target.dtype:
+        return source
+    if not convert_dtypes:
+        raise CheckpointError(f"{where} is stored as {source.dtype}; the engine's is {target.dtype}. Converting is "
+                              f"explicit: load(path, convert_dtypes=True) converts the values to {target.dtype} (rounding to nearest)")
+    with np.errstate(over="ignore"):
+        converted = source.astype(target.dtype)
+    check_finite(converted, f"{where} converted to {target.dtype} (a value beyond its range?)")
+    return converted
+
+
+def load_into(emb, path_or_snapshot, strict: bool = True, convert_dtypes: bool = False) -> None:
     """Copy a checkpoint's tables, slots and step into ``emb`` after verifying all of it.
 
     Nothing in ``emb`` changes unless every check passed; a save by another process while this reads
-    makes it read the new checkpoint instead (:func:`.store.read_current`).
+    makes it read the new checkpoint instead (:func:`.store.read_current`). Tables stored in another dtype
+    than the engine's are refused unless ``convert_dtypes`` (see :func:`as_stored`).
     """
     def stage(snap):
         tables, slots = emb.embedding_tables, emb.slot_variables
-        check_compatible(snap, engine_config(emb) if strict else {}, {n: list(v) for n, v in slots.items()}, strict)
+        check_compatible(snap, engine_config(emb) if strict else {}, {n: list(v) for n, v in slots.items()}, strict,
+                         convert_dtypes)
         staged = []
         for name in snap.manifest["tables"]:
             targets = {"weights": tables[name]}
             targets.update({f"slot/{s}": v for s, v in slots[name].items()})
             arrays = table_tensors(snap, name, {key: t.shape for key, t in targets.items()})
-            staged += [(targets[key], arrays[key]) for key in targets]
+            staged += [(targets[key], as_stored(targets[key], arrays[key], f"{snap.dir}: table '{name}' {_what(key)}",
+                                                convert_dtypes)) for key in targets]
         return staged, snap.step
 
     if isinstance(path_or_snapshot, Snapshot):
@@ -216,11 +247,12 @@ def table_rows(snap: Snapshot, table: str, key: str, first: int, stride: int, n:
     """
     shards = _shards(snap, table, [key])
     entry = snap.manifest["tables"][table]
-    stored = snap.manifest["files"][shards[0]["file"]][key]["shape"]
-    check_fits(4 * int(n) * (entry["dim"] if len(stored) == 2 else 1),
+    declared = snap.manifest["files"][shards[0]["file"]][key]
+    stored, dtype = declared["shape"], np.dtype(declared["dtype"])
+    check_fits(dtype.itemsize * int(n) * (entry["dim"] if len(stored) == 2 else 1),
                f"{snap.dir}: table '{table}' {_what(key)} ({n} rows)", error=CheckpointError)
     wanted = first + stride * np.arange(n, dtype=np.int64)
-    out = np.empty((n,) + tuple(stored[1:]), np.float32)
+    out = np.empty((n,) + tuple(stored[1:]), dtype)
     k = int(shards[0]["stride"])
     for shard in shards:
         array = snap.tensors(shard["file"], [key], verify=verify)[key]
@@ -233,7 +265,7 @@ def table_rows(snap: Snapshot, table: str, key: str, first: int, stride: int, n:
 
 def table_tensors(snap: Snapshot, table: str, shapes: dict, verify: bool = True) -> dict:
     """The whole tensors of ``table`` named in ``shapes`` (``{"weights": (V, dim), "slot/<name>": ...}``),
-    each checked to be float32 of exactly that shape and, if ``verify``, to match its SHA-256 and to be
+    each checked to be of exactly that shape (float32, float16 or bfloat16, as stored) and, if ``verify``, to match its SHA-256 and to be
     finite. A table stored whole is memory-mapped; one stored in shards (by several processes) is
     assembled in memory."""
     shards = _shards(snap, table, list(shapes))
@@ -241,9 +273,9 @@ def table_tensors(snap: Snapshot, table: str, shapes: dict, verify: bool = True)
     for key, shape in shapes.items():
         stored = snap.manifest["files"][shards[0]["file"]][key]["shape"]
         if (entry["vocabulary_size"],) + tuple(stored[1:]) != tuple(shape):
-            raise CheckpointError(f"{snap.dir}: table '{table}' tensor '{key}' is float32 of shape "
-                                  f"{(entry['vocabulary_size'],) + tuple(stored[1:])}; the engine needs float32 "
-                                  f"of shape {tuple(shape)}")
+            raise CheckpointError(f"{snap.dir}: table '{table}' tensor '{key}' has shape "
+                                  f"{(entry['vocabulary_size'],) + tuple(stored[1:])}; the engine needs shape "
+                                  f"{tuple(shape)}")
     if len(shards) > 1:
         return {key: table_rows(snap, table, key, 0, 1, entry["vocabulary_size"], verify) for key in shapes}
     arrays = snap.tensors(shards[0]["file"], list(shapes), verify=verify)
@@ -263,6 +295,12 @@ def stored_shapes(snap: Snapshot) -> dict:
     return out
 
 
+def _itemsize(snap: Snapshot, table: str, key: str) -> int:
+    """Bytes per value of tensor ``key`` of ``table`` as stored."""
+    first_file = snap.manifest["tables"][table]["shards"][0]["file"]
+    return np.dtype(snap.manifest["files"][first_file][key]["dtype"]).itemsize
+
+
 def check_restore_fits(snap: Snapshot, shapes: dict) -> None:
     """Refuse, before anything is allocated, a checkpoint whose tables and slots (``shapes``, as from
     :func:`stored_shapes`) would not fit in this machine's memory, counting the copies that tables stored
@@ -270,7 +308,7 @@ def check_restore_fits(snap: Snapshot, shapes: dict) -> None:
     total = 0
     for name, tensors in shapes.items():
         copies = 2 if len(snap.manifest["tables"][name]["shards"]) > 1 else 1
-        total += copies * sum(4 * math.prod(shape) for shape in tensors.values())
+        total += copies * sum(_itemsize(snap, name, key) * math.prod(shape) for key, shape in tensors.items())
     tables = ", ".join(f"'{n}' {t['weights'][0]} x {t['weights'][1]}" for n, t in list(shapes.items())[:5])
     check_fits(total, f"restoring {snap.dir} (tables {tables}{', ...' if len(shapes) > 5 else ''} with their "
                f"slots)", error=CheckpointError)
@@ -307,9 +345,10 @@ def restore(cls, path, functions=None, allow_import: bool = False, stack_tables:
     for name, table in emb.embedding_tables.items():
         for key, target in [("weights", table)] + [(f"slot/{s}", v) for s, v in slots[name].items()]:
             if target.shape != arrays[name][key].shape:
-                raise CheckpointError(f"{snap.dir}: table '{name}' tensor '{key}' is float32 of shape "
-                                      f"{arrays[name][key].shape}; the engine needs float32 of shape {target.shape}")
-            staged.append((target, arrays[name][key]))
+                raise CheckpointError(f"{snap.dir}: table '{name}' tensor '{key}' has shape "
+                                      f"{arrays[name][key].shape}; the engine needs shape {target.shape}")
+            staged.append((target, as_stored(target, arrays[name][key], f"{snap.dir}: table '{name}' {_what(key)}",
+                                             False)))
     for target, source in staged:
         target[...] = source
     emb.step = snap.step

@@ -27,7 +27,7 @@ import types
 
 from .. import initializers as _initializers
 from .. import optimizers as _optimizers
-from ..config import FeatureConfig, TableConfig
+from ..config import DTYPES, FeatureConfig, TableConfig
 from ..engine import NON_FINITE_POLICIES
 from .errors import CheckpointError
 
@@ -269,10 +269,20 @@ def encode_engine_config(feature_config, tables, optimizer, seed: int) -> dict:
         "features": structure(feature_config, "<root>"),
         "tables": [{"name": t.name, "vocabulary_size": t.vocabulary_size, "dim": t.dim, "combiner": t.combiner,
                     "initializer": _encode(t.initializer, f"table '{t.name}' initializer"),
-                    "optimizer": _encode(t.optimizer, f"table '{t.name}' optimizer")} for t in tables],
+                    "optimizer": _encode(t.optimizer, f"table '{t.name}' optimizer"), **_stored(t)} for t in tables],
         "optimizer": _encode(optimizer, "the engine's optimizer"),
         "seed": int(seed),
     }
+
+
+_STORED_DEFAULTS = {"weights_dtype": "float32", "slot_dtype": "float32", "stochastic_rounding": True}
+
+
+def _stored(table) -> dict:
+    """A table's storage settings that differ from float32 (float32 tables are encoded as before them)."""
+    if (table.weights_dtype, table.slot_dtype) == ("float32", "float32"):
+        return {}
+    return {key: getattr(table, key) for key in _STORED_DEFAULTS}
 
 
 def decode_engine_config(config: dict, resolve: FunctionResolver | None = None, with_optimizers: bool = True):
@@ -292,7 +302,8 @@ def decode_engine_config(config: dict, resolve: FunctionResolver | None = None, 
                 t["vocabulary_size"], t["dim"],
                 initializer=_decode(t["initializer"], f"{where} initializer", resolve) if with_optimizers else None,
                 optimizer=_decode(t["optimizer"], f"{where} optimizer", resolve) if with_optimizers else None,
-                combiner=t["combiner"], name=t["name"])
+                combiner=t["combiner"], name=t["name"],
+                **{key: t.get(key, default) for key, default in _STORED_DEFAULTS.items()})
 
         def structure(node):
             if "dict" in node:
@@ -451,7 +462,8 @@ def check_config(config) -> dict:
     names = set()
     for i, t in enumerate(_need_list(config["tables"], "config.tables")):
         where = f"config.tables[{i}]"
-        _need_dict(t, where, ["name", "vocabulary_size", "dim", "combiner", "initializer", "optimizer"])
+        _need_dict(t, where, ["name", "vocabulary_size", "dim", "combiner", "initializer", "optimizer"],
+                   optional=list(_STORED_DEFAULTS))
         name = _need_str(t["name"], f"{where}.name")
         if name in names:
             raise _fail(f"{where}.name", "a name no other table has", name)
@@ -460,6 +472,11 @@ def check_config(config) -> dict:
         need_int(t["vocabulary_size"], f"{where}.vocabulary_size", 1, _MAX_ROWS)
         need_int(t["dim"], f"{where}.dim", 1, _MAX_DIM)
         _need_str(t["combiner"], f"{where}.combiner")
+        for key in ("weights_dtype", "slot_dtype"):
+            if key in t and t[key] not in DTYPES:
+                raise _fail(f"{where}.{key}", f"one of {list(DTYPES)}", t[key])
+        if "stochastic_rounding" in t and not isinstance(t["stochastic_rounding"], bool):
+            raise _fail(f"{where}.stochastic_rounding", "true or false", t["stochastic_rounding"])
         _check_value(t["initializer"], f"{where}.initializer")
         _check_stored_object(t["optimizer"], "optimizer", f"{where}.optimizer")
     _check_features(config["features"], "config.features", names)

@@ -52,6 +52,7 @@ _MAX_MANIFEST = 64 * 2 ** 20
 _MAX_STEP = 2 ** 63 - 1
 _MAX_ROWS = 2 ** 62
 _DTYPE_SIZES = {str(d): d.itemsize for d in STORABLE_DTYPES}
+TABLE_DTYPES = ("float32", "float16", "bfloat16")  # how tables and slots may be stored
 _RETRIES = 8
 
 
@@ -340,9 +341,15 @@ def check_manifest(manifest, path: str, manifest_path: str) -> dict:
                                   f"{sorted(tables)}), which its configuration lists")
         stored = (tables[name]["vocabulary_size"], tables[name]["dim"])
         if stored != (t["vocabulary_size"], t["dim"]):
-            raise CheckpointError(f"corrupt checkpoint: {path}: table '{name}' tensor 'weights' is float32 of shape "
-                                  f"{stored}; its configuration needs float32 of shape "
-                                  f"{(t['vocabulary_size'], t['dim'])}")
+            raise CheckpointError(f"corrupt checkpoint: {path}: table '{name}' tensor 'weights' has shape "
+                                  f"{stored}; its configuration needs shape {(t['vocabulary_size'], t['dim'])}")
+        tensors = files[tables[name]["shards"][0]["file"]]
+        for key, dtype_key in (("weights", "weights_dtype"), ("slot", "slot_dtype")):
+            held = [entry["dtype"] for k, entry in tensors.items() if k == key or k.startswith("slot/") and key == "slot"]
+            want = t.get(dtype_key, "float32")
+            if held and held[0] != want:
+                raise CheckpointError(f"corrupt checkpoint: {path}: table '{name}' stores its {key}s as {held[0]}; "
+                                      f"its configuration says {dtype_key}={want!r}")
     if set(tables) != set(configured):
         raise CheckpointError(f"corrupt checkpoint: {where}: tables {sorted(set(tables) - set(configured))} are "
                               f"not in its configuration")
@@ -392,13 +399,16 @@ def _check_table(name, entry, files: dict, where: str, manifest_path: str) -> No
         for key in sorted(wanted):
             shape = tuple(stored[key]["shape"])
             ok = shape == (rows, dim) if key == "weights" else shape in ((rows,), (rows, dim))
-            if stored[key]["dtype"] != "float32" or not ok:
+            if stored[key]["dtype"] not in TABLE_DTYPES or not ok:
                 raise CheckpointError(f"corrupt checkpoint: {manifest_path}: table '{name}' tensor '{key}' in "
                                       f"{shard['file']} is {stored[key]['dtype']} of shape {shape}")
-        shapes = {key: len(stored[key]["shape"]) for key in wanted}
+        shapes = {key: (len(stored[key]["shape"]), stored[key]["dtype"]) for key in wanted}
+        if len({dtype for key, (_, dtype) in shapes.items() if key != "weights"}) > 1:
+            raise CheckpointError(f"corrupt checkpoint: {manifest_path}: table '{name}' has slots of different "
+                                  f"dtypes in {shard['file']}")
         if slot_shapes is not None and shapes != slot_shapes:
             raise CheckpointError(f"corrupt checkpoint: {manifest_path}: table '{name}' has slots of different "
-                                  f"ranks in different shards")
+                                  f"ranks or dtypes in different shards")
         slot_shapes = shapes
 
 

@@ -22,12 +22,13 @@ import os
 import stat
 import struct
 
+import ml_dtypes
 import numpy as np
 
 __all__ = ["TensorFileError", "write_tensors", "read_header", "open_tensors", "sha256_of", "open_regular",
            "read_capped"]
 
-_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "I64": np.int64, "I32": np.int32,
+_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "I64": np.int64, "I32": np.int32,
            "I16": np.int16, "I8": np.int8, "U64": np.uint64, "U32": np.uint32, "U16": np.uint16, "U8": np.uint8,
            "BOOL": np.bool_}
 _NAMES = {np.dtype(v): k for k, v in _DTYPES.items()}
@@ -95,10 +96,14 @@ def read_capped(path: str, limit: int) -> bytes:
         os.close(fd)
 
 
+def _bytes_of(array: np.ndarray):
+    """The bytes of a C-contiguous array, as a buffer (any dtype: bfloat16 has no buffer format of its own)."""
+    return memoryview(array.reshape(-1).view(np.uint8)) if array.size else b""
+
+
 def sha256_of(array: np.ndarray) -> str:
     """Hex SHA-256 of an array's bytes in C order."""
-    array = np.ascontiguousarray(array)
-    return hashlib.sha256(memoryview(array).cast("B") if array.size else b"").hexdigest()
+    return hashlib.sha256(_bytes_of(np.ascontiguousarray(array))).hexdigest()
 
 
 def write_tensors(path: str, tensors: dict, metadata: dict | None = None) -> dict:
@@ -125,7 +130,7 @@ def write_tensors(path: str, tensors: dict, metadata: dict | None = None) -> dic
         f.write(struct.pack("<Q", len(text)))
         f.write(text)
         for name, array in arrays:
-            view = memoryview(array).cast("B") if array.nbytes else b""
+            view = _bytes_of(array)
             digests[name] = hashlib.sha256(view).hexdigest()
             f.write(view)
         f.flush()

@@ -20,10 +20,11 @@ import zlib
 
 import numpy as np
 
-from ..checkpoint import (_EXTRA, CheckpointError, check_compatible, check_save_inputs, manifest_of, read_current,
+from ..checkpoint import (_EXTRA, CheckpointError, as_stored, check_compatible, check_save_inputs, manifest_of, read_current,
                           stored_shapes, table_rows, write_table_shards)
 from ..checkpoint.config_codec import FunctionResolver, decode_engine_config
 from ..checkpoint.store import SnapshotWriter
+from ..kernels.half import bits_of
 from ..memory_budget import check_fits
 from .exchange import DistributedError, Exchanger, describe_error
 from .sharding import shard_of
@@ -90,14 +91,14 @@ def save(emb, path, extra, metadata) -> str:
     return writer.dir
 
 
-def load(emb, path, strict: bool) -> None:
+def load(emb, path, strict: bool, convert_dtypes: bool = False) -> None:
     """See :meth:`ShardedEmbedding.load`."""
     staged, snap = [], None
 
     def read(current):
         staged.clear()  # a read restarted on a newer snapshot (read_current) stages everything anew
         slots = emb.slot_variables
-        check_compatible(current, emb.config, {n: list(v) for n, v in slots.items()}, strict)
+        check_compatible(current, emb.config, {n: list(v) for n, v in slots.items()}, strict, convert_dtypes)
         for name, table in emb.embedding_tables.items():
             shard = emb.shards[name]
             targets = {"weights": table}
@@ -107,7 +108,8 @@ def load(emb, path, strict: bool) -> None:
                 if rows.shape != target.shape:
                     raise CheckpointError(f"{current.dir}: table '{name}' tensor '{key}' rows have shape "
                                           f"{rows.shape[1:]}, the engine needs {target.shape[1:]}")
-                staged.append((target, rows))
+                staged.append((target, as_stored(target, rows, f"{current.dir}: table '{name}' tensor '{key}'",
+                                                 convert_dtypes)))
         return current
 
     def stage():
@@ -133,7 +135,7 @@ def restore(cls, path, comm, functions, allow_import: bool, timeout: float):
     try:
         def read(snap):
             shapes = stored_shapes(snap)  # this rank holds at most ceil(1/world) of every table's rows and slots
-            total = sum(4 * -(-shape[0] // ex.world) * math.prod(shape[1:])
+            total = sum(4 * -(-shape[0] // ex.world) * math.prod(shape[1:])  # float32 at most
                         for tensors in shapes.values() for shape in tensors.values())
             check_fits(total, f"restoring {snap.dir} on rank {ex.rank} of {ex.world} (its rows of tables "
                               f"{sorted(shapes)[:5]} with their slots)", error=CheckpointError)
@@ -161,10 +163,11 @@ def gather_tables(emb, root: int):
         for key, part in [("weights", tables[name])] + list(slots[name].items()):
             width = int(np.prod(part.shape[1:], dtype=np.int64))
             counts = np.array([s.rows * width for s in shards], np.int64)
-            recv = np.empty(int(counts.sum()) if emb.rank == root else 0, np.float32)
-            ex.gatherv(np.ascontiguousarray(part), recv, counts, root, f"gather_tables ({name})")
+            recv = np.empty(int(counts.sum()) if emb.rank == root else 0, part.dtype)
+            # 16-bit values travel as their bits (MPI has no bfloat16)
+            ex.gatherv(bits_of(np.ascontiguousarray(part)), bits_of(recv), counts, root, f"gather_tables ({name})")
             if emb.rank == root:
-                array = np.empty((config.vocabulary_size,) + part.shape[1:], np.float32)
+                array = np.empty((config.vocabulary_size,) + part.shape[1:], part.dtype)
                 start = 0
                 for s in shards:
                     array[s.first::s.stride] = recv[start:start + s.rows * width].reshape((s.rows,) + part.shape[1:])

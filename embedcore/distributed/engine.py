@@ -250,15 +250,16 @@ class ShardedEmbedding(TrainingEngine):
         with self._exclusive("save"):
             return _checkpoint.save(self, path, extra, metadata)
 
-    def load(self, path, strict: bool = True) -> None:
+    def load(self, path, strict: bool = True, convert_dtypes: bool = False) -> None:
         """Load this rank's rows of a checkpoint written by any number of ranks (or one process).
 
         Verified on every rank before anything changes; refused on every rank if any rank finds it corrupt
         or incompatible, or if the ranks read different checkpoints. Contexts of lookups made before a
-        successful ``load`` are refused by :meth:`apply_gradients`.
+        successful ``load`` are refused by :meth:`apply_gradients`. ``convert_dtypes``: as
+        :meth:`embedcore.Embedding.load`.
         """
         with self._exclusive("load"):
-            _checkpoint.load(self, path, strict)
+            _checkpoint.load(self, path, strict, convert_dtypes)
             self._tables_replaced()
 
     @classmethod
@@ -314,7 +315,7 @@ class ShardedEmbedding(TrainingEngine):
         answer = ws.array("answer", int(route.floats_to.sum()), np.float32)
         for k, table in enumerate(self._physical):
             lo, hi = route.group_ptr[k], route.group_ptr[k + 1]
-            rows_to_flat(table.weights, route.own_rows[lo:hi], route.own_offset[lo:hi], answer)
+            rows_to_flat(table.kernel_weights, route.own_rows[lo:hi], route.own_offset[lo:hi], answer, table.decode)
         received = ws.array("rows_in", int(route.floats_from.sum()), np.float32)
         ex.alltoallv(answer, route.floats_to, received, route.floats_from, "lookup (rows)")
         acts = []
@@ -412,7 +413,7 @@ class ShardedEmbedding(TrainingEngine):
             d_act = self._workspace.array(f"owner_sums_{k}", (hi - lo, table.dim), np.float32)
             flat_to_rows(sums_in, route.own_offset[lo:hi], d_act)
             sums = inputs.TableBatch(route.own_rows[lo:hi], None, self._constants.get(hi - lo + 1)[0], hi - lo)
-            update = table.update(sums, d_act, lr, hyper)
+            update = table.update(sums, d_act, lr, hyper, step)
             report.add(update)
             if update.function is not None:
                 failing.add(update.function)

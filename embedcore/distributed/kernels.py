@@ -14,6 +14,8 @@ search in ``xbase``. Row ``r`` of table ``t`` lives on rank ``(r + rot[t]) % wor
 import numpy as np
 from numba import njit, prange
 
+from ..kernels.rows import value_of
+
 __all__ = ["count_owners", "place_ids", "resolve_requests", "rows_to_flat", "flat_to_rows",
            "occurrence_unique"]
 
@@ -97,13 +99,14 @@ def resolve_requests(recv_ids, recv_ptr, xbase, group, local_offset, dim, world,
 
 
 @njit(cache=True, parallel=True)
-def rows_to_flat(src, rows, offsets, flat):
-    """``flat[offsets[i]:offsets[i] + dim] = src[rows[i]]`` for every ``i``."""
+def rows_to_flat(src, rows, offsets, flat, decode=None):
+    """``flat[offsets[i]:offsets[i] + dim] = src[rows[i]]`` for every ``i`` (``decode``: the float32 of a
+    16-bit table's bits, see :func:`embedcore.kernels.rows.value_of`)."""
     dim = src.shape[1]
     for i in prange(rows.shape[0]):
         o, r = offsets[i], rows[i]
         for j in range(dim):
-            flat[o + j] = src[r, j]
+            flat[o + j] = value_of(decode, src[r, j])
 
 
 @njit(cache=True, parallel=True)

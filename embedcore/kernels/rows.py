@@ -28,7 +28,7 @@ that vectorises, which the update kernels use.
 """
 
 import numpy as np
-from numba import njit, prange
+from numba import njit, prange, types
 from numba.extending import overload
 
 from ..compile_cache import jit_source
@@ -55,8 +55,21 @@ def _gain_at_impl(gain, k):
     return lambda gain, k: gain[k]
 
 
+def value_of(decode, value):
+    """``value`` as float32: ``decode(value)`` for the bits of a 16-bit table, the value itself when ``decode``
+    is None (a float32 table: no code at all; jitted code only)."""
+    raise NotImplementedError("only callable from jitted code")
+
+
+@overload(value_of, inline="always")
+def _value_of_impl(decode, value):
+    if isinstance(decode, (types.NoneType, types.Omitted)):
+        return lambda decode, value: value
+    return lambda decode, value: decode(value)
+
+
 @njit(cache=True, inline="always")
-def _add_one_by_one(dst, du, lo, hi, index, gain, src, ahead, dim):
+def _add_one_by_one(dst, du, lo, hi, index, gain, src, ahead, dim, decode=None):
     """``dst[du] += gain[k] * src[index[k]]`` for k = lo, ..., hi - 1 in turn."""
     n = index.shape[0]
     for k in range(lo, hi):
@@ -67,15 +80,16 @@ def _add_one_by_one(dst, du, lo, hi, index, gain, src, ahead, dim):
         r = _U(index[ku])
         for j in range(dim):
             ju = _U(j)
-            dst[du, ju] += w * src[r, ju]
+            dst[du, ju] += w * value_of(decode, src[r, ju])
 
 
 @njit(cache=True, inline="always")
-def sequential_sum(dst, d, lo, hi, index, gain, src, ahead, dim):
+def sequential_sum(dst, d, lo, hi, index, gain, src, ahead, dim, decode=None):
     """``dst[d] = sum over k in [lo, hi) of gain[k] * src[index[k]]`` one occurrence after the other,
     ``((t_lo + t_lo+1) + t_lo+2) + ...`` with ``t_k = gain[k] * src[index[k]]`` in float32, starting from the
     first (the same sums as starting from -0.0; zeros when there is none); ``gain`` None: every gain 1, no
-    product. Source rows ``ahead`` occurrences on are prefetched (0: none)."""
+    product. Source rows ``ahead`` occurrences on are prefetched (0: none). ``decode`` converts 16-bit
+    source values to float32 (see :func:`value_of`)."""
     n = index.shape[0]
     du = _U(d)
     if hi <= lo:
@@ -87,25 +101,25 @@ def sequential_sum(dst, d, lo, hi, index, gain, src, ahead, dim):
     w = gain_at(gain, _U(lo))
     r = _U(index[_U(lo)])
     for j in range(dim):
-        dst[du, _U(j)] = w * src[r, _U(j)]
-    _add_one_by_one(dst, du, lo + 1, hi, index, gain, src, ahead, dim)
+        dst[du, _U(j)] = w * value_of(decode, src[r, _U(j)])
+    _add_one_by_one(dst, du, lo + 1, hi, index, gain, src, ahead, dim, decode)
 
 
 @njit(cache=True, inline="always")
-def weighted_sum(dst, d, lo, hi, index, gain, src, ahead, dim):
+def weighted_sum(dst, d, lo, hi, index, gain, src, ahead, dim, decode=None):
     """``dst[d] = sum over k in [lo, hi) of gain[k] * src[index[k]]`` (``gain`` None: every gain 1, the same
     sums as gains of 1, without their products): each group of four occurrences added
     as ``(t0 + t1) + (t2 + t3)``, the last ``(hi - lo) % 4`` one by one, starting from the first group
     (the same sums as starting from zero, but for the sign of a zero); no occurrence gives zeros. The source
     rows of the occurrences ``ahead`` places on are prefetched (``ahead`` 0: none). ``dim`` is the rows'
     length, ``dst.shape[1]``; a caller compiled for one length passes it as a constant (see
-    :func:`gather_kernel`).
+    :func:`gather_kernel`). ``decode`` converts 16-bit source values (:func:`value_of`).
 
     Every subscript is unsigned (``_U``): Numba wraps a negative signed subscript around, which costs a
     compare and an add per subscript and, here, registers spilled to the stack; the indices are never
     negative, so nothing is lost."""
     if hi - lo < 4:  # no group: one by one from the first, which is sequential_sum
-        sequential_sum(dst, d, lo, hi, index, gain, src, ahead, dim)
+        sequential_sum(dst, d, lo, hi, index, gain, src, ahead, dim, decode)
         return
     n = index.shape[0]
     du = _U(d)
@@ -118,7 +132,8 @@ def weighted_sum(dst, d, lo, hi, index, gain, src, ahead, dim):
     r0, r1, r2, r3 = _U(index[ku]), _U(index[ku + _U(1)]), _U(index[ku + _U(2)]), _U(index[ku + _U(3)])
     for j in range(dim):
         ju = _U(j)
-        dst[du, ju] = (w0 * src[r0, ju] + w1 * src[r1, ju]) + (w2 * src[r2, ju] + w3 * src[r3, ju])
+        dst[du, ju] = (w0 * value_of(decode, src[r0, ju]) + w1 * value_of(decode, src[r1, ju])) + \
+            (w2 * value_of(decode, src[r2, ju]) + w3 * value_of(decode, src[r3, ju]))
     k += 4
     while k + 3 < hi:
         if ahead:
@@ -129,9 +144,10 @@ def weighted_sum(dst, d, lo, hi, index, gain, src, ahead, dim):
         r0, r1, r2, r3 = _U(index[ku]), _U(index[ku + _U(1)]), _U(index[ku + _U(2)]), _U(index[ku + _U(3)])
         for j in range(dim):
             ju = _U(j)
-            dst[du, ju] += (w0 * src[r0, ju] + w1 * src[r1, ju]) + (w2 * src[r2, ju] + w3 * src[r3, ju])
+            dst[du, ju] += (w0 * value_of(decode, src[r0, ju]) + w1 * value_of(decode, src[r1, ju])) + \
+                (w2 * value_of(decode, src[r2, ju]) + w3 * value_of(decode, src[r3, ju]))
         k += 4
-    _add_one_by_one(dst, du, k, hi, index, gain, src, ahead, dim)
+    _add_one_by_one(dst, du, k, hi, index, gain, src, ahead, dim, decode)
 
 
 def weighted_sum_fixed(dst, d, lo, hi, index, gain, src, ahead, dim, width):
@@ -235,13 +251,38 @@ def gather_kernel(dim: int, prefetch: bool = True):
     return kernel
 
 
-def gather_combine(table, rows, gains, out_ptr, act, prefetch: bool = True):
+# The gather of a 16-bit table: the same sums of the rows' values converted to float32 (``decode``, one of
+# kernels/half.py's), in memory rather than in registers.
+_GATHER_16_SOURCE = '''
+def gather(table, rows, gains, out_ptr, act, ahead):
+    dim = act.shape[1]
+    for a in prange(act.shape[0]):
+        weighted_sum(act, a, out_ptr[a], out_ptr[a + 1], rows, gains, table, ahead, dim, decode)
+'''
+
+
+def gather_16_kernel(stored: str):
+    """The jitted gather of a table stored as ``stored`` (``"float16"`` or ``"bfloat16"``), its ``uint16``
+    view passed as ``table``; ``gather(table, rows, gains, out_ptr, act, ahead)``."""
+    kernel = _GATHERS.get(stored)
+    if kernel is None:
+        from .half import decoder
+        namespace = {"prange": prange, "weighted_sum": weighted_sum, "decode": decoder(stored)}
+        kernel = _GATHERS[stored] = jit_source(_GATHER_16_SOURCE, namespace, "gather", ("gather 16", stored),
+                                               f"embedcore gather kernel, {stored}", parallel=True)
+    return kernel
+
+
+def gather_combine(table, rows, gains, out_ptr, act, prefetch: bool = True, stored: str = "float32"):
     """``act[a] = sum over o in out_ptr[a]:out_ptr[a + 1] of gains[o] * table[rows[o]]`` (:func:`weighted_sum`,
     by the kernel for ``act``'s row length; ``gains`` None: every gain 1, none read). ``prefetch`` False skips
     the source rows' prefetch, for rows that are in cache anyway (see
-    :func:`embedcore.kernels.prefetch.rows_stay_cached`); the sums are the same."""
+    :func:`embedcore.kernels.prefetch.rows_stay_cached`); the sums are the same. A table ``stored`` in 16 bits
+    comes as its ``uint16`` view; its values are summed as float32, as a float32 copy of it would be."""
     dim = act.shape[1]
-    if fixed_length(dim):
+    if stored != "float32":
+        gather_16_kernel(stored)(table, rows, gains, out_ptr, act, ROWS_AHEAD if prefetch else 0)
+    elif fixed_length(dim):
         gather_kernel(dim, prefetch)(table, rows, gains, out_ptr, act)
     else:
         _gather_any_dim(table, rows, gains, out_ptr, act, ROWS_AHEAD if prefetch else 0)

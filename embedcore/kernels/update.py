@@ -57,6 +57,7 @@ from numba import njit, prange, types  # noqa: F401  (prange is used by the gene
 from numba.extending import overload
 
 from ..compile_cache import jit_source
+from .half import FLOAT32, StoredFormats, decoder, encoder, finite_16, is_16_bit, rounding_bits, rounding_place, slot_key
 from .occurrences import occurrence_views, pack_occurrences
 from .prefetch import prefetch_row
 from .row_vector import block_width
@@ -146,7 +147,7 @@ def _into_row_impl(dst, value):
 _TEMPLATE = '''
 @row_jit
 def update_rows(table, {slot_params}uniq, ptr, src_row, src_gain, d_act, learning_rate, hyperparameters, status,
-                lo, hi, ahead, progress):
+                lo, hi, ahead, progress{rounding}):
 {unpack_dim}
     n_unique = uniq.shape[0]
 {scratch}
@@ -155,14 +156,14 @@ def update_rows(table, {slot_params}uniq, ptr, src_row, src_gain, d_act, learnin
 
 @row_jit
 def guarded_rows(table, {slot_params}uniq, ptr, src_row, src_gain, d_act, learning_rate, hyperparameters, status,
-                 lo, hi, ahead):
+                 lo, hi, ahead{rounding}):
     progress = np.zeros(2, np.int64)  # the row being updated, how many rows were flagged
     start = lo
     while start < hi:
         progress[0] = start  # so a failure before the first row (its scratch) flags that row, never an earlier one
         try:
             update_rows(table, {slot_params}uniq, ptr, src_row, src_gain, d_act, learning_rate, hyperparameters,
-                        status, start, hi, ahead, progress)
+                        status, start, hi, ahead, progress{rounding})
             start = hi
         except Exception:  # the row function raised on this row: it stays untouched, the next rows go on
             status[progress[0]] = STATUS_RAISED
@@ -171,7 +172,7 @@ def guarded_rows(table, {slot_params}uniq, ptr, src_row, src_gain, d_act, learni
     return progress[1]
 
 
-def kernel(table, slots, uniq, ptr, packed, d_act, learning_rate, hyperparameters, status):
+def kernel(table, slots, uniq, ptr, packed, d_act, learning_rate, hyperparameters, status{rounding}):
 {unpack}
     src_row, src_gain = occurrence_views(packed)  # activation rows and gains (None: all 1; kernels/occurrences.py)
 {dim}
@@ -195,7 +196,7 @@ _LAZY_CHUNKS = '''
     flags = np.zeros(n_chunks, np.int64)
     for c in prange(n_chunks):
         flags[c] = guarded_rows(table, {slot_args}uniq, ptr, src_row, src_gain, d_act, learning_rate,
-                                hyperparameters, status, bounds[c], bounds[c + 1], ahead)
+                                hyperparameters, status, bounds[c], bounds[c + 1], ahead{rounding})
 '''
 
 _LAZY_LOOP = '''    for u in range(lo, hi):
@@ -217,7 +218,7 @@ _DENSE_CHUNKS = '''
         lo = c * CHUNK
         hi = min(n_rows, lo + CHUNK)
         flags[c] = guarded_rows(table, {slot_args}uniq, ptr, src_row, src_gain, d_act, learning_rate,
-                                hyperparameters, status, lo, hi, ahead)
+                                hyperparameters, status, lo, hi, ahead{rounding})
 '''
 
 _DENSE_LOOP = '''    u = np.searchsorted(uniq, lo)
@@ -244,8 +245,12 @@ def _scratch_rows(slot_dims, elementwise):
     return rows
 
 
-def _scratch(slot_dims, elementwise):
+def _scratch(slot_dims, elementwise, formats):
     lines = [f"    {name} = np.empty(dim, np.float32)" for name in _scratch_rows(slot_dims, elementwise)]
+    if formats.weights_16:  # the rounded rows, checked before they are stored
+        lines.append("    e_w = np.empty(dim, np.uint16)")
+    if formats.slots_16:
+        lines += [f"    e_n{k} = np.empty(dim, np.uint16)" for k, d in enumerate(slot_dims) if d == 2]
     return _SCRATCH.format(slot_scratch="\n".join(lines) + ("\n" if lines else ""))
 
 
@@ -259,28 +264,76 @@ def _flag(code):
     return [f"    status[item] = {code}", "    progress[1] += 1", "    continue"]
 
 
-def _body(slot_dims, elementwise):
-    """Compute the new row and slots into float32 scratch, check what will be stored (a float64 result that
-    is finite may overflow float32), then store it all (or record a status and store nothing)."""
+def _load(dst, src, is_16, decode):
+    """``dst[:] = src`` into a float32 scratch row, decoding 16-bit values."""
+    if not is_16:
+        return [f"copy_row({dst}, {src})"]
+    return ["for j in range(dim):", f"    {dst}[j] = {decode}({src}[j])"]
+
+
+def _store(slot_dims, weights, slot_rows, slot_scalars, formats):
+    """Store the checked float32 results (``weights``; per slot, a row in ``slot_rows`` or a scalar in
+    ``slot_scalars``), rounding 16-bit ones first into scratch: a value that rounds to infinity (too large for
+    the format) flags the row and nothing is stored."""
     n = len(slot_dims)
+    if not (formats.weights_16 or formats.slots_16):
+        lines = [f"copy_row(table[r], {weights})"]
+        for k, d in enumerate(slot_dims):
+            lines.append(f"copy_row(s{k}[r], {slot_rows[k]})" if d == 2 else f"s{k}[r] = {slot_scalars[k]}")
+        return lines
+    lines = ["t_row, key = rounding_place(rounding, np.int64(r))", "base = np.uint64(t_row) * np.uint64(dim)",
+             "ok = True"]
+    if formats.slots_16:
+        lines += [f"key_s{k} = slot_key(key, {k})" for k in range(n)]
+    if formats.weights_16:
+        lines += ["for j in range(dim):",
+                  f"    e_w[j] = enc_w({weights}[j], rounding_bits(key, base + np.uint64(j)))",
+                  "    ok = ok & fin_w(e_w[j])"]
+    if formats.slots_16:
+        for k, d in enumerate(slot_dims):
+            if d == 2:
+                lines += ["for j in range(dim):",
+                          f"    e_n{k}[j] = enc_s({slot_rows[k]}[j], rounding_bits(key_s{k}, base + np.uint64(j)))",
+                          f"    ok = ok & fin_s(e_n{k}[j])"]
+            else:
+                lines += [f"e_v{k} = enc_s({slot_scalars[k]}, rounding_bits(key_s{k}, np.uint64(t_row)))",
+                          f"ok = ok & fin_s(e_v{k})"]
+    lines += ["if not ok:"] + _flag("STATUS_OUTPUT")
+    lines.append(f"copy_row(table[r], {'e_w' if formats.weights_16 else weights})")
+    for k, d in enumerate(slot_dims):
+        if d == 2:
+            lines.append(f"copy_row(s{k}[r], {f'e_n{k}' if formats.slots_16 else slot_rows[k]})")
+        else:
+            lines.append(f"s{k}[r] = {f'e_v{k}' if formats.slots_16 else slot_scalars[k]}")
+    return lines
+
+
+def _body(slot_dims, elementwise, formats):
+    """Compute the new row and slots into float32 scratch, check what will be stored (a float64 result that
+    is finite may overflow float32; a float32 one, a 16-bit format), then store it all (or record a status
+    and store nothing)."""
+    n = len(slot_dims)
+    w_at = "dec_w(table[r, j])" if formats.weights_16 else "table[r, j]"
     lines = ["finite = all_finite(g_row)", "if not finite:"] + _flag("STATUS_GRADIENT")
     if elementwise:
-        slot_args = "".join(f"s{k}[r, j], " for k in range(n))
+        slot_args = "".join((f"dec_s(s{k}[r, j]), " if formats.slots_16 else f"s{k}[r, j], ") for k in range(n))
         lines += ["ok = True", "for j in range(dim):"]
-        call = f"fn(g_row[j], table[r, j], ({slot_args}), learning_rate, hyperparameters)"
+        call = f"fn(g_row[j], {w_at}, ({slot_args}), learning_rate, hyperparameters)"
         if n == 0:
             lines += [f"    w_new[j] = {call}", "    ok = ok & np.isfinite(w_new[j])"]
         else:
             lines += [f"    out = {call}", "    w_new[j] = out[0]", "    ok = ok & np.isfinite(w_new[j])"]
             for k in range(n):
                 lines += [f"    n{k}[j] = out[{k + 1}]", f"    ok = ok & np.isfinite(n{k}[j])"]
-        lines += ["if not ok:"] + _flag("STATUS_OUTPUT") + ["copy_row(table[r], w_new)"]
-        lines += [f"copy_row(s{k}[r], n{k})" for k in range(n)]
-        return lines
+        lines += ["if not ok:"] + _flag("STATUS_OUTPUT")
+        return lines + _store(slot_dims, "w_new", [f"n{k}" for k in range(n)], [None] * n, formats)
     # Per row: the function gets scratch copies, so in-place edits reach the table only once checked.
-    lines += ["copy_row(w_new, table[r])"]
-    lines += [f"copy_row(n{k}, s{k}[r])" for k, d in enumerate(slot_dims) if d == 2]
-    slot_args = "".join(f"n{k}, " if d == 2 else f"s{k}[r], " for k, d in enumerate(slot_dims))
+    lines += _load("w_new", "table[r]", formats.weights_16, "dec_w")
+    for k, d in enumerate(slot_dims):
+        if d == 2:
+            lines += _load(f"n{k}", f"s{k}[r]", formats.slots_16, "dec_s")
+    slot_args = "".join(f"n{k}, " if d == 2 else (f"dec_s(s{k}[r]), " if formats.slots_16 else f"s{k}[r], ")
+                        for k, d in enumerate(slot_dims))
     lines.append(f"out = fn(g_row, w_new, ({slot_args}), learning_rate, hyperparameters)")
     outputs = ["out"] if n == 0 else [f"out[{k}]" for k in range(n + 1)]
     lines.append(f"stored = into_row(o0, {outputs[0]})")
@@ -293,10 +346,7 @@ def _body(slot_dims, elementwise):
         else:
             lines += [f"v{k} = np.float32(out[{k + 1}])", f"ok = ok & np.isfinite(v{k})"]
     lines += ["if not ok:"] + _flag("STATUS_OUTPUT")
-    lines += ["copy_row(table[r], o0)"]
-    lines += [f"copy_row(s{k}[r], o{k + 1})" for k, d in enumerate(slot_dims) if d == 2]
-    lines += [f"s{k}[r] = v{k}" for k, d in enumerate(slot_dims) if d == 1]
-    return lines
+    return lines + _store(slot_dims, "o0", [f"o{k + 1}" for k in range(n)], [f"v{k}" for k in range(n)], formats)
 
 
 _KERNELS: dict = {}
@@ -312,9 +362,10 @@ def _dim(dim):
                     f"rows')"], 1)
 
 
-def kernel_source(row_function, lazy=True, dim=None) -> str:
+def kernel_source(row_function, lazy=True, dim=None, formats: StoredFormats = FLOAT32) -> str:
     """The Python source of the update kernel generated for ``row_function``; with ``dim``, compiled for
-    rows of that length (see :func:`embedcore.kernels.rows.fixed_length`)."""
+    rows of that length (see :func:`embedcore.kernels.rows.fixed_length`); for tables stored in
+    ``formats`` (16-bit ones take the argument ``rounding``, see :func:`fused_update_kernel`)."""
     slot_dims = row_function.slot_dims
     unpack = [f"s{k} = slots[{k}]" for k in range(len(slot_dims))] or ["pass"]
     # With a constant row length the gradient is summed in registers (kernels/row_vector.py).
@@ -323,17 +374,23 @@ def kernel_source(row_function, lazy=True, dim=None) -> str:
     slot_args = "".join(f"s{k}, " for k in range(len(slot_dims)))
     loop = (_LAZY_LOOP if lazy else _DENSE_LOOP).format(
         row_sum=row_sum, dim_args=dim_args, prefetch=_prefetch(slot_dims),
-        body=_indent(_body(slot_dims, row_function.elementwise), 2))
-    chunks = (_LAZY_CHUNKS if lazy else _DENSE_CHUNKS).format(slot_args=slot_args)
+        body=_indent(_body(slot_dims, row_function.elementwise, formats), 2))
+    rounding = ", rounding" if formats.any_16 else ""
+    chunks = (_LAZY_CHUNKS if lazy else _DENSE_CHUNKS).format(slot_args=slot_args, rounding=rounding)
     rows_dim = _indent([f"dim = {int(dim)}" if dim is not None else "dim = table.shape[1]"], 1)
     return _TEMPLATE.format(unpack=_indent(unpack, 1), dim=_dim(dim), chunks=chunks, loop=loop,
-                            slot_params=slot_args, unpack_dim=rows_dim,
-                            scratch=_scratch(slot_dims, row_function.elementwise))
+                            slot_params=slot_args, unpack_dim=rows_dim, rounding=rounding,
+                            scratch=_scratch(slot_dims, row_function.elementwise, formats))
 
 
-def kernel_namespace(row_function) -> dict:
+def kernel_namespace(row_function, formats: StoredFormats = FLOAT32) -> dict:
     """The globals the generated source refers to."""
-    return {"np": np, "prange": prange, "fn": row_function.dispatcher, "into_row": into_row,
+    namespace = {"rounding_place": rounding_place, "slot_key": slot_key, "rounding_bits": rounding_bits}
+    for prefix, name in (("w", formats.weights), ("s", formats.slots)):
+        if is_16_bit(name):
+            namespace.update({f"dec_{prefix}": decoder(name), f"enc_{prefix}": encoder(name, formats.stochastic),
+                              f"fin_{prefix}": finite_16(name)})
+    return namespace | {"np": np, "prange": prange, "fn": row_function.dispatcher, "into_row": into_row,
             "all_finite": all_finite, "copy_row": copy_row, "sequential_sum": sequential_sum,
             "sequential_sum_fixed": sequential_sum_fixed, "prefetch_row": prefetch_row, "_U": np.uint64,
             "balanced_chunks": balanced_chunks, "row_jit": numba.njit(error_model="numpy"),
@@ -343,7 +400,7 @@ def kernel_namespace(row_function) -> dict:
             "STATUS_OUTPUT": STATUS_OUTPUT, "STATUS_LENGTH": STATUS_LENGTH, "STATUS_RAISED": STATUS_RAISED}
 
 
-def fused_update_kernel(row_function, lazy=True, dim=None):
+def fused_update_kernel(row_function, lazy=True, dim=None, formats: StoredFormats = FLOAT32):
     """The jitted update kernel for a :class:`~embedcore.compiler.CompiledRowFunction`, for rows of ``dim``
     values (compiled for that length when :func:`~embedcore.kernels.rows.fixed_length` says so; ``None``:
     any length).
@@ -355,16 +412,21 @@ def fused_update_kernel(row_function, lazy=True, dim=None):
     :func:`~embedcore.kernels.dedup.group_rows` returns them (packed int64 words, or int32 activation rows
     when every gain is 1: a kernel is compiled for each); the gradient of ``uniq[u]`` is summed from them on
     the fly and never written to memory.
+
+    A table or slots stored in 16 bits (``formats``, see :mod:`embedcore.kernels.half`) are passed as their
+    ``uint16`` views, and the kernel takes one more argument, ``rounding`` (int64 ``[tables, 4]``, see
+    :func:`~embedcore.kernels.half.rounding_place`): the keys of the stochastic rounding of this step.
     """
     dim = dim if dim is not None and fixed_length(dim) else None
-    key = (row_function.dispatcher, row_function.slot_dims, row_function.elementwise, row_function.split, lazy, dim)
+    key = (row_function.dispatcher, row_function.slot_dims, row_function.elementwise, row_function.split, lazy, dim,
+           formats)
     kernel = _KERNELS.get(key)
     if kernel is None:
-        source = kernel_source(row_function, lazy, dim)
+        source = kernel_source(row_function, lazy, dim, formats)
         key_parts = None if row_function.fingerprint is None else (
             "update kernel", row_function.fingerprint, row_function.slot_dims, row_function.elementwise,
-            row_function.split, lazy)
-        kernel = jit_source(source, kernel_namespace(row_function), "kernel", key_parts,
+            row_function.split, lazy) + ((tuple(formats),) if formats.any_16 else ())
+        kernel = jit_source(source, kernel_namespace(row_function, formats), "kernel", key_parts,
                             f"embedcore update kernel for {row_function.python_function!r}", parallel=True,
                             error_model="numpy")
         kernel.source = source
@@ -372,19 +434,22 @@ def fused_update_kernel(row_function, lazy=True, dim=None):
     return kernel
 
 
-def compile_for(row_function, lazy, table, slots, n_hyperparameters, unit_gains=False):
+def compile_for(row_function, lazy, table, slots, n_hyperparameters, unit_gains=False,
+                formats: StoredFormats = FLOAT32):
     """The kernel of :func:`fused_update_kernel`, compiled now for the argument types an engine passes
     (so a function whose kernel cannot compile is refused when the engine is built, not halfway through
     an update): occurrences' payloads as int32 activation rows when ``unit_gains`` (the batches without
     weights of tables that sum), else as packed int64 words. The other payload type compiles (or loads from
     the cache) when a batch first brings it."""
-    kernel = fused_update_kernel(row_function, lazy, table.shape[1])
+    kernel = fused_update_kernel(row_function, lazy, table.shape[1], formats)
     index = numba.typeof(np.empty(0, np.int64))
     payload = numba.typeof(np.empty(0, np.int32 if unit_gains else np.int64))
     signature = (numba.typeof(table), numba.typeof(tuple(slots)), index, index, payload,
                  numba.typeof(np.empty((0, table.shape[1]), np.float32)), numba.float32,
                  numba.typeof(tuple(np.float32(0) for _ in range(n_hyperparameters))),
                  numba.typeof(np.empty(0, np.uint8)))
+    if formats.any_16:
+        signature += (numba.typeof(np.empty((1, 4), np.int64)),)
     kernel.compile(signature)
     return kernel
 

@@ -1,8 +1,8 @@
 """The one place that turns tables into physical tables: the stacking rule, the memory check, storage,
 kernels and initial values.
 
-Stacking rule: with ``stack_tables``, tables of equal optimizers (``__eq__``: by value) and equal ``dim``
-share one physical table, in the order the features first name them, each at the row offset after the
+Stacking rule: with ``stack_tables``, tables of equal optimizers (``__eq__``: by value), equal ``dim`` and
+equal storage (``weights_dtype``, ``slot_dtype``, ``stochastic_rounding``) share one physical table, in the order the features first name them, each at the row offset after the
 previous one; without it every table has its own. ``Embedding``, each rank of ``ShardedEmbedding`` (over
 its shards), ``restore`` and ``ServingEmbedding`` (read-only, over a checkpoint's arrays) all build their
 tables here.
@@ -32,7 +32,7 @@ def stack(tables, default_optimizer, stack_tables: bool = True) -> list:
     groups, by_key = [], {}
     for table in tables:
         opt = optimizer_of(table, default_optimizer)
-        key = (opt, table.dim) if stack_tables else id(table)
+        key = (opt, table.dim, table.stored_formats) if stack_tables else id(table)
         group = by_key.get(key)
         if group is None:
             group = by_key[key] = (opt, table.dim, [])
@@ -58,11 +58,12 @@ def _check_fits(plans) -> None:
     bytes, before anything is allocated."""
     total, names = 0, []
     for opt, dim, places, n_rows in plans:
-        nbytes = DenseStorage.bytes_needed(n_rows, dim, opt.slot_dims) + (0 if opt.lazy else n_rows)
+        formats = places[0].config.stored_formats
+        nbytes = DenseStorage.bytes_needed(n_rows, dim, opt.slot_dims, formats) + (0 if opt.lazy else n_rows)
         n_slots = len(opt.slot_dims)
         tables = [p.config.name for p in places]
-        what = (f"table(s) {tables} ({n_rows:,} rows x {dim:,} float32 values"
-                f"{f', plus {n_slots} slot(s)' if n_slots else ''})")
+        what = (f"table(s) {tables} ({n_rows:,} rows x {dim:,} {formats.weights} values"
+                f"{f', plus {n_slots} {formats.slots} slot(s)' if n_slots else ''})")
         check_fits(nbytes, what)
         total += nbytes
         names += tables
@@ -93,7 +94,8 @@ def physical_tables(tables, default_optimizer, *, stack_tables: bool = True, see
     _check_fits(plans)
     out = []
     for opt, dim, places, n_rows in plans:
-        table = PhysicalTable(places, DenseStorage(n_rows, dim, opt.slot_dims), opt, tuning)
+        storage = DenseStorage(n_rows, dim, opt.slot_dims, places[0].config.stored_formats)
+        table = PhysicalTable(places, storage, opt, tuning, seed)
         table.compile(table.payload_is_activation_rows(bool(unit_gains(table)) if unit_gains is not None else False))
         if fill:
             for p in places:
@@ -104,6 +106,6 @@ def physical_tables(tables, default_optimizer, *, stack_tables: bool = True, see
 
 def read_only_tables(tables, weights: dict, tuning: Tuning | None = None) -> tuple:
     """One read-only physical table per table, over ``weights[name]`` (e.g. a checkpoint's memory-mapped
-    ``[vocabulary_size, dim]`` arrays, not copied): lookups only."""
+    ``[vocabulary_size, dim]`` arrays of float32, float16 or bfloat16, not copied): lookups only."""
     return tuple(PhysicalTable([TablePlace(t, 0, t.vocabulary_size)], DenseStorage.over(weights[t.name]),
                                None, tuning) for t in tables)

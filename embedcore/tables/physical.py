@@ -11,6 +11,11 @@ Tables with equal optimizers and equal ``dim`` share one :class:`PhysicalTable` 
 * its grouping policy (hash block by block, or sort) and its prefetch policy: whether a lookup prefetches
   rows, judged by the last update from how often its batch re-read each row.
 
+The storage keeps float32 values or 16-bit ones (the tables' ``weights_dtype`` / ``slot_dtype``, which
+stacked tables share): lookups gather and sum them in float32, updates compute in float32 and round what they
+store (:mod:`embedcore.kernels.half`), stochastically with random bits keyed by the engine's seed, the table,
+its row, the column and the step.
+
 A table may be a *shard*: ``rows`` of its ``vocabulary_size`` rows, table row ``first + i * stride`` at
 physical row ``offset + i`` (a sharded engine's rank holds such shards; a shard of no rows keeps one zero
 placeholder row, never reported). Row ids in :class:`TableUpdate` are the table's own row ids.
@@ -28,7 +33,8 @@ import numpy as np
 
 from .. import inputs
 from ..compiler import RowFunctionError, describe
-from ..initializers import TruncatedNormal, fill_rows
+from ..initializers import TruncatedNormal, fill_rows, stream_key
+from ..kernels.half import FORMAT_RANGE, decoder, format_of, step_key
 from ..kernels.grouping import Grouper
 from ..kernels.prefetch import rows_stay_cached
 from ..kernels.rows import gather_combine
@@ -78,9 +84,10 @@ class PhysicalTable:
         storage: the rows and slots (``storage.n_rows`` = the places' rows, a shard of none counting one).
         optimizer: the tables' optimizer, or None (read-only: lookups only).
         tuning: the engine's :class:`~embedcore.tuning.Tuning` (default ``DEFAULT_TUNING``).
+        seed: the engine's seed, which keys the stochastic rounding of 16-bit values.
     """
 
-    def __init__(self, places, storage: Storage, optimizer=None, tuning: Tuning | None = None):
+    def __init__(self, places, storage: Storage, optimizer=None, tuning: Tuning | None = None, seed: int = 0):
         self.places = tuple(places)
         self.tables = [p.config for p in self.places]
         self.offsets = [p.offset for p in self.places]
@@ -99,6 +106,11 @@ class PhysicalTable:
         self._row_bytes = storage.weights.itemsize * self.dim
         self._prefetch_rows = True  # set by each update for the next lookup (kernels/prefetch.py)
         self._grouper = Grouper(self.tuning, stacked=len(self.places) > 1)
+        self.formats = storage.formats
+        self._kernel_arrays = (storage.kernel_weights, storage.kernel_slots)
+        # Per stacked table: (offset, first, stride, rounding key), the key mixed with the step at each update.
+        self._rounding = np.array([(p.offset, p.first, p.stride, 0) for p in self.places], np.int64)
+        self._rounding_keys = [stream_key(seed, p.config.name, "stochastic rounding") for p in self.places]
 
     # -- views -------------------------------------------------------------------------------------------
     @property
@@ -110,6 +122,16 @@ class PhysicalTable:
     def slots(self) -> tuple:
         """All physical rows of each slot, in the optimizer's slot order."""
         return self.storage.slots
+
+    @property
+    def kernel_weights(self) -> np.ndarray:
+        """``weights`` as jitted code reads them (``uint16`` bits for a 16-bit table), with :attr:`decode`."""
+        return self._kernel_arrays[0]
+
+    @property
+    def decode(self):
+        """The jitted ``bits -> float32`` of a 16-bit table's rows (None for float32 rows)."""
+        return decoder(self.formats.weights) if self.formats.weights_16 else None
 
     @property
     def table_names(self) -> list:
@@ -149,8 +171,9 @@ class PhysicalTable:
         when ``unit_gains``, else packed words), so a row function whose kernel cannot compile is refused
         (:class:`RowFunctionError`) when the engine is built, not halfway through an update."""
         try:
-            self._kernel = compile_for(self.row_function, self._lazy, self.weights, self.slots,
-                                       self.optimizer.n_hyperparameters, unit_gains=unit_gains)
+            self._kernel = compile_for(self.row_function, self._lazy, *self._kernel_arrays,
+                                       self.optimizer.n_hyperparameters, unit_gains=unit_gains,
+                                       formats=self.formats)
         except Exception as exc:  # numba raises many error types; each becomes one clear message
             cause = "\n".join(str(exc).strip().splitlines()[:12])
             raise RowFunctionError(f"the update kernel of {describe(self.row_function.python_function)} for "
@@ -167,11 +190,11 @@ class PhysicalTable:
                 array[p.offset] = 0
         rows = slice(p.offset, p.offset + p.rows)
         init = table.initializer or TruncatedNormal(0.0, 1.0 / np.sqrt(table.dim))
-        fill_rows(init, self.weights[rows], p.first, table.vocabulary_size, seed, table.name, stride=p.stride)
+        _fill_stored(init, self.weights[rows], p, seed, table.name)
         opt = self.optimizer
         for slot_name, slot_init, slot in zip(opt.slot_names, opt.slot_initializers, self.slots):
             view = slot[rows] if slot.ndim == 2 else slot[rows][:, None]
-            fill_rows(slot_init, view, p.first, table.vocabulary_size, seed, table.name, slot_name, stride=p.stride)
+            _fill_stored(slot_init, view, p, seed, table.name, slot_name)
 
     # -- lookup ------------------------------------------------------------------------------------------
     def lay_out(self, parts):
@@ -199,19 +222,22 @@ class PhysicalTable:
         if tb is not None and tb.n_out:
             timer = self.tuning.phase_timer
             t0 = perf_counter() if timer is not None else 0.0
-            gather_combine(self.weights, tb.rows, tb.gains, tb.out_ptr, out, self._prefetch_rows)
+            gather_combine(self._kernel_arrays[0], tb.rows, tb.gains, tb.out_ptr, out, self._prefetch_rows,
+                           self.formats.weights)
             if timer is not None:
                 timer("gather", perf_counter() - t0)
         return out
 
     # -- update ------------------------------------------------------------------------------------------
-    def update(self, table_batch, d_act: np.ndarray, learning_rate, hyperparameters) -> TableUpdate:
+    def update(self, table_batch, d_act: np.ndarray, learning_rate, hyperparameters, step: int = 0) -> TableUpdate:
         """Apply one step of the optimizer to the rows ``table_batch`` touched (every row when the optimizer
         is not lazy), in place: each row's gradient is the sum of its occurrences' ``gain * d_act[activation
         row]`` (``d_act`` float32 ``[n_out, dim]``, checked by the caller), in occurrence order.
 
         Every row is updated exactly once or left unchanged and named in the result (NaN/Inf gradient sum or
-        result, a row function that raised or returned rows of the wrong length); no NaN/Inf is ever written.
+        result, a row function that raised or returned rows of the wrong length, a result beyond a 16-bit
+        table's range); no NaN/Inf is ever written. ``step`` (the engine's step being applied) keys the
+        stochastic rounding of 16-bit values.
         """
         if self._kernel is None:
             raise TypeError(f"{self!r} has no optimizer: it is read-only")
@@ -228,8 +254,12 @@ class PhysicalTable:
         lazy = self._lazy
         status = ws.array("status", (uniq.shape[0] if lazy else self.n_rows,), np.uint8)
         status[:] = 0
-        flagged = self._kernel(self.weights, self.slots, uniq, ptr, packed, d_act, learning_rate, hyperparameters,
-                               status)
+        rounding = ()
+        if self.formats.any_16:
+            self._rounding[:, 3] = [step_key(key, step) for key in self._rounding_keys]
+            rounding = (self._rounding,)
+        flagged = self._kernel(*self._kernel_arrays, uniq, ptr, packed, d_act, learning_rate, hyperparameters,
+                               status, *rounding)
         if timer is not None:
             timer("update", perf_counter() - t0)
         return self._flagged(uniq, status) if flagged else NOTHING_FLAGGED
@@ -257,3 +287,32 @@ class PhysicalTable:
         if not skipped and not failed:
             return NOTHING_FLAGGED
         return TableUpdate(skipped, failed, describe(self.row_function.python_function) if failed else None)
+
+
+_FILL_CHUNK_VALUES = 1 << 22  # values rounded into a 16-bit table per pass (a 16 MB float32 scratch)
+
+
+def _fill_stored(initializer, out, place, seed, *names) -> None:
+    """``fill_rows`` into ``out`` (rows of ``place``); a 16-bit ``out`` is filled in float32 and rounded to
+    nearest, chunk by chunk (a plain callable initializer, which makes the whole table, in one pass), and a
+    value beyond its range is refused naming the table (``ValueError``)."""
+    vocabulary = place.config.vocabulary_size
+    if out.dtype == np.float32:
+        fill_rows(initializer, out, place.first, vocabulary, seed, *names, stride=place.stride)
+        return
+    from ..initializers import Initializer
+    n, width = out.shape
+    step = n if not isinstance(initializer, Initializer) else max(1, _FILL_CHUNK_VALUES // max(width, 1))
+    scratch = np.empty((min(step, n), width), np.float32)
+    for lo in range(0, n, step):
+        part = scratch[:min(step, n - lo)]
+        fill_rows(initializer, part, place.first + lo * place.stride, vocabulary, seed, *names, stride=place.stride)
+        with np.errstate(over="ignore"):
+            out[lo:lo + part.shape[0]] = part.astype(out.dtype)
+        bad = np.flatnonzero(~np.isfinite(out[lo:lo + part.shape[0]]).all(axis=1))
+        if bad.size:
+            row = place.first + (lo + int(bad[0])) * place.stride
+            value = part[bad[0]][~np.isfinite(out[lo + bad[0]].astype(np.float32))][0]
+            name = format_of(out.dtype)
+            raise ValueError(f"initializer {initializer!r} for {'/'.join(names)} wrote {value} to row {row}, beyond "
+                             f"the range of {name} (magnitudes up to {FORMAT_RANGE[name]:g})")

@@ -2,9 +2,11 @@
 
 A :class:`Storage` is a ``[n_rows, dim]`` array of rows plus one array per slot (``[n_rows, dim]`` for a slot
 of ``slot_dims`` entry 2, ``[n_rows]`` for entry 1). The update kernel reads and writes them in place, the
-lookup gathers from ``weights``. :class:`DenseStorage` is the one kind today: float32, every array starting on
-a cache line. Other kinds (16-bit rows, hash-keyed rows that appear as ids arrive) implement the same
-interface.
+lookup gathers from ``weights``. :class:`DenseStorage` holds every row, each array starting on a cache line,
+in the table's :class:`~embedcore.kernels.half.StoredFormats`: float32, or float16 / bfloat16 for the rows,
+the slots or both (2 bytes a value; jitted code reads and writes them through ``uint16`` views,
+``kernel_weights`` and ``kernel_slots``). Other kinds (hash-keyed rows that appear as ids arrive) implement
+the same interface.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..kernels.aligned import aligned_empty
+from ..kernels.half import FLOAT32, StoredFormats, bits_of, format_of, stored_dtype
 
 __all__ = ["Storage", "DenseStorage"]
 
@@ -23,6 +26,17 @@ class Storage:
     weights: np.ndarray
     slots: tuple
     writable: bool
+    formats: StoredFormats = FLOAT32
+
+    @property
+    def kernel_weights(self) -> np.ndarray:
+        """``weights`` as jitted code takes them (a ``uint16`` view of 16-bit values)."""
+        return bits_of(self.weights)
+
+    @property
+    def kernel_slots(self) -> tuple:
+        """``slots`` as jitted code takes them."""
+        return tuple(bits_of(slot) for slot in self.slots)
 
     @property
     def n_rows(self) -> int:
@@ -41,31 +55,37 @@ class Storage:
         return tuple(slot[start:start + n] for slot in self.slots)
 
     @staticmethod
-    def bytes_needed(n_rows: int, dim: int, slot_dims) -> int:
+    def bytes_needed(n_rows: int, dim: int, slot_dims, formats: StoredFormats = FLOAT32) -> int:
         """Bytes the arrays of a storage of this shape take (checked against memory before allocating)."""
         raise NotImplementedError
 
 
 class DenseStorage(Storage):
-    """float32 rows and slots, each array aligned to a cache line (:mod:`embedcore.kernels.aligned`).
+    """Rows and slots of every row, each array aligned to a cache line (:mod:`embedcore.kernels.aligned`).
 
-    ``DenseStorage(n_rows, dim, slot_dims)`` allocates them (values uninitialised: the factory fills them);
-    :meth:`over` wraps existing arrays (a checkpoint's memory-mapped tables, read-only).
+    ``DenseStorage(n_rows, dim, slot_dims, formats)`` allocates them (values uninitialised: the factory fills
+    them); :meth:`over` wraps existing arrays (a checkpoint's memory-mapped tables, read-only).
     """
 
-    def __init__(self, n_rows: int, dim: int, slot_dims=()):
-        self.weights = aligned_empty((n_rows, dim), np.float32)
-        self.slots = tuple(aligned_empty((n_rows, dim) if d == 2 else (n_rows,), np.float32) for d in slot_dims)
+    def __init__(self, n_rows: int, dim: int, slot_dims=(), formats: StoredFormats = FLOAT32):
+        self.formats = formats
+        self.weights = aligned_empty((n_rows, dim), stored_dtype(formats.weights))
+        slot_dtype = stored_dtype(formats.slots)
+        self.slots = tuple(aligned_empty((n_rows, dim) if d == 2 else (n_rows,), slot_dtype) for d in slot_dims)
         self.writable = True
 
     @classmethod
     def over(cls, weights: np.ndarray, slots=()) -> "DenseStorage":
-        """A storage over the given float32 arrays, without copying them."""
+        """A storage over the given arrays (float32, float16 or bfloat16), without copying them."""
         storage = cls.__new__(cls)
         storage.weights, storage.slots = weights, tuple(slots)
+        storage.formats = StoredFormats(format_of(weights.dtype),
+                                        format_of(slots[0].dtype) if slots else "float32")
         storage.writable = bool(weights.flags.writeable)
         return storage
 
     @staticmethod
-    def bytes_needed(n_rows: int, dim: int, slot_dims) -> int:
-        return 4 * (n_rows * dim + sum(n_rows * dim if d == 2 else n_rows for d in slot_dims))
+    def bytes_needed(n_rows: int, dim: int, slot_dims, formats: StoredFormats = FLOAT32) -> int:
+        values = stored_dtype(formats.weights).itemsize * n_rows * dim
+        slot_size = stored_dtype(formats.slots).itemsize
+        return values + slot_size * sum(n_rows * dim if d == 2 else n_rows for d in slot_dims)
