@@ -42,6 +42,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without torch
                       "`pip install embedcore[torch]` (or `pip install torch==2.13.0`)") from exc
 
 from . import inputs
+from .config import FeatureConfig
 from .engine import Embedding
 from .inputs import InputError, Ragged
 
@@ -189,6 +190,13 @@ class _ApplyInBackward(torch.autograd.Function):
         return (None, None) + (None,) * len(grads)
 
 
+def _declared_order(config) -> list:
+    """Feature paths in the order the config declares them: a flat dict's own order, else ``inputs.flatten``'s."""
+    if isinstance(config, dict) and all(isinstance(v, FeatureConfig) for v in config.values()):
+        return [str(key) for key in config]
+    return [path for path, _ in inputs.flatten(config)]
+
+
 def _torch_dtype(dtype: np.dtype):
     """The torch dtype of a table's NumPy dtype (``ml_dtypes.bfloat16`` is ``torch.bfloat16``)."""
     if dtype.name == "bfloat16":
@@ -237,7 +245,7 @@ class EmbeddingModule(torch.nn.Module):
     The ids are never copied on the way (int64 ids reach the engine as they are; int32 ones the engine
     widens). It returns the activations, mirroring ``features``, as float32 tensors sharing memory with the
     engine's NumPy activations; for a ``KeyedJaggedTensor`` a dict ``{key: activations}`` in the feature
-    config's order or, for a real torchrec one, a ``KeyedTensor`` as torchrec's ``EmbeddingBagCollection``
+    config's order (a dict's own order) or, for a real torchrec one, a ``KeyedTensor`` as torchrec's ``EmbeddingBagCollection``
     returns (the features' activations concatenated along dim 1, a sequence feature's ``[B, L, dim]`` as
     ``L * dim`` columns). See the module docstring for when and how the tables are updated (during
     ``loss.backward()``, before the dense ``optimizer.step()``).
@@ -299,6 +307,9 @@ class EmbeddingModule(torch.nn.Module):
             tensors = list(_ApplyInBackward.apply(self._trigger, pending, *leaves))
         if keyed is None:
             return inputs.unflatten(acts, tensors)
+        position = {path: k for k, path in enumerate(_declared_order(self.embedding.feature_config))}
+        pairs = sorted(zip(keys, tensors), key=lambda pair: position[pair[0][0]])
+        keys, tensors = [key for (_, key), _ in pairs], [t for _, t in pairs]
         keyed_tensor = _keyed_tensor_class(keyed)
         if keyed_tensor is None:
             return dict(zip(keys, tensors))
@@ -325,7 +336,7 @@ class EmbeddingModule(torch.nn.Module):
 
     def _from_keyed_jagged(self, kjt):
         """Features and weights (mirroring the feature config) from a ``KeyedJaggedTensor``, ids not copied;
-        the key of each feature, in the feature config's order; the batch size."""
+        ``(path, key)`` of each feature, in ``inputs.flatten`` order; the batch size."""
         kjt_keys = list(kjt.keys())
         if len(set(kjt_keys)) != len(kjt_keys):
             raise InputError(f"the KeyedJaggedTensor's keys repeat: {kjt_keys}")
@@ -355,7 +366,7 @@ class EmbeddingModule(torch.nn.Module):
             splits = segment - start
             ids_out.append(Ragged(values[start:end], splits))
             weights_out.append(None if w is None else Ragged(w[start:end], splits))
-            keys.append(key)
+            keys.append((path, key))
         if missing:
             raise InputError(f"the KeyedJaggedTensor has no key for the features {missing} (its keys are "
                              f"{kjt_keys})")
