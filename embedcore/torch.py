@@ -26,6 +26,35 @@ Semantics, step by step (as FBGEMM's table-batched embeddings do it, "optimizer 
 * Bad ids or weights raise :class:`embedcore.InputError` from forward; bad (NaN/Inf) gradients raise it
   from ``loss.backward()``, and so does the backward of a forward made before ``embedding.load()`` (its
   activations came from the replaced tables); in all these cases tables, slots and ``step`` are unchanged.
+
+Inputs (see :class:`EmbeddingModule`): what :meth:`Embedding.lookup` takes, with CPU tensors for arrays; per
+feature ``(values, offsets)`` as ``nn.EmbeddingBag`` reads it; or a torchrec ``KeyedJaggedTensor`` (found by
+its methods: torchrec is never imported), which gives a dict of activations, or torchrec's ``KeyedTensor`` for
+a real one, as ``EmbeddingBagCollection`` does. Ids are not copied (int32 ones the engine widens); weights of
+any float dtype, with ``requires_grad`` or not, are read as float32 constants.
+
+State, the torch way:
+
+* ``state_dict()`` holds, under the module's prefix, ``tables.<table>.weights``, ``tables.<table>.slot.<slot>``
+  (one per optimizer slot) and ``step`` (an int64 scalar). The table and slot tensors share memory with the
+  engine (zero-copy, as parameters in a ``state_dict`` do): they change as the model trains, so snapshot them
+  with ``copy.deepcopy(model.state_dict())``. Their dtype is the table's (``torch.float16`` for a float16
+  table, ``torch.bfloat16`` for a bfloat16 one).
+* ``load_state_dict`` copies the values into the engine's arrays after checking every entry (a tensor of
+  the table's exact dtype and shape, finite; ``step`` one integer >= 0): a bad entry is reported the torch
+  way (``RuntimeError``) and none of the module's tables, slots or ``step`` change. Missing and unexpected
+  keys are reported as torch does: ``strict=True`` raises (a state dict saved before the tables were in
+  ``state_dict`` is refused), ``strict=False`` returns them and loads the entries present. Lookups made
+  before the load are refused by their backward. ``assign=True`` makes no difference: values are copied.
+* ``torch.distributed.checkpoint``: ``dcp.save(model.state_dict(), ...)``; then ``sd = model.state_dict()``,
+  ``dcp.load(sd, ...)``, ``model.load_state_dict(sd)``. ``dcp.load`` writes into the tensors it is given,
+  here the tables themselves, before ``load_state_dict`` checks them; give it copies
+  (``{k: v.clone() for k, v in sd.items()}``) to keep the all-or-nothing check.
+* ``torch.save(model)`` / pickle and ``copy.deepcopy(model)`` work (:class:`Embedding` pickles its
+  configuration as a checkpoint describes it, its functions by import path: a lambda, a local function or
+  one from ``__main__`` cannot be pickled, and the error names it; ``copy.deepcopy`` has no such limit). A
+  copy is independent: it holds its own tables, slots, ``step``, optimizers and seed.
+* ``emb.save(path)`` / ``Embedding.restore(path)`` checkpoints are unchanged.
 """
 
 from __future__ import annotations
@@ -245,15 +274,15 @@ class EmbeddingModule(torch.nn.Module):
     The ids are never copied on the way (int64 ids reach the engine as they are; int32 ones the engine
     widens). It returns the activations, mirroring ``features``, as float32 tensors sharing memory with the
     engine's NumPy activations; for a ``KeyedJaggedTensor`` a dict ``{key: activations}`` in the feature
-    config's order (a dict's own order) or, for a real torchrec one, a ``KeyedTensor`` as torchrec's ``EmbeddingBagCollection``
-    returns (the features' activations concatenated along dim 1, a sequence feature's ``[B, L, dim]`` as
-    ``L * dim`` columns). See the module docstring for when and how the tables are updated (during
+    config's order (a dict's own order) or, for a real torchrec one, a ``KeyedTensor`` as torchrec's
+    ``EmbeddingBagCollection`` returns (the features' activations concatenated along dim 1, a sequence
+    feature's ``[B, L, dim]`` as ``L * dim`` columns). See the module docstring for when and how the tables are updated (during
     ``loss.backward()``, before the dense ``optimizer.step()``).
 
     The module registers no parameters: ``torch.optim.X(model.parameters())`` sees only the dense model's.
     ``requires_grad_(False)`` freezes the tables (forward becomes lookup-only), ``requires_grad_(True)``
-    unfreezes them. ``state_dict()`` holds the tables, slots and step (see the module docstring); the module
-    pickles (``torch.save``) and deep-copies.
+    unfreezes them. ``state_dict()`` holds the tables, slots and ``step`` (see the module docstring); the
+    module pickles (``torch.save``) and deep-copies.
     """
 
     def __init__(self, embedding, optimizer=None, *, include_last_offset: bool = False, **kwargs):

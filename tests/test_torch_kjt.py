@@ -1,4 +1,5 @@
-"""EmbeddingModule's torch-native inputs: KeyedJaggedTensor, (values, offsets), weights of any float dtype (issue 29, item 3)."""
+"""EmbeddingModule's torch-native inputs: KeyedJaggedTensor, (values, offsets), weights of any float dtype
+(issue 29, item 3)."""
 
 import numpy as np
 import pytest

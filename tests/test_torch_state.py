@@ -106,7 +106,8 @@ def test_state_dict_holds_tables_slots_and_step_sharing_memory():
     assert slot_names == {"items": ["accumulators"], "users": ["momenta", "velocities"], "pages": ["accumulators"]}
     assert list(model.emb.embedding.tables) == ["pages", "users", "items"]  # the features' (sorted) order
     assert list(sd) == expected
-    assert sd["tower.emb.step"].dtype == torch.int64 and sd["tower.emb.step"].shape == () and int(sd["tower.emb.step"]) == 3
+    step = sd["tower.emb.step"]
+    assert step.dtype == torch.int64 and step.shape == () and int(step) == 3
     for name, table in model.emb.embedding_tables.items():
         weights = sd[f"tower.emb.tables.{name}.weights"]
         assert weights.dtype == torch.float32 and tuple(weights.shape) == table.shape
@@ -188,7 +189,8 @@ def _nan_at(t, i=0):
     ("tower.emb.tables.items.weights", lambda t: t.double(), "torch.float32"),
     ("tower.emb.tables.items.weights", lambda t: t.to(torch.int32), "torch.float32"),
     ("tower.emb.tables.users.slot.velocities", lambda t: t.T.contiguous(), r"shape \(9, 4\)"),
-    ("tower.emb.tables.pages.weights", lambda t: _nan_at(t, 9), r"table 'pages' holds NaN or Inf in 1 row\(s\), e.g. rows \[2\]"),
+    ("tower.emb.tables.pages.weights", lambda t: _nan_at(t, 9),
+     r"table 'pages' holds NaN or Inf in 1 row\(s\), e.g. rows \[2\]"),
     ("tower.emb.tables.items.slot.accumulators", lambda t: t.fill_(float("inf")), "NaN or Inf in 13 row"),
     ("tower.emb.tables.items.weights", lambda t: t.numpy(), "the state dict holds ndarray"),
     ("tower.emb.step", lambda t: t.double(), "must be one integer"),
