@@ -14,6 +14,14 @@ manifest's hash, the manifest carries each tensor's shape and hash, every tensor
 against it, and file names must be plain names inside the snapshot. Two processes saving to one path at the
 same time are not supported.
 
+A *serving export* (:func:`embedcore.export.export_for_serving`) is the same layout with another ``format``,
+``embedcore-serving``: a manifest whose ``serving.dtype`` says how the rows are stored (float32, float16,
+bfloat16, or int8 in FBGEMM's fused 8-bit row-wise layout, ``uint8 [rows, dim + 8]``), every table whole in
+one file holding ``weights`` only (no slots, no extra arrays). Readers accept it only when they ask for it
+(``serving=True``: :class:`embedcore.ServingEmbedding`); every training reader (``load``, ``restore``, the
+sharded engine, the trainer) refuses it with a :class:`CheckpointError` saying what it is, so quantized rows
+can never be mistaken for a training state.
+
 Readers also trust no file to be what its name says: only regular files are opened (never through a
 symbolic link, never blocking on a FIFO), ``CURRENT`` is read up to 4 KiB and a manifest up to 64 MiB, and
 the whole manifest is checked against its schema (:func:`check_manifest`) and the files' real sizes before
@@ -39,9 +47,12 @@ from .errors import CheckpointError
 from .tensor_file import (STORABLE_DTYPES, TensorFileError, read_capped, read_header, sha256_of, open_tensors,
                           write_tensors)
 
-__all__ = ["FORMAT", "SnapshotWriter", "Snapshot", "open_snapshot", "check_manifest", "read_current"]
+__all__ = ["FORMAT", "SERVING_FORMAT", "SERVING_DTYPES", "FUSED_INT8_EXTRA_BYTES", "SnapshotWriter", "Snapshot", "open_snapshot", "check_manifest", "read_current"]
 
 FORMAT = "embedcore-checkpoint"
+SERVING_FORMAT = "embedcore-serving"
+SERVING_DTYPES = ("float32", "float16", "bfloat16", "int8")  # how a serving export stores its rows
+FUSED_INT8_EXTRA_BYTES = 8  # an int8 row's float32 scale and float32 bias, after its dim codes
 VERSION = 1
 _CURRENT = "CURRENT"
 _FILE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*\.safetensors")
@@ -98,8 +109,11 @@ class SnapshotWriter:
         self.files[file_name] = {name: {"shape": list(a.shape), "dtype": str(a.dtype), "sha256": digests[name]}
                                  for name, a in tensors.items()}
 
-    def commit(self, manifest: dict) -> str:
-        manifest = dict(manifest, format=FORMAT, version=VERSION, files=self.files)
+    def commit(self, manifest: dict, file_format: str = FORMAT) -> str:
+        """Write ``manifest`` (``format`` = ``file_format``: :data:`FORMAT`, or :data:`SERVING_FORMAT` for a
+        serving export) and make this snapshot the current one; returns its directory."""
+        assert file_format in (FORMAT, SERVING_FORMAT), file_format
+        manifest = dict(manifest, format=file_format, version=VERSION, files=self.files)
         text = json.dumps(manifest, indent=1, sort_keys=True).encode("utf-8")
         with open(os.path.join(self.dir, "manifest.json"), "wb") as f:
             f.write(text)
@@ -145,6 +159,13 @@ class Snapshot:
     @property
     def step(self) -> int:
         return int(self.manifest["step"])
+
+    @property
+    def serving_dtype(self) -> str | None:
+        """How a serving export stores its rows (one of :data:`SERVING_DTYPES`); None for a training checkpoint."""
+        if self.manifest.get("format") != SERVING_FORMAT:
+            return None
+        return self.manifest["serving"]["dtype"]
 
     def tensors(self, file_name: str, names=None, verify: bool = True) -> dict:
         """Memory-mapped, read-only tensors of one file, checked against the manifest (and hashed if ``verify``)."""
@@ -208,7 +229,7 @@ def _moved_on(path: str, name: str) -> bool:
         return False
 
 
-def read_current(path, use, attempts: int = _RETRIES):
+def read_current(path, use, attempts: int = _RETRIES, serving: bool = False):
     """``use(snapshot)`` on the current snapshot of ``path``, consistently although other processes may save.
 
     A save in another process deletes the previous snapshot once its new ``CURRENT`` is in place, so a
@@ -217,13 +238,13 @@ def read_current(path, use, attempts: int = _RETRIES):
     failure is reported only if ``CURRENT`` still names the snapshot it happened on (then it is real).
     ``use`` must not change anything until it has read all it needs: a retried call starts from scratch.
     Files already opened stay valid (a deleted file's data lives while it is mapped), so data from one
-    attempt is never mixed with another's.
+    attempt is never mixed with another's. ``serving``: a serving export is accepted too (else refused).
     """
     path = os.fspath(path)
     for attempt in range(attempts):
         name = None
         try:
-            snap = open_snapshot(path, _retry=False)
+            snap = open_snapshot(path, _retry=False, serving=serving)
             name = snap.name
             return use(snap)
         except (CheckpointError, OSError) as e:
@@ -236,12 +257,13 @@ def read_current(path, use, attempts: int = _RETRIES):
     raise AssertionError("unreachable")  # pragma: no cover
 
 
-def open_snapshot(path, _retry: bool = True) -> Snapshot:
+def open_snapshot(path, _retry: bool = True, serving: bool = False) -> Snapshot:
     """The snapshot ``path/CURRENT`` names, with its manifest verified against the hash in ``CURRENT`` and
-    checked by :func:`check_manifest` (every field, and every file it names against the file's real size)."""
+    checked by :func:`check_manifest` (every field, and every file it names against the file's real size).
+    A serving export is refused unless ``serving``."""
     path = os.fspath(path)
     if _retry:
-        return read_current(path, lambda snap: snap)
+        return read_current(path, lambda snap: snap, serving=serving)
     if not os.path.isdir(path):
         raise CheckpointError(f"{path}: no such checkpoint directory")
     name, digest = _read_pointer(path)
@@ -259,7 +281,7 @@ def open_snapshot(path, _retry: bool = True) -> Snapshot:
             manifest = json.loads(text.decode("utf-8"))
         except (UnicodeDecodeError, ValueError, RecursionError) as e:
             raise CheckpointError(f"corrupt checkpoint: {manifest_path} is not JSON ({e})") from None
-        snap = Snapshot(path, name, check_manifest(manifest, path, manifest_path))
+        snap = Snapshot(path, name, check_manifest(manifest, path, manifest_path, serving))
         _check_file_sizes(snap)
         return snap
     except CheckpointError as e:
@@ -277,7 +299,7 @@ def _need(value, kind, where: str, what: str):
     return value
 
 
-def check_manifest(manifest, path: str, manifest_path: str) -> dict:
+def check_manifest(manifest, path: str, manifest_path: str, serving: bool = False) -> dict:
     """``manifest`` if it is a whole, consistent checkpoint manifest, else :class:`CheckpointError` naming the
     field and its value. The schema, all of which is checked before any caller uses a field:
 
@@ -289,12 +311,28 @@ def check_manifest(manifest, path: str, manifest_path: str) -> dict:
       ``dtype`` and a hex ``sha256``;
     - ``tables``: name -> ``vocabulary_size`` (>= 1), ``dim`` (>= 1), ``slots`` (distinct non-empty names) and
       ``shards`` that partition the rows exactly (``first_row`` 0..stride-1, one stride, ``rows`` as the
-      stride implies), each in a listed file holding exactly ``weights`` (float32 ``[rows, dim]``) and
-      ``slot/<name>`` per slot (float32 ``[rows]`` or ``[rows, dim]``, the same in every shard).
+      stride implies), each in a listed file holding exactly ``weights`` (float32, float16 or bfloat16
+      ``[rows, dim]``, as the configuration's ``weights_dtype`` says) and ``slot/<name>`` per slot (``[rows]``
+      or ``[rows, dim]``, of the configuration's ``slot_dtype``, the same in every shard).
+
+    A serving export (``format`` :data:`SERVING_FORMAT`, accepted only with ``serving``; else refused saying
+    what it is) has the same fields and ``serving``: ``{"dtype": one of SERVING_DTYPES, "source_snapshot":
+    str (optional)}``; ``extra`` is null; each table has no slots and one shard, whole (``first_row`` 0,
+    ``stride`` 1), its file holding exactly ``weights``: ``uint8 [rows, dim + 8]`` for int8 (codes, float32
+    scale, float32 bias), else of ``serving.dtype`` ``[rows, dim]``; the configuration's storage settings are
+    the training tables' and are not compared with it.
     """
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+    if isinstance(manifest, dict) and manifest.get("format") == SERVING_FORMAT and not serving:
+        shown = manifest.get("serving", {}).get("dtype") if isinstance(manifest.get("serving"), dict) else None
+        raise CheckpointError(f"{path} is a serving export (rows stored as {shown!r:.40}, written by "
+                              f"embedcore.export_for_serving), not a training checkpoint: it holds no optimizer "
+                              f"slots and its rows may be quantized, so it cannot be loaded or restored for "
+                              f"training. Serve it with embedcore.ServingEmbedding({path!r}), or load the "
+                              f"training checkpoint it was exported from")
+    if not isinstance(manifest, dict) or manifest.get("format") not in (FORMAT, SERVING_FORMAT):
         shown = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
         raise CheckpointError(f"{path}: not an embedcore checkpoint (format {shown!r:.100})")
+    serving_dtype = _check_serving(manifest, manifest_path) if manifest["format"] == SERVING_FORMAT else None
     if type(manifest.get("version")) is not int or manifest["version"] != VERSION:
         raise CheckpointError(f"{path}: checkpoint format version {manifest.get('version')!r:.100}; this embedcore "
                               f"reads version {VERSION}")
@@ -329,7 +367,7 @@ def check_manifest(manifest, path: str, manifest_path: str) -> dict:
             raise _bad(f"{where}: extra", f"null or one of the files {sorted(files)}", extra)
     tables = _need(manifest["tables"], dict, f"{where}: tables", "an object of tables")
     for name, entry in tables.items():
-        _check_table(name, entry, files, where, manifest_path)
+        _check_table(name, entry, files, where, manifest_path, serving_dtype)
     try:
         config = check_config(manifest["config"])
     except CheckpointError as e:
@@ -343,6 +381,8 @@ def check_manifest(manifest, path: str, manifest_path: str) -> dict:
         if stored != (t["vocabulary_size"], t["dim"]):
             raise CheckpointError(f"corrupt checkpoint: {path}: table '{name}' tensor 'weights' has shape "
                                   f"{stored}; its configuration needs shape {(t['vocabulary_size'], t['dim'])}")
+        if serving_dtype is not None:
+            continue  # stored as the export's dtype (checked by _check_table), whatever training stored
         tensors = files[tables[name]["shards"][0]["file"]]
         for key, dtype_key in (("weights", "weights_dtype"), ("slot", "slot_dtype")):
             held = [entry["dtype"] for k, entry in tensors.items() if k == key or k.startswith("slot/") and key == "slot"]
@@ -362,7 +402,43 @@ def _check_file_name(file_name, manifest_path: str) -> None:
                               f"be plain *.safetensors names inside the snapshot")
 
 
-def _check_table(name, entry, files: dict, where: str, manifest_path: str) -> None:
+def _check_serving(manifest: dict, manifest_path: str) -> str:
+    """The ``serving.dtype`` of a serving export's manifest, after checking its serving fields."""
+    where = manifest_path
+    serving = _need(manifest.get("serving"), dict, f"{where}: serving", "an object with the export's dtype")
+    if set(serving) - {"dtype", "source_snapshot"}:
+        raise _bad(f"{where}: serving", "an object of dtype and source_snapshot", serving)
+    dtype = serving.get("dtype")
+    if not isinstance(dtype, str) or dtype not in SERVING_DTYPES:
+        raise _bad(f"{where}: serving.dtype", f"one of {list(SERVING_DTYPES)}", dtype)
+    if "source_snapshot" in serving:
+        _need(serving["source_snapshot"], str, f"{where}: serving.source_snapshot", "a string")
+    if manifest.get("extra") is not None:
+        raise _bad(f"{where}: extra", "null (a serving export holds no extra arrays)", manifest.get("extra"))
+    return dtype
+
+
+def _check_serving_table(name, entry, files: dict, manifest_path: str, dtype: str) -> None:
+    """A serving export's table: no slots, one whole shard whose file holds exactly its ``weights``."""
+    w = f"corrupt checkpoint: {manifest_path}: table '{name}' of a serving export"
+    if entry["slots"]:
+        raise CheckpointError(f"{w} lists slots {entry['slots']!r:.100}; a serving export holds none")
+    shards = entry["shards"]
+    if len(shards) != 1 or shards[0]["stride"] != 1:
+        raise CheckpointError(f"{w} has {len(shards)} shards; a serving export holds each table whole, in one file")
+    stored = files[shards[0]["file"]]
+    if set(stored) != {"weights"}:
+        raise CheckpointError(f"{w} needs exactly the tensor 'weights' in {shards[0]['file']}, which holds "
+                              f"{sorted(stored)}")
+    rows, dim = shards[0]["rows"], entry["dim"]
+    want = ("uint8", (rows, dim + FUSED_INT8_EXTRA_BYTES)) if dtype == "int8" else (dtype, (rows, dim))
+    got = (stored["weights"]["dtype"], tuple(stored["weights"]["shape"]))
+    if got != want:
+        raise CheckpointError(f"{w}: tensor 'weights' in {shards[0]['file']} is {got[0]} of shape {got[1]}; an "
+                              f"export of dtype {dtype!r} stores {want[0]} of shape {want[1]}")
+
+
+def _check_table(name, entry, files: dict, where: str, manifest_path: str, serving_dtype: str | None = None) -> None:
     w = f"{where}: table '{name}'"
     _need(entry, dict, w, "an object")
     vocabulary = need_int(entry.get("vocabulary_size"), f"{w}.vocabulary_size", 1, _MAX_ROWS, fail=_bad)
@@ -385,12 +461,16 @@ def _check_table(name, entry, files: dict, where: str, manifest_path: str) -> No
             any(type(sh["rows"]) is not int or sh["rows"] != len(range(sh["first_row"], vocabulary, stride))
                 for sh in shards):
         raise CheckpointError(partition)
-    slot_shapes = None
     for shard in shards:
         _check_file_name(shard["file"], manifest_path)
-        stored = files.get(shard["file"])
-        if stored is None:
+        if shard["file"] not in files:
             raise _bad(f"{w}.shards.file", f"one of the files {sorted(files)}", shard["file"])
+    if serving_dtype is not None:
+        _check_serving_table(name, entry, files, manifest_path, serving_dtype)
+        return
+    slot_shapes = None
+    for shard in shards:
+        stored = files[shard["file"]]
         wanted = {"weights"} | {f"slot/{s}" for s in slots}
         if set(stored) != wanted:
             raise CheckpointError(f"corrupt checkpoint: {manifest_path}: table '{name}' (slots {slots}) needs the "
