@@ -10,10 +10,14 @@ tables here.
 
 from __future__ import annotations
 
+from time import perf_counter
+
+import numpy as np
+
 from ..memory_budget import check_fits
 from ..tuning import Tuning
 from .physical import PhysicalTable, TablePlace
-from .storage import DenseStorage
+from .storage import DenseStorage, FusedInt8Storage
 
 __all__ = ["physical_tables", "read_only_tables", "stack", "optimizer_of"]
 
@@ -104,8 +108,36 @@ def physical_tables(tables, default_optimizer, *, stack_tables: bool = True, see
     return tuple(out)
 
 
+class _StorageGatherTable(PhysicalTable):
+    """A read-only physical table whose storage gathers its own rows (``storage.gather``: int8 rows, which
+    :func:`~embedcore.kernels.rows.gather_combine` does not read)."""
+
+    def lookup(self, table_batch, out=None):
+        tb = table_batch
+        if out is None:
+            out = self.activation_pool.empty((tb.n_out if tb is not None else 0, self.dim), np.float32)
+        if tb is not None and tb.n_out:
+            timer = self.tuning.phase_timer
+            t0 = perf_counter() if timer is not None else 0.0
+            self.storage.gather(tb.rows, tb.gains, tb.out_ptr, out, self.prefetches_rows)
+            if timer is not None:
+                timer("gather", perf_counter() - t0)
+        return out
+
+
 def read_only_tables(tables, weights: dict, tuning: Tuning | None = None) -> tuple:
-    """One read-only physical table per table, over ``weights[name]`` (e.g. a checkpoint's memory-mapped
-    ``[vocabulary_size, dim]`` arrays of float32, float16 or bfloat16, not copied): lookups only."""
-    return tuple(PhysicalTable([TablePlace(t, 0, t.vocabulary_size)], DenseStorage.over(weights[t.name]),
-                               None, tuning) for t in tables)
+    """One read-only physical table per table, over ``weights[name]`` (not copied; e.g. a checkpoint's
+    memory-mapped arrays): ``[vocabulary_size, dim]`` of float32, float16 or bfloat16, or a serving export's
+    int8 rows, ``uint8 [vocabulary_size, dim + 8]`` (:class:`~embedcore.tables.storage.FusedInt8Storage`,
+    dequantized as lookups gather them): lookups only."""
+    out = []
+    for t in tables:
+        array = weights[t.name]
+        if array.dtype == np.uint8:
+            storage, kind = FusedInt8Storage(array), _StorageGatherTable
+        else:
+            storage, kind = DenseStorage.over(array), PhysicalTable
+        if (storage.n_rows, storage.dim) != (t.vocabulary_size, t.dim):
+            raise ValueError(f"table '{t.name}' [{t.vocabulary_size} x {t.dim}] given rows of shape {array.shape}")
+        out.append(kind([TablePlace(t, 0, t.vocabulary_size)], storage, None, tuning))
+    return tuple(out)

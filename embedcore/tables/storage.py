@@ -5,8 +5,9 @@ of ``slot_dims`` entry 2, ``[n_rows]`` for entry 1). The update kernel reads and
 lookup gathers from ``weights``. :class:`DenseStorage` holds every row, each array starting on a cache line,
 in the table's :class:`~embedcore.kernels.half.StoredFormats`: float32, or float16 / bfloat16 for the rows,
 the slots or both (2 bytes a value; jitted code reads and writes them through ``uint16`` views,
-``kernel_weights`` and ``kernel_slots``). Other kinds (hash-keyed rows that appear as ids arrive) implement
-the same interface.
+``kernel_weights`` and ``kernel_slots``). :class:`FusedInt8Storage` holds read-only rows of a serving export
+in FBGEMM's fused 8-bit row-wise layout, which its own :meth:`~FusedInt8Storage.gather` dequantizes. Other
+kinds (hash-keyed rows that appear as ids arrive) implement the same interface.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import numpy as np
 from ..kernels.aligned import aligned_empty
 from ..kernels.half import FLOAT32, StoredFormats, bits_of, format_of, stored_dtype
 
-__all__ = ["Storage", "DenseStorage"]
+__all__ = ["Storage", "DenseStorage", "FusedInt8Storage"]
 
 
 class Storage:
@@ -89,3 +90,47 @@ class DenseStorage(Storage):
         values = stored_dtype(formats.weights).itemsize * n_rows * dim
         slot_size = stored_dtype(formats.slots).itemsize
         return values + slot_size * sum(n_rows * dim if d == 2 else n_rows for d in slot_dims)
+
+
+class FusedInt8Storage(Storage):
+    """Read-only rows quantized to 8 bits row by row, FBGEMM's fused layout: ``weights`` is ``uint8 [n_rows,
+    dim + 8]``, each row its ``dim`` codes, then its float32 scale and float32 bias (value ``scale * code +
+    bias``; written by :func:`embedcore.export.quantize_int8_rows`). No slots. ``rows`` gives fused rows;
+    :meth:`gather` sums dequantized rows into activations (:mod:`embedcore.kernels.quantized`), reading the
+    codes where they lie (no float32 copy of the table).
+    """
+
+    formats = StoredFormats("int8", "float32", False)
+
+    def __init__(self, fused: np.ndarray):
+        from ..kernels.quantized import FUSED_EXTRA_BYTES
+        if fused.dtype != np.uint8 or fused.ndim != 2 or fused.shape[1] <= FUSED_EXTRA_BYTES or \
+                not fused.flags.c_contiguous:
+            raise ValueError(f"fused int8 rows are a C-contiguous uint8 array [n_rows, dim + {FUSED_EXTRA_BYTES}], "
+                             f"got {fused.dtype} {fused.shape}")
+        self.weights, self.slots, self.writable = fused, (), False
+        self._extra = FUSED_EXTRA_BYTES
+
+    @property
+    def dim(self) -> int:
+        return self.weights.shape[1] - self._extra
+
+    @property
+    def kernel_weights(self) -> np.ndarray:
+        return self.weights
+
+    @property
+    def kernel_slots(self) -> tuple:
+        return ()
+
+    def gather(self, rows, gains, out_ptr, act, prefetch: bool = True) -> None:
+        """``act[a] = sum over o in out_ptr[a]:out_ptr[a + 1] of gains[o] * dequantized row rows[o]`` (``gains``
+        None: every gain 1), summed as :func:`embedcore.kernels.quantized.gather_fused8` sums."""
+        from ..kernels.quantized import gather_fused8
+        gather_fused8(self.weights, rows, gains, out_ptr, act, prefetch)
+
+    @staticmethod
+    def bytes_needed(n_rows: int, dim: int, slot_dims=(), formats: StoredFormats = FLOAT32) -> int:
+        if len(slot_dims):
+            raise ValueError("fused int8 rows are read-only: they hold no slots")
+        return n_rows * (dim + 8)
