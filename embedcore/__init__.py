@@ -24,6 +24,7 @@ from .checkpoint import CheckpointError
 from .compiler import RowFunctionError
 from .config import FeatureConfig, TableConfig
 from .engine import Embedding, LookupContext, NonFiniteError, UpdateReport
+from .export import export_for_serving
 from .initializers import Constant, Initializer, RandomUniform, RowId, TruncatedNormal, Zeros
 from .inputs import InputError, Ragged, Sparse
 from .optimizers import FTRL, SGD, Adagrad, AdagradMomentum, Adam, CustomOptimizer, Optimizer, RowwiseAdagrad
@@ -37,4 +38,5 @@ __all__ = [
     "Optimizer", "CustomOptimizer", "SGD", "Adagrad", "AdagradMomentum", "Adam", "FTRL", "RowwiseAdagrad",
     "Initializer", "Constant", "Zeros", "TruncatedNormal", "RandomUniform", "RowId",
     "Ragged", "Sparse", "InputError", "RowFunctionError", "CheckpointError", "ServingEmbedding", "Tuning",
+    "export_for_serving",
 ]

@@ -1,10 +1,14 @@
 """Serving: lookups from a checkpoint's tables, memory-mapped read-only, with no optimizer state read.
 
 ``ServingEmbedding(path)`` reads only the configuration and each table's ``weights`` tensor from a
-checkpoint written by :meth:`embedcore.Embedding.save`. The tables stay on disk and enter memory as
-lookups touch them (the operating system's page cache is shared between serving processes); slots are never
-read and no code named by the checkpoint is imported. Lookups run the training engine's own code, so they
-return bit-identical activations.
+checkpoint written by :meth:`embedcore.Embedding.save`, or from a serving export of one
+(:func:`embedcore.export_for_serving`: rows as float32, float16, bfloat16 or int8). The tables stay on disk
+and enter memory as lookups touch them (the operating system's page cache is shared between serving
+processes); slots are never read and no code named by the checkpoint is imported. Lookups of a checkpoint
+run the training engine's own code, so they return bit-identical activations; an export's 16-bit rows are
+summed as float32 (as the training engine sums 16-bit tables), its int8 rows dequantized inside the gather
+(``scale * code + bias``, :mod:`embedcore.kernels.quantized`), never copied to float32, each activation
+within half a quantization step per occurrence (``sum of |gain| * scale / 2``) of the float32 one.
 
 Opening checks the manifest whole (:func:`embedcore.checkpoint.store.check_manifest`), each table's SHA-256
 and that it holds no NaN or Inf (unless ``verify=False``, which reads no table data at all). A server
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 from .checkpoint import CheckpointError, read_current, table_tensors
 from .checkpoint.config_codec import decode_engine_config
+from .export import serving_weights
 from .lookup import TableLookup
 from .tables import read_only_tables
 
@@ -27,8 +32,14 @@ class ServingEmbedding(TableLookup):
     """Lookup-only embedding tables loaded from a checkpoint directory.
 
     Args:
-        path: a checkpoint directory written by ``Embedding.save``.
-        verify: check each table's SHA-256 and that it is finite while loading (reads every table once).
+        path: a checkpoint directory written by ``Embedding.save``, or a serving export of one
+            (:func:`embedcore.export_for_serving`).
+        verify: check each table's SHA-256 and that it is finite (int8: its scales and biases) while loading
+            (reads every table once).
+
+    Attributes:
+        dtype: how the served rows are stored: ``"float32"``, ``"float16"``, ``"bfloat16"`` or ``"int8"``.
+        embedding_tables: each table's rows as stored; for int8, the fused rows ``uint8 [V, dim + 8]``.
 
     Raises:
         CheckpointError: the checkpoint is missing, corrupt, malformed, holds NaN/Inf or does not fit.
@@ -41,15 +52,19 @@ class ServingEmbedding(TableLookup):
                 tables = self._init_features(features)
             except ValueError as e:
                 raise CheckpointError(f"{snap.dir}: the checkpoint's features do not configure lookups: {e}") from None
-            weights = {t.name: table_tensors(snap, t.name, {"weights": (t.vocabulary_size, t.dim)},
-                                             verify=verify)["weights"] for t in tables}
+            if snap.serving_dtype is not None:
+                weights = serving_weights(snap, tables, verify)
+            else:
+                weights = {t.name: table_tensors(snap, t.name, {"weights": (t.vocabulary_size, t.dim)},
+                                                 verify=verify)["weights"] for t in tables}
             return snap, tables, weights
 
-        snap, tables, weights = read_current(path, read)
+        snap, tables, weights = read_current(path, read, serving=True)
         self._physical = read_only_tables(tables, weights)
         self._index_tables(self._physical)
         self.step = snap.step
         self.path = snap.dir
+        self.dtype = snap.serving_dtype or str(next(iter(weights.values())).dtype)
 
     def lookup(self, features, weights=None):
         """Activations mirroring ``features`` (no context: serving has nothing to update)."""
@@ -58,4 +73,5 @@ class ServingEmbedding(TableLookup):
 
     def __repr__(self):
         tables = ", ".join(f"{t.name} [{t.vocabulary_size} x {t.dim}]" for t in self._table_configs.values())
-        return f"ServingEmbedding({len(self._features)} features; {tables}; step={self.step}; from {self.path})"
+        return (f"ServingEmbedding({len(self._features)} features; {tables}; {self.dtype}; step={self.step}; "
+                f"from {self.path})")
