@@ -36,6 +36,8 @@ class ServingEmbedding(TableLookup):
             (:func:`embedcore.export_for_serving`).
         verify: check each table's SHA-256 and that it is finite (int8: its scales and biases) while loading
             (reads every table once).
+        tuning: an :class:`embedcore.Tuning` for the lookups (e.g. ``Tuning(phase_timer=...)`` to time the
+            layout and the gather apart); default ``DEFAULT_TUNING``.
 
     Attributes:
         dtype: how the served rows are stored: ``"float32"``, ``"float16"``, ``"bfloat16"`` or ``"int8"``.
@@ -45,7 +47,7 @@ class ServingEmbedding(TableLookup):
         CheckpointError: the checkpoint is missing, corrupt, malformed, holds NaN/Inf or does not fit.
     """
 
-    def __init__(self, path, verify: bool = True):
+    def __init__(self, path, verify: bool = True, tuning=None):
         def read(snap):
             features, _, _ = decode_engine_config(snap.manifest["config"], with_optimizers=False)
             try:
@@ -60,7 +62,7 @@ class ServingEmbedding(TableLookup):
             return snap, tables, weights
 
         snap, tables, weights = read_current(path, read, serving=True)
-        self._physical = read_only_tables(tables, weights)
+        self._physical = read_only_tables(tables, weights, tuning)
         self._index_tables(self._physical)
         self.step = snap.step
         self.path = snap.dir
