@@ -40,7 +40,8 @@ class ServingEmbedding(TableLookup):
             layout and the gather apart); default ``DEFAULT_TUNING``.
 
     Attributes:
-        dtype: how the served rows are stored: ``"float32"``, ``"float16"``, ``"bfloat16"`` or ``"int8"``.
+        dtype: how the served rows are stored: ``"float32"``, ``"float16"``, ``"bfloat16"`` or ``"int8"``
+            (``"mixed"``: a training checkpoint whose tables are stored in different dtypes).
         embedding_tables: each table's rows as stored; for int8, the fused rows ``uint8 [V, dim + 8]``.
 
     Raises:
@@ -66,7 +67,8 @@ class ServingEmbedding(TableLookup):
         self._index_tables(self._physical)
         self.step = snap.step
         self.path = snap.dir
-        self.dtype = snap.serving_dtype or str(next(iter(weights.values())).dtype)
+        stored = {str(w.dtype) for w in weights.values()}
+        self.dtype = snap.serving_dtype or (stored.pop() if len(stored) == 1 else "mixed")
 
     def lookup(self, features, weights=None):
         """Activations mirroring ``features`` (no context: serving has nothing to update)."""
