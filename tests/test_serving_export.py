@@ -396,7 +396,7 @@ def test_exporting_again_replaces_the_export_atomically(tmp_path):
     values["pair"][0, 0] = 1e5
     emb.set_state(tables={"pair": values["pair"]})
     emb.save(tmp_path / "c")
-    with pytest.raises(CheckpointError, match="table 'pair' weights holds 100000 in row 0.*beyond the range of float16"):
+    with pytest.raises(CheckpointError, match="'pair' weights holds 100000 in row 0.*beyond the range of float16"):
         ec.export_for_serving(tmp_path / "c", tmp_path / "e", "float16")
     assert open_snapshot(tmp_path / "e", serving=True).name == first
     assert sorted(n for n in os.listdir(tmp_path / "e") if n.startswith("snapshot-")) == [first]

@@ -47,7 +47,8 @@ from .errors import CheckpointError
 from .tensor_file import (STORABLE_DTYPES, TensorFileError, read_capped, read_header, sha256_of, open_tensors,
                           write_tensors)
 
-__all__ = ["FORMAT", "SERVING_FORMAT", "SERVING_DTYPES", "FUSED_INT8_EXTRA_BYTES", "SnapshotWriter", "Snapshot", "open_snapshot", "check_manifest", "read_current"]
+__all__ = ["FORMAT", "SERVING_FORMAT", "SERVING_DTYPES", "FUSED_INT8_EXTRA_BYTES", "SnapshotWriter", "Snapshot",
+           "open_snapshot", "check_manifest", "read_current"]
 
 FORMAT = "embedcore-checkpoint"
 SERVING_FORMAT = "embedcore-serving"
