@@ -385,11 +385,12 @@ def check_manifest(manifest, path: str, manifest_path: str, serving: bool = Fals
         if serving_dtype is not None:
             continue  # stored as the export's dtype (checked by _check_table), whatever training stored
         tensors = files[tables[name]["shards"][0]["file"]]
-        for key, dtype_key in (("weights", "weights_dtype"), ("slot", "slot_dtype")):
-            held = [entry["dtype"] for k, entry in tensors.items() if k == key or k.startswith("slot/") and key == "slot"]
+        for what, dtype_key in (("weights", "weights_dtype"), ("slots", "slot_dtype")):
+            held = [entry["dtype"] for key, entry in tensors.items()
+                    if (key == "weights") == (what == "weights")]  # _check_table: the slots share one dtype
             want = t.get(dtype_key, "float32")
             if held and held[0] != want:
-                raise CheckpointError(f"corrupt checkpoint: {path}: table '{name}' stores its {key}s as {held[0]}; "
+                raise CheckpointError(f"corrupt checkpoint: {path}: table '{name}' stores its {what} as {held[0]}; "
                                       f"its configuration says {dtype_key}={want!r}")
     if set(tables) != set(configured):
         raise CheckpointError(f"corrupt checkpoint: {where}: tables {sorted(set(tables) - set(configured))} are "
