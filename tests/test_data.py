@@ -328,10 +328,12 @@ def write(path, text, mode="w"):
 DAT = "5::10::5::978300760\n1::20::3::978302109\n5::30::4.5::978301968\n\n2::10::1::978300275\n"
 CSV = "userId,movieId,rating,timestamp\n5,10,5.0,978300760\n1,20,3.0,978302109\n5,30,4.5,978301968\n" \
       "2,10,1.0,978300275\n"
+U_DATA = "5\t10\t5\t978300760\n1\t20\t3\t978302109\n5\t30\t4.5\t978301968\n\n2\t10\t1\t978300275\n"
 
 
-@pytest.mark.parametrize("name,text", [("ratings.dat", DAT), ("ratings.csv", CSV)])
-def test_movielens_both_formats(tmp_path, name, text):
+@pytest.mark.parametrize("name,text", [("ratings.dat", DAT), ("ratings.csv", CSV), ("u.data", U_DATA),
+                                       ("ratings.dat", U_DATA.replace("\n", "\r\n"))])
+def test_movielens_every_format(tmp_path, name, text):
     path = write(tmp_path / name, text)
     for source in (path, tmp_path):                          # the file or its directory
         ds = MovieLens(source, threshold=4.0, eval_fraction=0.0)
@@ -348,6 +350,37 @@ def test_movielens_both_formats(tmp_path, name, text):
         assert [len(b) for b in batches] == [3, 1]
         check_batch(ds, batches[0])
         np.testing.assert_array_equal(batches[0].ids["user"], [2, 0, 2])
+        rated = list(ds.batches(3, shuffle=False, ratings=True))  # the ratings themselves, for regression
+        np.testing.assert_array_equal(np.concatenate([b.labels for b in rated]), [5, 3, 4.5, 1])
+        assert rated[0].labels.dtype == np.float32 and ds.mean_rating() == pytest.approx(3.375)
+
+
+def test_movielens_directory_prefers_csv_then_dat_then_u_data(tmp_path):
+    u_data = write(tmp_path / "u.data", U_DATA)
+    assert MovieLens(tmp_path).path == u_data
+    dat = write(tmp_path / "ratings.dat", DAT)
+    assert MovieLens(tmp_path).path == dat
+    assert MovieLens(u_data).path == u_data
+
+
+def test_movielens_u_data_as_ml_100k_writes_it(tmp_path):
+    """ML-100K's layout: 4 tab-separated integer columns, ids from 1, ratings 1..5, no header; a comma in a
+    tab-separated file is a bad id, not a separator."""
+    rng = np.random.default_rng(2)
+    n = 3000
+    users, items, ratings = rng.integers(1, 944, n), rng.integers(1, 1683, n), rng.integers(1, 6, n)
+    times = rng.integers(874724710, 893286638, n)
+    path = write(tmp_path / "u.data", "".join(f"{u}\t{i}\t{r}\t{t}\n" for u, i, r, t in zip(users, items, ratings,
+                                                                                             times)))
+    ds = MovieLens(path, eval_fraction=0.0)
+    np.testing.assert_array_equal(ds.user_ids[ds.users], users)
+    np.testing.assert_array_equal(ds.movie_ids[ds.movies], items)
+    np.testing.assert_array_equal(ds.ratings, ratings)
+    np.testing.assert_array_equal(ds.timestamps, times)
+    assert ds.mean_rating() == pytest.approx(ratings.mean())
+    with pytest.raises(DataFormatError, match="movie id must be an integer") as info:
+        MovieLens(write(tmp_path / "bad.data", "1\t2\t3\t4\n1\t2,5\t3\t4\n"))
+    assert info.value.line == 2
 
 
 def test_movielens_splits(tmp_path):
@@ -378,7 +411,7 @@ def test_movielens_splits(tmp_path):
 @settings(max_examples=20, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 10 ** 6), st.integers(0, 10 ** 6), st.sampled_from([0.5, 1, 3.5, 5]),
                           st.integers(-2 ** 40, 2 ** 40)), min_size=1, max_size=30),
-       st.sampled_from(["::", ","]))
+       st.sampled_from(["::", ",", "\t"]))
 def test_movielens_fast_and_line_by_line_parsers_agree(rows, delimiter):
     lines = [delimiter.join(str(v) for v in row) + "\n" for row in rows]
     users, movies, ratings, times = _parse_chunk(lines, delimiter, "f", 1)
@@ -400,6 +433,11 @@ def test_movielens_fast_and_line_by_line_parsers_agree(rows, delimiter):
     ("ratings.csv", "userId,movieId,rating,timestamp\n1,2,good,4\n", 2, "rating must be a finite number"),
     ("ratings.csv", "user,movie,rating,timestamp\n1,2,3,4\n", 1, "expected the header"),
     ("ratings.csv", "\n1,2,3,4\n", 1, "first line is empty"),
+    ("u.data", "1\t2\t3\t4\n1\t2\t3\n", 2, "expected 4 fields separated by '\\\\t'"),
+    ("u.data", "1\t2\t3\t4\n\n1\tx\t3\t4\n", 3, "movie id must be an integer, got 'x'"),
+    ("u.data", "1\t2\t3\t4\n1\t2\tinf\t4\n", 2, "rating must be a finite number"),
+    ("u.data", "1\t2\t3\t4\n-3\t2\t3\t4\n", 2, "user id must be >= 0"),
+    ("u.data", "1 2 3 4\n", 1, "expected the header .* or a tab-separated"),
 ])
 def test_movielens_errors_name_file_and_line(tmp_path, name, text, line, match):
     path = write(tmp_path / name, text)
@@ -411,7 +449,7 @@ def test_movielens_errors_name_file_and_line(tmp_path, name, text, line, match):
 def test_movielens_missing_or_empty(tmp_path):
     with pytest.raises(FileNotFoundError):
         MovieLens(tmp_path / "nothing.dat")
-    with pytest.raises(FileNotFoundError, match="no ratings.csv or ratings.dat"):
+    with pytest.raises(FileNotFoundError, match="no ratings.csv, ratings.dat or u.data"):
         MovieLens(tmp_path)
     with pytest.raises(DataFormatError, match="no ratings"):
         MovieLens(write(tmp_path / "ratings.csv", "userId,movieId,rating,timestamp\n"))

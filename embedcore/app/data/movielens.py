@@ -1,12 +1,15 @@
 """MovieLens ratings as a binary "liked it" task: features ``user`` and ``movie``, label ``rating >= threshold``.
 
-Accepted files (``path`` is the file, or a directory holding ``ratings.csv`` or ``ratings.dat``):
+Accepted files (``path`` is the file, or a directory holding ``ratings.csv``, ``ratings.dat`` or ``u.data``,
+looked for in that order):
 
 * ``ratings.dat`` (ML-1M, ML-10M): ``UserID::MovieID::Rating::Timestamp`` per line, no header;
 * ``ratings.csv`` (ML-latest, ML-20M/25M/32M): header ``userId,movieId,rating,timestamp``, then one rating
-  per line.
+  per line;
+* ``u.data`` (ML-100K): ``user id<TAB>item id<TAB>rating<TAB>timestamp`` per line, no header.
 
-The format is taken from the first line (``::`` present: ``.dat``), whatever the file's name. Blank lines
+The format is taken from the first line (``::`` present: ``.dat``; else a tab: ``u.data``; else the CSV
+header), whatever the file's name. Blank lines
 are skipped; anything else malformed raises :class:`DataFormatError` with the file and line number.
 
 Ids: users and movies are renumbered ``0..n-1`` in increasing order of their original id
@@ -41,17 +44,20 @@ from .batch import (Batch, DataFormatError, FeatureSpec, check_batch_size, check
 __all__ = ["MovieLens"]
 
 _CSV_HEADER = ["userId", "movieId", "rating", "timestamp"]
+_FILE_NAMES = ("ratings.csv", "ratings.dat", "u.data")
+_FORMATS = ("the header 'userId,movieId,rating,timestamp' (ratings.csv), a 'user::movie::rating::timestamp' line "
+            "(ratings.dat) or a tab-separated 'user, item, rating, timestamp' line (u.data)")
 _CHUNK_LINES = 1 << 18
 _COLUMNS = ("user id", "movie id", "rating", "timestamp")
 
 
 def _find_file(path):
     if os.path.isdir(path):
-        for name in ("ratings.csv", "ratings.dat"):
+        for name in _FILE_NAMES:
             candidate = os.path.join(path, name)
             if os.path.exists(candidate):
                 return candidate
-        raise FileNotFoundError(f"{path}: no ratings.csv or ratings.dat in this directory")
+        raise FileNotFoundError(f"{path}: no ratings.csv, ratings.dat or u.data in this directory")
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path}: no such file")
     return path
@@ -111,7 +117,7 @@ def _parse_chunk(lines, delimiter, path, first_line):
     """Parse ``lines`` (file line numbers from ``first_line``) into int64 users, movies, timestamps and
     float64 ratings. Fast path: ``np.loadtxt``; on any doubt, the exact line-by-line parser."""
     text = "".join(lines)
-    # In a '::' file a ',' would read as a separator: such a chunk takes the line-by-line path.
+    # In a '::' or tab-separated file a ',' would read as a separator: such a chunk takes the line-by-line path.
     ok = delimiter == "," or "," not in text
     if ok:
         try:
@@ -140,17 +146,15 @@ def read_ratings(path):
     with _open_regular(path) as f:
         first = f.readline(1 << 20)
         if not first.strip():
-            raise DataFormatError(path, 1, "the first line is empty: expected a 'userId,movieId,rating,timestamp' "
-                                           "header (ratings.csv) or a 'user::movie::rating::timestamp' rating "
-                                           "(ratings.dat)")
+            raise DataFormatError(path, 1, f"the first line is empty: expected {_FORMATS}")
         if "::" in first:
             delimiter, pending, line_no = "::", [first], 1
+        elif "\t" in first:
+            delimiter, pending, line_no = "\t", [first], 1
         else:
             header = [h.strip() for h in first.rstrip("\r\n").split(",")]
             if header != _CSV_HEADER:
-                raise DataFormatError(path, 1, f"expected the header {','.join(_CSV_HEADER)!r} (ratings.csv) or a "
-                                               f"'user::movie::rating::timestamp' line (ratings.dat), got "
-                                               f"{excerpt(first.rstrip())}")
+                raise DataFormatError(path, 1, f"expected {_FORMATS}, got {excerpt(first.rstrip())}")
             delimiter, pending, line_no = ",", [], 2
         while True:
             lines = pending + f.readlines(_CHUNK_LINES * 24)
@@ -168,7 +172,7 @@ class MovieLens:
     """MovieLens ratings as click-like samples (see the module docstring).
 
     Args:
-        path: a ``ratings.dat`` / ``ratings.csv`` file or a directory holding one.
+        path: a ``ratings.dat`` / ``ratings.csv`` / ``u.data`` file or a directory holding one.
         threshold: label = ``rating >= threshold``.
         eval_fraction: share of ratings in the eval split.
         seed: seeds the split hash and the shuffling of train batches.
@@ -210,21 +214,29 @@ class MovieLens:
         rows = self._rows[split]
         return float(self.labels[rows].mean()) if rows.shape[0] else float("nan")
 
-    def batches(self, batch_size, split="train", shuffle=None, epoch=0):
-        """Batches of the split; ``shuffle`` (default: train only) permutes with ``(seed, epoch)``."""
+    def batches(self, batch_size, split="train", shuffle=None, epoch=0, ratings=False):
+        """Batches of the split; ``shuffle`` (default: train only) permutes with ``(seed, epoch)``.
+        ``ratings=True``: ``Batch.labels`` holds the ratings themselves (float32), for rating regression such
+        as :class:`~embedcore.app.models.BiasedMF`, instead of ``rating >= threshold``."""
         check_batch_size(batch_size)
         check_split(split)
         rows = self._rows[split]
         if split == "train" if shuffle is None else shuffle:
             rows = rows[np.random.default_rng([self.seed, int(epoch)]).permutation(rows.shape[0])]
-        return self._iterate(rows, batch_size)
+        return self._iterate(rows, batch_size, self.ratings if ratings else self.labels)
 
-    def _iterate(self, rows, batch_size):
+    def mean_rating(self, split="train") -> float:
+        """The mean rating of the split (NaN when it is empty): a rating model's global offset."""
+        check_split(split)
+        rows = self._rows[split]
+        return float(np.mean(self.ratings[rows], dtype=np.float64)) if rows.shape[0] else float("nan")
+
+    def _iterate(self, rows, batch_size, targets):
         for start in range(0, rows.shape[0], batch_size):
             r = rows[start:start + batch_size]
             yield Batch(np.zeros((r.shape[0], 0), np.float32), {"user": self.users[r].astype(np.int64),
                                                                  "movie": self.movies[r].astype(np.int64)},
-                        {"user": None, "movie": None}, self.labels[r])
+                        {"user": None, "movie": None}, targets[r])
 
     def __repr__(self):
         return (f"MovieLens({self.path!r}: {self.users.shape[0]} ratings, {self.features[0].vocabulary_size} users, "
