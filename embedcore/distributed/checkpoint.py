@@ -24,7 +24,6 @@ from ..checkpoint import (_EXTRA, CheckpointError, as_stored, check_compatible, 
                           stored_shapes, table_rows, write_table_shards)
 from ..checkpoint.config_codec import FunctionResolver, decode_engine_config
 from ..checkpoint.store import SnapshotWriter
-from ..kernels.half import bits_of
 from ..memory_budget import check_fits
 from .exchange import DistributedError, Exchanger, describe_error
 from .sharding import shard_of
@@ -151,6 +150,11 @@ def restore(cls, path, comm, functions, allow_import: bool, timeout: float):
     return emb
 
 
+def _as_wire(array: np.ndarray) -> np.ndarray:
+    """``array`` flat as the exchange sends it: float32 as is, a 16-bit format as its bytes (same memory)."""
+    return array.reshape(-1) if array.dtype == np.float32 else array.reshape(-1).view(np.uint8)
+
+
 def gather_tables(emb, root: int):
     """See :meth:`ShardedEmbedding.gather_tables`: one gather per tensor, sizes known from the sharding rule."""
     ex, world = emb.exchange, emb.world_size
@@ -164,8 +168,11 @@ def gather_tables(emb, root: int):
             width = int(np.prod(part.shape[1:], dtype=np.int64))
             counts = np.array([s.rows * width for s in shards], np.int64)
             recv = np.empty(int(counts.sum()) if emb.rank == root else 0, part.dtype)
-            # 16-bit values travel as their bits (MPI has no bfloat16)
-            ex.gatherv(bits_of(np.ascontiguousarray(part)), bits_of(recv), counts, root, f"gather_tables ({name})")
+            # 16-bit values travel as their bytes (MPI has no bfloat16, and the exchange sends int64, float32
+            # or bytes: their uint16 bits used to raise KeyError)
+            wire = 1 if part.dtype == np.float32 else part.dtype.itemsize
+            ex.gatherv(_as_wire(np.ascontiguousarray(part)), _as_wire(recv), counts * wire, root,
+                       f"gather_tables ({name})")
             if emb.rank == root:
                 array = np.empty((config.vocabulary_size,) + part.shape[1:], part.dtype)
                 start = 0
