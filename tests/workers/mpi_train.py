@@ -1,11 +1,14 @@
 """Run under ``mpiexec -n K``: train a ShardedEmbedding on each rank's slice of fixed global batches.
 
-``python mpi_train.py OUT STEPS [--save-at STEP CKPT] [--resume CKPT] [--poison 1]`` trains up to step STEPS
+``python mpi_train.py OUT STEPS [--save-at STEP CKPT] [--resume CKPT] [--poison 1] [--tables half]`` trains up
+to step STEPS
 and writes, on rank 0, ``OUT`` (an .npz of every table and slot, gathered whole) and prints one JSON line of
 facts. ``--save-at`` saves a checkpoint once the engine reaches that step and writes ``OUT.saved.npz``, the
 tables as saved; ``--resume`` starts from a checkpoint (written by any number of ranks) and also writes
 ``OUT.loaded.npz``, the tables as loaded. ``--poison 1`` fills the placeholder row that stands in for a shard
-of no rows with NaN, which must never show.
+of no rows with NaN, which must never show. ``--tables half`` trains :func:`config`'s 16-bit variant
+(bfloat16 rows rounded stochastically, float16 slots) on batches whose every float32 sum is exact (see
+:func:`global_batch`), so that any world size must give one process's tables bit for bit.
 
 The global batch of step t depends only on t; :func:`assignment` splits it over the ranks (one rank gets no
 samples at all in every step of a multi-rank run), and :func:`train` is the schedule, shared with the
@@ -24,10 +27,23 @@ GLOBAL = 24
 PAIRED = (2, 3)  # looked up back to back, then applied in order
 
 
-def config():
+def config(kind="float32"):
     """Two dims in one exchange; non-lazy Adam tables (stacked on each rank), one of fewer rows than ranks;
-    a lazy Adagrad table. Two optimizers only: each costs every rank seconds of compilation."""
+    a lazy Adagrad table. Two optimizers only: each costs every rank seconds of compilation.
+
+    ``kind="half"``: the same layout in 16 bits: bfloat16 rows rounded stochastically (the Adam tables with
+    float16 slots), a float32 table of float16 slots, and only ``sum`` combiners (and ``mean`` over two ids)
+    so that every gain is a power of two."""
     adam = ec.Adam(0.01, lazy_adam=False)
+    if kind == "half":
+        bf16 = dict(weights_dtype="bfloat16", stochastic_rounding=True)
+        users = ec.TableConfig(101, 8, name="users", combiner="sum", **bf16)
+        items = ec.TableConfig(257, 8, name="items", combiner="sum", optimizer=adam, slot_dtype="float16", **bf16)
+        tiny = ec.TableConfig(2, 8, name="tiny", combiner="sum", optimizer=adam, slot_dtype="float16", **bf16)
+        tags = ec.TableConfig(3, 4, name="tags", combiner="mean", slot_dtype="float16")
+        return {"user": ec.FeatureConfig(users), "items": ec.FeatureConfig(items),
+                "recent": ec.FeatureConfig(items, max_sequence_length=3), "tags": ec.FeatureConfig(tags),
+                "tiny": ec.FeatureConfig(tiny)}, ec.Adagrad(0.1)
     users = ec.TableConfig(101, 8, name="users", combiner="sum", optimizer=adam)
     items = ec.TableConfig(257, 8, name="items", optimizer=adam)
     tiny = ec.TableConfig(2, 8, name="tiny", optimizer=adam)
@@ -37,11 +53,16 @@ def config():
             "tiny": ec.FeatureConfig(tiny)}, ec.Adagrad(0.1)
 
 
-def global_batch(t, size):
+def global_batch(t, size, kind="float32"):
+    """Step ``t``'s batch. ``kind="half"``: weights 0.5, 1 or 2 (with :func:`gradients`' multiples of 2**-6,
+    every product and sum is exact in float32, so the order ranks sum in cannot show)."""
     rng = np.random.default_rng(500 + t)
     lengths = rng.integers(0, 4, size)
     items = [list(rng.zipf(1.4, n) % 257) for n in lengths]
-    weights = [list(rng.uniform(0.5, 2.0, n)) for n in lengths]
+    if kind == "half":
+        weights = [list(rng.choice([0.5, 1.0, 2.0], n)) for n in lengths]
+    else:
+        weights = [list(rng.uniform(0.5, 2.0, n)) for n in lengths]
     features = {"user": rng.integers(0, 101, size), "items": items,
                 "recent": [list(rng.integers(0, 257, rng.integers(0, 5))) for _ in range(size)],
                 "tags": rng.integers(0, 3, (size, 2)), "tiny": rng.integers(0, 2, size)}
@@ -68,29 +89,31 @@ def take(batch, rows):
             {k: (pick(v) if v is not None else None) for k, v in weights.items()}, seed)
 
 
-def gradients(acts, seed, rows):
-    """Gradients of the global batch's samples ``rows`` (drawn for the whole batch, then sliced)."""
+def gradients(acts, seed, rows, kind="float32"):
+    """Gradients of the global batch's samples ``rows`` (drawn for the whole batch, then sliced);
+    ``kind="half"``: rounded to multiples of 2**-6."""
     out = {}
     for k, (name, a) in enumerate(sorted(acts.items())):
         rng = np.random.default_rng(seed * 10 + k)
-        full = rng.standard_normal((GLOBAL,) + a.shape[1:]).astype(np.float32)
+        full = rng.standard_normal((GLOBAL,) + a.shape[1:])
+        full = (np.round(full * 64) / 64 if kind == "half" else full).astype(np.float32)
         out[name] = np.ascontiguousarray(full[rows])
     return out
 
 
-def lookup(emb, t, rows):
-    f, w, seed = take(global_batch(t, GLOBAL), rows)
+def lookup(emb, t, rows, kind="float32"):
+    f, w, seed = take(global_batch(t, GLOBAL, kind), rows)
     acts, ctx = emb.lookup(f, {"user": None, "items": w["items"], "recent": None, "tags": None, "tiny": None})
-    return gradients(acts, seed, rows), ctx
+    return gradients(acts, seed, rows, kind), ctx
 
 
-def train(emb, stop, rows_of, on_step=None):
+def train(emb, stop, rows_of, on_step=None, kind="float32"):
     """Train ``emb`` from its step to ``stop``; ``rows_of(t)``: the samples it takes at step ``t``.
     ``on_step(emb)`` runs after every update."""
     while emb.step < stop:
         t = emb.step
         steps = PAIRED if t == PAIRED[0] and stop > PAIRED[0] + 1 else (t,)
-        pending = [lookup(emb, s, rows_of(s)) for s in steps]
+        pending = [lookup(emb, s, rows_of(s), kind) for s in steps]
         for grads, ctx in pending:
             emb.apply_gradients(grads, ctx)
             if on_step:
@@ -104,7 +127,17 @@ def save_tables(emb, path):
         for name, (weights, slots) in tables.items():
             arrays[f"{name}/weights"] = weights
             arrays.update({f"{name}/{s}": v for s, v in slots.items()})
-        np.savez(path, **arrays)
+        np.savez(path, **{k: v.view(np.uint16) if v.dtype.itemsize == 2 else v for k, v in arrays.items()},
+                 **{f"{k}@dtype": np.array(str(v.dtype)) for k, v in arrays.items()})
+
+
+def load_tables(path):
+    """What :func:`save_tables` wrote: ``{"name/weights" or "name/slot": array}`` in the stored dtypes
+    (npz keeps no bfloat16: 16-bit arrays travel as their bits)."""
+    import ml_dtypes
+    z = np.load(path)
+    dtypes = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+    return {k: z[k].view(dtypes.get(str(z[k + "@dtype"]), z[k].dtype)) for k in z.files if not k.endswith("@dtype")}
 
 
 def poison_placeholders(emb):
@@ -128,13 +161,14 @@ if __name__ == "__main__":
     while args:
         key = args.pop(0)
         options[key] = [args.pop(0), args.pop(0)] if key == "--save-at" else args.pop(0)
+    kind = options.get("--tables", "float32")
     comm = MPI.COMM_WORLD
     rank, world = comm.Get_rank(), comm.Get_size()
     if "--resume" in options:
         emb = ShardedEmbedding.restore(options["--resume"])
         save_tables(emb, out_path + ".loaded.npz")
     else:
-        features, optimizer = config()
+        features, optimizer = config(kind)
         emb = ShardedEmbedding(features, optimizer, seed=3)
     zero = poison_placeholders(emb) if options.get("--poison") == "1" else None
     save_at = options.get("--save-at")
@@ -143,7 +177,7 @@ if __name__ == "__main__":
         if save_at and emb.step == int(save_at[0]):
             emb.save(save_at[1])
             save_tables(emb, out_path + ".saved.npz")
-    train(emb, steps, lambda t: assignment(t, world)[rank], checkpoint)
+    train(emb, steps, lambda t: assignment(t, world)[rank], checkpoint, kind)
     save_tables(emb, out_path)
     zeros = comm.gather(zero, root=0)
     if rank == 0:
