@@ -342,14 +342,14 @@ def test_rows_stay_cached_needs_reuse_and_a_small_set_of_rows():
 def test_lookup_prefetches_unless_the_last_update_saw_a_hot_set_of_rows(dim, monkeypatch):
     """apply_gradients judges from its batch whether the next lookup's rows will be cached; the lookup then
     skips the prefetch. The activations are the same either way (against a NumPy gather)."""
-    from embedcore.tables import physical
+    from embedcore.tables import storage
     seen = []
-    real = physical.gather_combine
+    real = storage.gather_combine
 
     def recording(*args):
         seen.append(args[5])  # prefetch
         return real(*args)
-    monkeypatch.setattr(physical, "gather_combine", recording)
+    monkeypatch.setattr(storage, "gather_combine", recording)
     table = ec.TableConfig(50_000, dim, name="t", combiner="sum", initializer=ec.RandomUniform(-1, 1))
     emb = ec.Embedding({"f": ec.FeatureConfig(table)}, ec.SGD(0.0))
     weights = emb.embedding_tables["t"]

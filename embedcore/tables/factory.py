@@ -10,8 +10,6 @@ tables here.
 
 from __future__ import annotations
 
-from time import perf_counter
-
 import numpy as np
 
 from ..memory_budget import check_fits
@@ -108,23 +106,6 @@ def physical_tables(tables, default_optimizer, *, stack_tables: bool = True, see
     return tuple(out)
 
 
-class _StorageGatherTable(PhysicalTable):
-    """A read-only physical table whose storage gathers its own rows (``storage.gather``: int8 rows, which
-    :func:`~embedcore.kernels.rows.gather_combine` does not read)."""
-
-    def lookup(self, table_batch, out=None):
-        tb = table_batch
-        if out is None:
-            out = self.activation_pool.empty((tb.n_out if tb is not None else 0, self.dim), np.float32)
-        if tb is not None and tb.n_out:
-            timer = self.tuning.phase_timer
-            t0 = perf_counter() if timer is not None else 0.0
-            self.storage.gather(tb.rows, tb.gains, tb.out_ptr, out, self.prefetches_rows)
-            if timer is not None:
-                timer("gather", perf_counter() - t0)
-        return out
-
-
 def read_only_tables(tables, weights: dict, tuning: Tuning | None = None) -> tuple:
     """One read-only physical table per table, over ``weights[name]`` (not copied; e.g. a checkpoint's
     memory-mapped arrays): ``[vocabulary_size, dim]`` of float32, float16 or bfloat16, or a serving export's
@@ -134,10 +115,10 @@ def read_only_tables(tables, weights: dict, tuning: Tuning | None = None) -> tup
     for t in tables:
         array = weights[t.name]
         if array.dtype == np.uint8:
-            storage, kind = FusedInt8Storage(array), _StorageGatherTable
+            storage = FusedInt8Storage(array)
         else:
-            storage, kind = DenseStorage.over(array), PhysicalTable
+            storage = DenseStorage.over(array)
         if (storage.n_rows, storage.dim) != (t.vocabulary_size, t.dim):
             raise ValueError(f"table '{t.name}' [{t.vocabulary_size} x {t.dim}] given rows of shape {array.shape}")
-        out.append(kind([TablePlace(t, 0, t.vocabulary_size)], storage, None, tuning))
+        out.append(PhysicalTable([TablePlace(t, 0, t.vocabulary_size)], storage, None, tuning))
     return tuple(out)

@@ -37,7 +37,6 @@ from ..initializers import TruncatedNormal, fill_rows, stream_key
 from ..kernels.half import FORMAT_RANGE, decoder, format_of, step_key
 from ..kernels.grouping import Grouper
 from ..kernels.prefetch import rows_stay_cached
-from ..kernels.rows import gather_combine
 from ..kernels.update import STATUS_GRADIENT, STATUS_LENGTH, STATUS_OUTPUT, STATUS_RAISED, compile_for
 from ..kernels.workspace import ArrayPool, Workspace, WorkspacePool
 from ..tuning import DEFAULT_TUNING, Tuning
@@ -222,8 +221,7 @@ class PhysicalTable:
         if tb is not None and tb.n_out:
             timer = self.tuning.phase_timer
             t0 = perf_counter() if timer is not None else 0.0
-            gather_combine(self._kernel_arrays[0], tb.rows, tb.gains, tb.out_ptr, out, self._prefetch_rows,
-                           self.formats.weights)
+            self.storage.gather(tb.rows, tb.gains, tb.out_ptr, out, self._prefetch_rows)
             if timer is not None:
                 timer("gather", perf_counter() - t0)
         return out

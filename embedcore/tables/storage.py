@@ -16,6 +16,7 @@ import numpy as np
 
 from ..kernels.aligned import aligned_empty
 from ..kernels.half import FLOAT32, StoredFormats, bits_of, format_of, stored_dtype
+from ..kernels.rows import gather_combine
 
 __all__ = ["Storage", "DenseStorage", "FusedInt8Storage"]
 
@@ -54,6 +55,12 @@ class Storage:
     def slot_rows(self, start: int, n: int) -> tuple:
         """Each slot's rows ``start .. start + n - 1`` (views), in slot order."""
         return tuple(slot[start:start + n] for slot in self.slots)
+
+    def gather(self, rows, gains, out_ptr, act, prefetch: bool = True) -> None:
+        """The lookup: ``act[a] = sum over o in out_ptr[a]:out_ptr[a + 1] of gains[o] * row rows[o]`` in
+        float32 (``gains`` None: every gain 1), as :func:`~embedcore.kernels.rows.gather_combine` sums;
+        ``prefetch`` as there."""
+        gather_combine(self.kernel_weights, rows, gains, out_ptr, act, prefetch, self.formats.weights)
 
     @staticmethod
     def bytes_needed(n_rows: int, dim: int, slot_dims, formats: StoredFormats = FLOAT32) -> int:
