@@ -29,7 +29,9 @@ What is generated (``tests/fuzz_strategies.py``):
 Besides the random tests, every (input form, corruption) pair, ``vocabulary_size`` and -1 as ids of every
 feature in every form, 10,000-id samples and empty batches in every form, zero weight sums with every
 combiner and every gradient dtype/layout are checked on each run. All engines use Adagrad (slots), so
-one Numba update kernel is compiled per process.
+one Numba update kernel is compiled per process, and two more for the ``half`` engine: the nested
+configuration in 16 bits (issue 28; bfloat16 rows and slots rounded stochastically, stacked; a float16
+table rounded to nearest), checked against the same oracle within one 16-bit gap, refusals bit for bit.
 
 Bugs the fuzzer found are fixed; their inputs are back in the random generators, and the
 ``test_regression_*`` tests keep one minimal case of each bug found and fixed so far.
@@ -137,13 +139,14 @@ class Rig:
             t = fc.table
             self.specs.append(FeatureSpec(path, fc.name or path, t.name, t.vocabulary_size, t.dim, t.combiner,
                                           fc.max_sequence_length, fc.output_shape))
-        self.oracle = {}
+        self.oracle, self.stored = {}, {}
         for _, fc in flatten_config(config):
             opt = fc.table.optimizer or optimizer
             self.oracle[fc.table.name] = ORACLE[type(opt)] + (opt.learning_rate,)
+            self.stored[fc.table.name] = (fc.table.weights_dtype, fc.table.slot_dtype)
 
     def reset(self, seed):
-        rng = np.random.default_rng(seed)
+        rng = np.random.default_rng(seed)  # 16-bit tables take the float32 values rounded to nearest
         for table in self.emb.embedding_tables.values():
             table[...] = rng.uniform(-1, 1, table.shape).astype(np.float32)
         for slots in self.emb.slot_variables.values():
@@ -151,10 +154,31 @@ class Rig:
                 slot[...] = rng.uniform(0.1, 1.0, slot.shape).astype(np.float32)
 
 
-def _nested_config():
-    user = ec.TableConfig(37, 4, combiner="mean", name="user")
-    item = ec.TableConfig(20, 4, combiner="sum", name="item")
-    one = ec.TableConfig(1, 2, combiner="sqrtn", name="one", optimizer=OPT_ONE)   # a one-row vocabulary
+# 16 bits (the "half" rig): user and item (stacked) as bfloat16 rows and slots rounded stochastically, the
+# one-row table as float16 rows rounded to nearest (Adagrad moves a row by at most its learning rate, so
+# float16 rows never overflow; float16 accumulators would, on the fuzzer's 2**39 weights).
+HALF_STORAGE = {"user": dict(weights_dtype="bfloat16", slot_dtype="bfloat16"),
+                "item": dict(weights_dtype="bfloat16", slot_dtype="bfloat16"),
+                "one": dict(weights_dtype="float16", stochastic_rounding=False)}
+MANTISSA_BITS = {"float16": 10, "bfloat16": 7}
+SMALLEST_GAP = {"float16": 2.0 ** -24, "bfloat16": 2.0 ** -133}
+
+
+def gap16(values, dtype):
+    """An upper bound of the gap between the 16-bit values of ``dtype`` around ``values`` (0 for float32)."""
+    if dtype == "float32":
+        return np.zeros_like(values, dtype=np.float64)
+    with np.errstate(divide="ignore"):
+        exponent = np.floor(np.log2(np.maximum(np.abs(values), SMALLEST_GAP[dtype])))
+    return np.maximum(2.0 ** (exponent + 1 - MANTISSA_BITS[dtype]), SMALLEST_GAP[dtype])
+
+
+def _nested_config(storage=None):
+    storage = storage or {}
+    user = ec.TableConfig(37, 4, combiner="mean", name="user", **storage.get("user", {}))
+    item = ec.TableConfig(20, 4, combiner="sum", name="item", **storage.get("item", {}))
+    one = ec.TableConfig(1, 2, combiner="sqrtn", name="one", optimizer=OPT_ONE,  # a one-row vocabulary
+                         **storage.get("one", {}))
     return {"user": ec.FeatureConfig(user, name="user_ids"),
             "ctx": [ec.FeatureConfig(item, max_sequence_length=3, name="item_seq"),
                     (ec.FeatureConfig(one), ec.FeatureConfig(item), ec.FeatureConfig(user, max_sequence_length=1))]}
@@ -164,6 +188,7 @@ RIG_BUILDERS = {
     # dict / list / tuple; user and item stacked into one physical table, the one-row table apart.
     "nested": lambda: Rig(_nested_config(), OPT_ADAGRAD),
     "nested_unstacked": lambda: Rig(_nested_config(), OPT_ADAGRAD, stack_tables=False),
+    "half": lambda: Rig(_nested_config(HALF_STORAGE), OPT_ADAGRAD, seed=5),
     # one feature at the root (its path is "<root>"), sqrtn.
     "root": lambda: Rig(ec.FeatureConfig(ec.TableConfig(13, 3, combiner="sqrtn", name="solo")), OPT_ROOT),
     # output_shape: a pooled and a sequence feature, both needing B = 6.
@@ -283,6 +308,9 @@ def check_update(rig_, leaves, grads64, tables0, slots0, step):
         else:
             tol_w = (1 + math.sqrt(dim)) * lr / np.sqrt(s0[0])[:, None] * gerr.max(1, keepdims=True) + round_w
             tol_s = [np.mean(2 * (np.abs(grad) + gerr) * gerr, 1) + 4 * EPS * want_s[0] + 1e-7]
+        weights_dtype, slot_dtype = rig_.stored[tname]  # 16 bits: the stored value is a neighbour of float32's
+        tol_w = tol_w + gap16(np.abs(want_w) + tol_w, weights_dtype)
+        tol_s = [t + gap16(np.abs(w) + t, slot_dtype) for t, w in zip(tol_s, want_s)]
         got_w = emb.embedding_tables[tname]
         assert got_w[~touched].tobytes() == table0[~touched].tobytes(), f"untouched rows of {tname} changed"
         bad = ~(np.abs(got_w.astype(np.float64) - want_w) <= tol_w)
