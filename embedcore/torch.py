@@ -55,6 +55,26 @@ State, the torch way:
   one from ``__main__`` cannot be pickled, and the error names it; ``copy.deepcopy`` has no such limit). A
   copy is independent: it holds its own tables, slots, ``step``, optimizers and seed.
 * ``emb.save(path)`` / ``Embedding.restore(path)`` checkpoints are unchanged.
+
+Sharded over ``torch.distributed`` (launch with ``torchrun --nproc-per-node K train.py``)::
+
+    dist.init_process_group("gloo")
+    emb = EmbeddingModule(feature_config, optimizer, process_group=dist.group.WORLD)  # tables sharded
+    model = DistributedDataParallel(Model(emb))  # DDP for the dense part; the tables are not parameters
+
+* The tables are split by rows over the group's ranks with the rule, routing and guarantees of
+  :class:`embedcore.distributed.ShardedEmbedding` (it is one, on the torch transport; all-to-all-v through
+  gloo): each rank feeds its own local batch and gets its own activations; K ranks train the tables as one
+  process fed the concatenated batch would (up to float32 summation order); bad input on one rank is
+  refused on every rank with nothing changed; a peer that stops answering makes the others raise
+  ``DistributedError`` after ``timeout`` seconds (a keyword argument, 120 by default), not hang.
+* forward and backward are collectives: every rank must run them for every step (a rank with no samples
+  too), and agree on training or eval mode.
+* ``module.save(path)`` is collective (each rank writes its rows, committed once all have) and
+  ``EmbeddingModule.restore(path, process_group=...)`` reads it on any world size, or in one process
+  (``process_group=None``). ``state_dict()`` holds this rank's rows only; ``load_state_dict`` refuses it.
+* An unsharded module training inside the forward of a ``DistributedDataParallel`` of more than one rank is
+  refused (``RuntimeError``): every rank would update its own copy and the copies would drift apart.
 """
 
 from __future__ import annotations
@@ -219,6 +239,41 @@ class _ApplyInBackward(torch.autograd.Function):
         return (None, None) + (None,) * len(grads)
 
 
+def _process_group(group):
+    """The ``ProcessGroup`` to shard over: ``group`` itself, or the default group for ``"default"``."""
+    import torch.distributed as dist
+    if isinstance(group, str) and group == "default":
+        if not dist.is_initialized():
+            raise RuntimeError("EmbeddingModule(process_group='default'): torch.distributed is not initialized; "
+                               "call torch.distributed.init_process_group('gloo') first (under torchrun)")
+        return dist.group.WORLD
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"process_group must be a torch.distributed.ProcessGroup (e.g. dist.group.WORLD or one "
+                        f"from dist.new_group) or 'default', got {type(group).__name__}")
+    return group
+
+
+def _refuse_replicated_under_ddp():
+    """Raise when this training forward runs inside the forward of a ``DistributedDataParallel`` of more than
+    one rank: every rank would update its own copy of the tables and they would drift apart silently."""
+    ddp = torch.nn.parallel.DistributedDataParallel
+    active = getattr(ddp, "_active_ddp_module", None)
+    if active is None:
+        return
+    group = getattr(active, "process_group", None)
+    try:
+        world = torch.distributed.get_world_size(group)
+    except Exception:  # pragma: no cover - a group torch cannot size: assume it is shared
+        world = 2
+    if world > 1:
+        raise RuntimeError(
+            f"embedcore: an EmbeddingModule without process_group is training inside DistributedDataParallel "
+            f"over {world} ranks: each rank would update its own copy of the tables and they would drift apart "
+            f"(DDP synchronizes parameters, and the tables are not parameters). Build it with "
+            f"EmbeddingModule(config, optimizer, process_group=dist.group.WORLD) to shard the tables over the "
+            f"ranks (DDP then handles the dense part), or run it outside DDP's forward")
+
+
 def _declared_order(config) -> list:
     """Feature paths in the order the config declares them: a flat dict's own order, else ``inputs.flatten``'s."""
     if isinstance(config, dict) and all(isinstance(v, FeatureConfig) for v in config.values()):
@@ -258,6 +313,9 @@ class EmbeddingModule(torch.nn.Module):
         include_last_offset: how a feature given as ``(values, offsets)`` reads its offsets, as in
             ``torch.nn.EmbeddingBag``: False (the default), one start per bag; True, one more entry at the end
             (the number of values), as in CSR and torchrec.
+        process_group: a ``torch.distributed`` ``ProcessGroup`` (or ``"default"``) to shard the tables
+            over (see the module docstring); ``kwargs`` then go to :class:`~embedcore.distributed.
+            ShardedEmbedding` (``seed``, ``timeout``, ``non_finite``, ``tuning``).
 
     ``forward(features, weights=None)`` takes
 
@@ -285,15 +343,25 @@ class EmbeddingModule(torch.nn.Module):
     module pickles (``torch.save``) and deep-copies.
     """
 
-    def __init__(self, embedding, optimizer=None, *, include_last_offset: bool = False, **kwargs):
+    def __init__(self, embedding, optimizer=None, *, include_last_offset: bool = False, process_group=None,
+                 **kwargs):
         super().__init__()
-        if isinstance(embedding, Embedding):
+        from .distributed import ShardedEmbedding
+        if isinstance(embedding, (Embedding, ShardedEmbedding)):
             if optimizer is not None or kwargs:
                 raise ValueError("EmbeddingModule(embedding): optimizer and keyword arguments are only for "
                                  "building an Embedding from a feature config")
+            if process_group is not None and (not isinstance(embedding, ShardedEmbedding) or
+                                              embedding.comm is not process_group):
+                raise ValueError("EmbeddingModule(embedding, process_group=...): give the feature config (the "
+                                 "module then shards the tables over the group), or a ShardedEmbedding built "
+                                 "with comm=process_group")
+        elif process_group is not None:
+            embedding = ShardedEmbedding(embedding, optimizer, comm=_process_group(process_group), **kwargs)
         else:
             embedding = Embedding(embedding, optimizer, **kwargs)
         self.embedding = embedding
+        self.sharded = isinstance(embedding, ShardedEmbedding)
         self.include_last_offset = bool(include_last_offset)
         # The autograd node's input: zero-size, never given a gradient, not an nn.Parameter.
         self._trigger = torch.zeros(0, requires_grad=True)
@@ -308,6 +376,28 @@ class EmbeddingModule(torch.nn.Module):
         """Table name -> {slot name: NumPy array} (the engine's storage, live)."""
         return self.embedding.slot_variables
 
+    def save(self, path, extra=None, metadata=None) -> str:
+        """An embedcore checkpoint of the tables (:meth:`Embedding.save`); with ``process_group`` a collective
+        (call it on every rank): each rank writes its rows and the snapshot commits only when all have, and it
+        restores on any number of ranks, or in one process (``EmbeddingModule.restore``)."""
+        return self.embedding.save(path, extra, metadata)
+
+    def load(self, path, strict: bool = True) -> None:
+        """Load an embedcore checkpoint written by any number of ranks (a collective with ``process_group``)."""
+        self.embedding.load(path, strict)
+
+    @classmethod
+    def restore(cls, path, *, process_group=None, include_last_offset: bool = False, **kwargs):
+        """A module over the checkpoint's tables: in this process, or sharded over ``process_group`` (any
+        world size, whatever the number of ranks that wrote it). ``kwargs``: as ``Embedding.restore`` /
+        ``ShardedEmbedding.restore`` (``functions``, ``allow_import``, ``timeout``)."""
+        if process_group is None:
+            return cls(Embedding.restore(path, **kwargs), include_last_offset=include_last_offset)
+        from .distributed import ShardedEmbedding
+        group = _process_group(process_group)
+        return cls(ShardedEmbedding.restore(path, comm=group, **kwargs), include_last_offset=include_last_offset,
+                   process_group=group)
+
     def requires_grad_(self, requires_grad: bool = True):
         """Also freezes (False) or unfreezes (True) the embedding tables."""
         self._trigger.requires_grad_(requires_grad)
@@ -319,6 +409,8 @@ class EmbeddingModule(torch.nn.Module):
         return torch.is_grad_enabled() and self.training and self._trigger.requires_grad
 
     def forward(self, features, weights=None):
+        if not self.sharded and self.updates_enabled:
+            _refuse_replicated_under_ddp()
         keyed = None
         if _is_keyed_jagged(features):
             if weights is not None:
@@ -460,6 +552,9 @@ class EmbeddingModule(torch.nn.Module):
                 step = value
             else:
                 problems.append(f'"{step_key}" must be one integer (a tensor or an int), got {value!r:.80}')
+        if not problems and self.sharded:
+            problems.append("a module sharded over a process group holds only this rank's rows in its state "
+                            "dict; load a checkpoint with module.load(path) (any world size) instead")
         if not problems:
             try:
                 self.embedding.set_state(tables, slots, step)

@@ -115,7 +115,8 @@ class ShardedEmbedding(TrainingEngine):
         feature_config, optimizer, seed, non_finite: as for :class:`~embedcore.Embedding`; must be equal
             on every rank (checked at construction).
         tuning: an :class:`~embedcore.tuning.Tuning` for this rank's shards (speed only).
-        comm: an ``mpi4py`` communicator; ``None`` means ``MPI.COMM_WORLD``. ``lookup``,
+        comm: an ``mpi4py`` communicator, or a ``torch.distributed`` ``ProcessGroup`` (gloo; the same
+            engine over :mod:`~embedcore.distributed.torch_transport`); ``None`` means ``MPI.COMM_WORLD``. ``lookup``,
             ``apply_gradients``, ``save``, ``load`` and ``gather_tables`` are collectives on it: call them in
             the same order on every rank (pass ``comm.Dup()`` to keep them apart from your own collectives).
         timeout: seconds any exchange may wait for the other ranks before raising ``DistributedError``.
@@ -129,8 +130,8 @@ class ShardedEmbedding(TrainingEngine):
     def __init__(self, feature_config, optimizer=None, *, comm=None, seed=0, non_finite="raise",
                  timeout: float = 120.0, tuning: Tuning | None = None):
         self.comm = _world_comm(comm)
-        self.rank, self.world_size = self.comm.Get_rank(), self.comm.Get_size()
         self._exchange = ex = Exchanger(self.comm, timeout)
+        self.rank, self.world_size = ex.rank, ex.world
 
         def describe_config():
             tables = self._init_features(feature_config)
