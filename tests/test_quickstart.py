@@ -18,6 +18,20 @@ def test_quickstart_learns_the_planted_values():
     assert any("element by element" in line for line in lines)
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_quickstart_learns_with_16_bit_tables(dtype):
+    lines = []
+    result = run(steps=120, batch_size=128, log_every=60, out=lines.append, weights_dtype=dtype, slot_dtype=dtype)
+    assert result["losses"][-1] < 0.1 * result["losses"][0]
+    assert result["user_corr"] > 0.9 and result["item_corr"] > 0.9
+    assert f"rows {dtype}, slots {dtype}, rounding stochastic" in lines[0]
+
+
+def test_quickstart_command_takes_the_storage_options(capsys):
+    assert main(["quickstart", "--steps", "60", "--weights-dtype", "bfloat16", "--rounding", "nearest"]) == 0
+    assert "rows bfloat16, slots float32, rounding to nearest" in capsys.readouterr().out
+
+
 def test_cli_rejects_bad_arguments(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["quickstart", "--steps", "0"])

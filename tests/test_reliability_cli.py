@@ -6,6 +6,7 @@ lose the epoch. The CLI runs in-process (``main([...])``); two subprocess runs p
 reaches stderr.
 """
 
+import inspect
 import json
 import math
 import os
@@ -24,7 +25,9 @@ from embedcore.app.data import CsvClickLog, DataFormatError, MovieLens
 from embedcore.app.metrics import BinaryMetrics
 from embedcore.app.models import DLRM
 from embedcore.app.models.layers import Linear
-from embedcore.app.run_config import DATA_SCHEMA, DATASETS, DEFAULTS, SCHEMA, ConfigError, check, merge
+from embedcore import TableConfig
+from embedcore.app.run_config import (DATA_SCHEMA, DATASETS, DEFAULTS, SCHEMA, STORAGE_DEFAULTS, STORAGE_SCHEMA,
+                                      ConfigError, check, merge)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -120,6 +123,35 @@ BAD_CONFIGS = {
     "hash_buckets 2^32": (csv_data("ok.csv") + "hash_buckets = 4294967296\n" + REST, "table 'C1', 4,294,967,296 rows"),
     "hash_buckets 2^32+1": (csv_data("ok.csv") + "hash_buckets = 4294967297\n" + REST, "data.hash_buckets"),
     "csv id 10^17": (csv_data("huge_id.csv") + REST, "huge_id.csv:3: column 'C1': its largest id 100000000000000000"),
+    # Issue 28: how tables are stored, for every table and per table.
+    "weights_dtype int8": (SYNTHETIC + REST.replace("dim = 4", 'dim = 4\nweights_dtype = "int8"'),
+                           "embedding.weights_dtype must be one of ['bfloat16', 'float16', 'float32'], got 'int8'"),
+    "weights_dtype a number": (SYNTHETIC + REST.replace("dim = 4", "dim = 4\nweights_dtype = 16"),
+                               "embedding.weights_dtype"),
+    "weights_dtype of another case": (SYNTHETIC + REST.replace("dim = 4", 'dim = 4\nweights_dtype = "BFloat16"'),
+                                      "embedding.weights_dtype"),
+    "slot_dtype half": (SYNTHETIC + REST.replace("dim = 4", 'dim = 4\nslot_dtype = "half"'), "embedding.slot_dtype"),
+    "stochastic_rounding a string": (SYNTHETIC + REST.replace("dim = 4", 'dim = 4\nstochastic_rounding = "yes"'),
+                                     "embedding.stochastic_rounding must be true or false"),
+    "stochastic_rounding 1": (SYNTHETIC + REST.replace("dim = 4", "dim = 4\nstochastic_rounding = 1"),
+                              "embedding.stochastic_rounding"),
+    "per-table weights_dtype float64": (SYNTHETIC + REST + '[embedding.tables.C1]\nweights_dtype = "float64"\n',
+                                        "embedding.tables.C1.weights_dtype"),
+    "per-table slot_dtype a list": (SYNTHETIC + REST + '[embedding.tables.C2]\nslot_dtype = ["bfloat16"]\n',
+                                    "embedding.tables.C2.slot_dtype"),
+    "per-table rounding a string": (SYNTHETIC + REST + '[embedding.tables.C1]\noptimizer = "sgd"\n'
+                                    'stochastic_rounding = "false"\n', "embedding.tables.C1.stochastic_rounding"),
+    "per-table storage and an lr without an optimizer": (
+        SYNTHETIC + REST + '[embedding.tables.C1]\nweights_dtype = "bfloat16"\nlearning_rate = 0.1\n',
+        "[embedding.tables.C1] needs an optimizer to take ['learning_rate']"),
+    "per-table misspelt storage key": (SYNTHETIC + REST + '[embedding.tables.C1]\nweight_dtype = "bfloat16"\n',
+                                       "['weight_dtype']"),
+    "per-table storage of a table the data lacks": (SYNTHETIC + REST + '[embedding.tables.C9]\n'
+                                                    'weights_dtype = "bfloat16"\n', "C9"),
+    "16-bit tables too big": (csv_data("ok.csv") + "hash_buckets = 1000000000\n" + REST.replace(
+        "dim = 4", 'dim = 4\nweights_dtype = "bfloat16"\nslot_dtype = "bfloat16"'),
+        "dim = 4 bfloat16 values a row, with their optimizer slots; largest: table 'C1', 1,000,000,000 rows "
+        "from hash_buckets of column 'C1', 16,000,000,000 bytes"),
 }
 
 
@@ -318,6 +350,10 @@ def test_the_schema_names_every_key_of_every_section_and_reader():
         assert set(DATA_SCHEMA[kind]) == set(constructor_parameters(cls)) - {"self"}, kind
     for section in ("model", "train"):
         assert set(SCHEMA[section]) == set(DEFAULTS[section])
+    storage = {name for name, p in inspect.signature(TableConfig).parameters.items() if p.kind is p.KEYWORD_ONLY}
+    assert set(STORAGE_SCHEMA) == set(STORAGE_DEFAULTS) == storage
+    defaults = inspect.signature(TableConfig).parameters
+    assert STORAGE_DEFAULTS == {k: defaults[k].default for k in storage}
 
 
 VALUES = (st.none() | st.booleans() | st.integers(-2 ** 70, 2 ** 70) | st.floats(allow_nan=True, allow_infinity=True)
@@ -325,6 +361,7 @@ VALUES = (st.none() | st.booleans() | st.integers(-2 ** 70, 2 ** 70) | st.floats
           | st.dictionaries(st.text(max_size=3), st.integers(-3, 3), max_size=2))
 KEYS = ([("model", k) for k in DEFAULTS["model"]] + [("train", k) for k in DEFAULTS["train"] if k != "output"]
         + [("embedding", "dim"), ("embedding", "learning_rate"), ("embedding", "initial_accumulator_value")]
+        + [("embedding", k) for k in STORAGE_SCHEMA]
         + [("data", k) for k in DATA_SCHEMA["synthetic"]])
 
 

@@ -232,3 +232,112 @@ def test_resume_refuses_a_changed_run(tmp_path):
     # More epochs, another eval frequency: allowed.
     metrics = run(small_config(tmp_path, epochs=2, eval_every=5), resume=True, **quiet)
     assert metrics["steps"] == 24
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 16-bit tables (issue 28): [embedding] sets how every table is stored, [embedding.tables.NAME] one table
+
+def sixteen_bit_config(tmp_path, **train):
+    config = small_config(tmp_path, **train)
+    config["embedding"]["weights_dtype"] = "bfloat16"
+    config["embedding"]["tables"] = {
+        "C2": {"weights_dtype": "float16", "slot_dtype": "bfloat16", "stochastic_rounding": False},
+        "C3": {"optimizer": "sgd", "learning_rate": 0.1, "weights_dtype": "float32"}}
+    return config
+
+
+def test_16_bit_tables_train_checkpoint_and_resume_bit_identically(tmp_path):
+    lines = []
+    quiet = {"out": lines.append, "progress_stream": open(os.devnull, "w")}
+    straight = run(sixteen_bit_config(tmp_path / "a"), **quiet)
+    assert any(line.startswith("tables: 4 tables, rows bfloat16/float16/float32, slots bfloat16/float32, "
+                               "rounding stochastic/to nearest") for line in lines), lines
+    storage = straight["storage"]["tables"]
+    assert storage["C1"] == {"weights_dtype": "bfloat16", "slot_dtype": "float32", "stochastic_rounding": True}
+    assert storage["C2"] == {"weights_dtype": "float16", "slot_dtype": "bfloat16", "stochastic_rounding": False}
+    assert storage["C3"]["weights_dtype"] == "float32"
+    # C1 (50 rows), C2 (200), C3 (1000), C4 (30) of dim 4: 2, 2, 4, 2 bytes a value; slots: C3's SGD has none
+    assert straight["storage"]["table_bytes"] == 4 * (2 * 50 + 2 * 200 + 4 * 1000 + 2 * 30)
+    assert straight["storage"]["slot_bytes"] == 4 * (4 * 50 + 2 * 200 + 4 * 30)
+    assert all(np.isfinite(straight["train_loss_per_step"])) and straight["final"]["auc"] > 0.5
+    emb = ec.Embedding.restore(tmp_path / "a" / "checkpoint", allow_import=True)
+    dtypes = {name: str(table.dtype) for name, table in emb.embedding_tables.items()}
+    assert dtypes == {"C1": "bfloat16", "C2": "float16", "C3": "float32", "C4": "bfloat16"}
+    assert str(emb.slot_variables["C2"]["accumulators"].dtype) == "bfloat16"
+    assert not emb.tables["C2"].stochastic_rounding and isinstance(emb.tables["C3"].optimizer, ec.SGD)
+
+    run(sixteen_bit_config(tmp_path / "b", epochs=1), **quiet)
+    resumed = run(sixteen_bit_config(tmp_path / "b"), resume=True, **quiet)
+    assert resumed["train_loss_per_step"] == straight["train_loss_per_step"]
+    assert resumed["final"] == straight["final"]
+    b = ec.Embedding.restore(tmp_path / "b" / "checkpoint", allow_import=True)
+    for name, table in emb.embedding_tables.items():
+        assert b.embedding_tables[name].dtype == table.dtype
+        np.testing.assert_array_equal(b.embedding_tables[name].view(np.uint8), table.view(np.uint8))
+
+    other = sixteen_bit_config(tmp_path / "b")
+    other["embedding"]["weights_dtype"] = "float16"
+    with pytest.raises(ec.CheckpointError, match=r"embedding.weights_dtype differ"):
+        run(other, resume=True, **quiet)
+
+
+def test_spelling_out_the_default_storage_resumes_a_run_that_did_not(tmp_path):
+    quiet = {"out": lambda s: None, "progress_stream": open(os.devnull, "w")}
+    run(small_config(tmp_path, epochs=1), **quiet)
+    spelt = small_config(tmp_path)
+    spelt["embedding"].update(weights_dtype="float32", slot_dtype="float32", stochastic_rounding=True)
+    spelt["embedding"]["tables"]["C3"]["weights_dtype"] = "float32"
+    assert run(spelt, resume=True, **quiet)["steps"] == 24
+
+
+def test_storage_keys_survive_naming_another_optimizer_and_per_table_storage_keeps_the_optimizer(tmp_path):
+    (tmp_path / "run.toml").write_text(
+        '[embedding]\noptimizer = "sgd"\nweights_dtype = "bfloat16"\nslot_dtype = "float16"\n'
+        '[embedding.tables.C1]\nstochastic_rounding = false\n')
+    config = load_config(tmp_path / "run.toml")
+    assert config["embedding"]["weights_dtype"] == "bfloat16" and "initial_accumulator_value" not in config["embedding"]
+    from embedcore.app.run_config import table_storage
+    assert table_storage(config["embedding"], "C1") == {"weights_dtype": "bfloat16", "slot_dtype": "float16",
+                                                        "stochastic_rounding": False}
+    assert table_storage(config["embedding"], "C2")["stochastic_rounding"] is True
+
+
+def test_16_bit_tables_let_a_twice_larger_vocabulary_pass_the_memory_check(monkeypatch):
+    """The trainer sizes tables in their stored dtype: under a memory cap that just holds float32 tables of V
+    rows with their Adagrad slots, bfloat16 tables and slots of 2V rows pass, float32 ones of 2V do not."""
+    from embedcore.app.data import FeatureSpec
+    from embedcore.app.trainer import _check_tables_fit
+    vocab, dim = 10 ** 7, 16  # 1.28 GB: the cap must lie below the machine's own memory
+    monkeypatch.setenv("EMBEDCORE_MEMORY_LIMIT", str(vocab * dim * (4 + 4)))
+    adagrad = {"C1": ec.Adagrad(0.1)}
+
+    def fit(rows, dtype):
+        _check_tables_fit([FeatureSpec("C1", rows)], dim, adagrad,
+                          {"C1": ec.TableConfig(rows, dim, name="C1", weights_dtype=dtype, slot_dtype=dtype)})
+
+    fit(vocab, "float32")
+    fit(2 * vocab, "bfloat16")
+    fit(2 * vocab, "float16")
+    with pytest.raises(ConfigError, match=r"dim = 16 float32 values a row.*20,000,000 rows, 2,560,000,000 bytes"):
+        fit(2 * vocab, "float32")
+    with pytest.raises(ConfigError, match=r"dim = 16 bfloat16 values a row.*20,000,001 rows, 1,280,000,064 bytes"):
+        fit(2 * vocab + 1, "bfloat16")
+
+
+def test_demo_with_bfloat16_tables(tmp_path, capsys):
+    code = main(["demo", "--train-samples", "2048", "--eval-samples", "1024", "--epochs", "1",
+                 "--output", str(tmp_path), "--weights-dtype", "bfloat16", "--rounding", "nearest"])
+    assert code == 0
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics["config"]["embedding"]["weights_dtype"] == "bfloat16"
+    assert metrics["title"].endswith(", bfloat16 tables")
+    assert {t["weights_dtype"] for t in metrics["storage"]["tables"].values()} == {"bfloat16"}
+    assert not any(t["stochastic_rounding"] for t in metrics["storage"]["tables"].values())
+    assert 0 < metrics["final"]["log_loss"] < 1 and metrics["final"]["auc"] is not None  # two steps: no skill yet
+    emb = ec.Embedding.restore(tmp_path / "checkpoint", allow_import=True)
+    assert {str(t.dtype) for t in emb.embedding_tables.values()} == {"bfloat16"}
+    out = capsys.readouterr().out
+    assert "tables: 26 tables, rows bfloat16, slots float32, rounding to nearest" in out
+    with pytest.raises(SystemExit):
+        main(["demo", "--weights-dtype", "int8"])
+    assert "invalid choice: 'int8'" in capsys.readouterr().err

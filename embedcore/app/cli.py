@@ -43,6 +43,7 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--vocabulary-scale", type=float, default=DEMO_VOCABULARY_SCALE,
                       help=f"scale the Criteo-like vocabularies (100 .. 10^6 rows) by this factor (default "
                            f"{DEMO_VOCABULARY_SCALE}; 1 needs far more samples to learn)")
+    _storage_arguments(demo)
     demo.add_argument("--resume", action="store_true", help="continue from the output folder's checkpoint")
     train = sub.add_parser("train", help="train on your data with your choices, from a TOML or JSON config "
                                          "(see embedcore.app.run_config)")
@@ -55,11 +56,33 @@ def _parser() -> argparse.ArgumentParser:
     quick.add_argument("--steps", type=_positive, default=300)
     quick.add_argument("--batch-size", type=_positive, default=256)
     quick.add_argument("--seed", type=int, default=0)
+    _storage_arguments(quick)
     return parser
 
 
+def _storage_arguments(parser) -> None:
+    """``--weights-dtype``, ``--slot-dtype``, ``--rounding``: how every table is stored (TableConfig's
+    ``weights_dtype``, ``slot_dtype``, ``stochastic_rounding``; the run config's keys of those names)."""
+    from ..config import DTYPES
+    parser.add_argument("--weights-dtype", choices=DTYPES, default=None,
+                        help="how the tables' rows are stored (default float32; 16-bit dtypes take half)")
+    parser.add_argument("--slot-dtype", choices=DTYPES, default=None,
+                        help="how the optimizer's slots are stored (default float32)")
+    parser.add_argument("--rounding", choices=("stochastic", "nearest"), default=None,
+                        help="how updates are rounded to a 16-bit dtype (default stochastic)")
+
+
+def _storage(args) -> dict:
+    """The storage keys the command line set."""
+    out = {"weights_dtype": args.weights_dtype, "slot_dtype": args.slot_dtype,
+           "stochastic_rounding": None if args.rounding is None else args.rounding == "stochastic"}
+    return {k: v for k, v in out.items() if v is not None}
+
+
 def demo_config(output=None, epochs=None, train_samples=None, eval_samples=None, batch_size=None,
-                vocabulary_scale=DEMO_VOCABULARY_SCALE) -> dict:
+                vocabulary_scale=DEMO_VOCABULARY_SCALE, storage=None) -> dict:
+    """The demo's run configuration; ``storage``: ``[embedding]``'s ``weights_dtype``, ``slot_dtype``,
+    ``stochastic_rounding`` for every table (default float32)."""
     from .data.synthetic import DEFAULT_VOCABULARY_SIZES
     from .run_config import DEFAULTS, ConfigError, check, merge
     if not 0 < vocabulary_scale <= 1:
@@ -71,6 +94,7 @@ def demo_config(output=None, epochs=None, train_samples=None, eval_samples=None,
                                 ("train", "batch_size", batch_size)):
         if value is not None:
             config[section][key] = value
+    config["embedding"].update(storage or {})
     check(config)
     return config
 
@@ -126,13 +150,13 @@ def main(argv=None) -> int:
 def _command(parser, args) -> None:
     if args.command == "quickstart":
         from .quickstart import run
-        run(steps=args.steps, batch_size=args.batch_size, seed=args.seed)
+        run(steps=args.steps, batch_size=args.batch_size, seed=args.seed, **_storage(args))
         return
     from .run_config import check, load_config
     from .trainer import run
     if args.command == "demo":
         config = demo_config(args.output, args.epochs, args.train_samples, args.eval_samples, args.batch_size,
-                             args.vocabulary_scale)
+                             args.vocabulary_scale, _storage(args))
     else:
         config = load_config(args.config)
         if args.output:
@@ -140,8 +164,12 @@ def _command(parser, args) -> None:
             check(config)
     if args.resume and not os.path.isdir(os.path.join(config["train"]["output"], "checkpoint")):
         parser.error(f"--resume: no checkpoint in {config['train']['output']}")
-    run(config, resume=args.resume, title="embedcore demo: DLRM on the synthetic click log, "
-        "TensorFlow's custom Adagrad" if args.command == "demo" else None)
+    title = None
+    if args.command == "demo":
+        stored = config["embedding"].get("weights_dtype", "float32")
+        title = ("embedcore demo: DLRM on the synthetic click log, TensorFlow's custom Adagrad" +
+                 ("" if stored == "float32" else f", {stored} tables"))
+    run(config, resume=args.resume, title=title)
 
 
 if __name__ == "__main__":

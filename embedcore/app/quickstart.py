@@ -4,7 +4,9 @@ The data: each sample has a ``user`` id and a bag of ``item`` ids; its target is
 plus the mean planted item value. The model predicts ``sum(user activation) + sum(item activation)``
 (each table has dim 4, so the sum over the width is the learned value). The embeddings train with the
 two custom computations of TensorFlow's ``CustomOptimizer`` documentation: plain SGD for users and
-Adagrad (slot ``accumulators`` initialised to 0.1; learning rate 0.1 here) for items.
+Adagrad (slot ``accumulators`` initialised to 0.1; learning rate 0.1 here) for items. ``weights_dtype``,
+``slot_dtype`` and ``stochastic_rounding`` store both tables in 16 bits (``embedcore quickstart
+--weights-dtype bfloat16``); the model reads the tables' values in float32 either way.
 """
 
 from __future__ import annotations
@@ -37,21 +39,26 @@ def make_batch(rng, planted_users, planted_items, batch_size, max_items):
     return {"user": users, "items": ec.Ragged.from_lists(items)}, target.astype(np.float32)
 
 
-def run(steps: int = 300, batch_size: int = 256, seed: int = 0, log_every: int = 50, out=print) -> dict:
+def run(steps: int = 300, batch_size: int = 256, seed: int = 0, log_every: int = 50, out=print,
+        weights_dtype: str = "float32", slot_dtype: str = "float32", stochastic_rounding: bool = True) -> dict:
     rng = np.random.default_rng(seed)
     n_users, n_items, dim = 1000, 200, 4
     planted_users = rng.normal(0, 1, n_users).astype(np.float32)
     planted_items = rng.normal(0, 1, n_items).astype(np.float32)
 
+    stored = {"weights_dtype": weights_dtype, "slot_dtype": slot_dtype, "stochastic_rounding": stochastic_rounding}
     users = ec.TableConfig(n_users, dim, initializer=ec.Zeros(), combiner="sum", name="users",
-                           optimizer=ec.CustomOptimizer(custom_sgd, learning_rate=0.1))
-    items = ec.TableConfig(n_items, dim, initializer=ec.Zeros(), combiner="mean", name="items")
+                           optimizer=ec.CustomOptimizer(custom_sgd, learning_rate=0.1), **stored)
+    items = ec.TableConfig(n_items, dim, initializer=ec.Zeros(), combiner="mean", name="items", **stored)
     adagrad = ec.CustomOptimizer(custom_adagrad, learning_rate=0.1, slot_names=["accumulators"],
                                  slot_initializers=[0.1])
     features = {"user": ec.FeatureConfig(users), "items": ec.FeatureConfig(items)}
     start = time.perf_counter()
     emb = ec.Embedding(features, optimizer=adagrad, seed=seed)
-    out(f"built {emb!r} in {time.perf_counter() - start:.1f} s (Numba compilation included)")
+    rounding = "stochastic" if stochastic_rounding else "to nearest"
+    out(f"built {emb!r} in {time.perf_counter() - start:.1f} s (Numba compilation included)" +
+        ("" if (weights_dtype, slot_dtype) == ("float32", "float32") else
+         f"; rows {weights_dtype}, slots {slot_dtype}, rounding {rounding}"))
     out(f"  users: {ec.CustomOptimizer(custom_sgd).explain(dim)}")
     out(f"  items: {adagrad.explain(dim)}")
 
@@ -71,8 +78,9 @@ def run(steps: int = 300, batch_size: int = 256, seed: int = 0, log_every: int =
         if step % log_every == 0 or step == 1:
             out(f"step {step:4d}  mse {np.mean(losses[-log_every:]):.4f}")
     elapsed = time.perf_counter() - start
-    learned_users = emb.embedding_tables["users"].sum(axis=1)
-    learned_items = emb.embedding_tables["items"].sum(axis=1)
+    # Summed in float32 whatever the tables' dtype (a 16-bit sum would round every partial sum).
+    learned_users = emb.embedding_tables["users"].astype(np.float32).sum(axis=1)
+    learned_items = emb.embedding_tables["items"].astype(np.float32).sum(axis=1)
     # Only the sum of user bias and item values is identifiable: compare after removing the means.
     user_corr = float(np.corrcoef(learned_users, planted_users)[0, 1])
     item_corr = float(np.corrcoef(learned_items, planted_items)[0, 1])

@@ -15,8 +15,12 @@ Sections and keys (every key is optional; unknown keys are errors that list the 
                                # slot_dims). Naming another optimizer drops the default's arguments.
                                # Accumulators start at 1e-3, not TensorFlow's 0.1: a mean loss over a batch
                                # gives per-row gradients near 1e-3, which 0.1 would shrink a hundredfold.
-    [embedding.tables.C3]      # per-table optimizer overrides, same keys as [embedding] (no dim)
-    optimizer = "sgd"
+    weights_dtype = "float32"  # how every table's rows are stored: float32 | bfloat16 | float16 (2 bytes a value)
+    slot_dtype = "float32"     # how the optimizer's slots are stored: the same choices
+    stochastic_rounding = true # round 16-bit values stochastically (unbiased), else to nearest
+    [embedding.tables.C3]      # per-table overrides: the optimizer, same keys as [embedding] (no dim), and/or
+    optimizer = "sgd"          # weights_dtype, slot_dtype, stochastic_rounding (a table naming no optimizer
+                               # keeps [embedding]'s; one that names one takes none of [embedding]'s arguments)
     [model]                    # the NumPy DLRM head
     bottom = [64]
     top = [64, 32]
@@ -32,10 +36,10 @@ Sections and keys (every key is optional; unknown keys are errors that list the 
     max_steps = 0              # stop each epoch after N steps (0: the whole epoch)
 
 Every key is checked by one schema (:data:`SCHEMA`, :data:`DATA_SCHEMA` per ``data.kind``,
-:data:`OPTIMIZER_SCHEMA`) before anything runs: its type, its range, and for numbers finiteness within
-float32's range (``nan``, ``inf`` and ``1e39`` are refused). A ``module:function`` optimizer must name a
-Python function (importing the module is the only code run to find out). ``train.output`` must be a folder
-or creatable as one. A refusal is a :class:`ConfigError` naming the key, what it must be and the value.
+:data:`OPTIMIZER_SCHEMA`, :data:`STORAGE_SCHEMA`) before anything runs: its type, its range, and for numbers
+finiteness within float32's range (``nan``, ``inf`` and ``1e39`` are refused). A ``module:function`` optimizer
+must name a Python function (importing the module is the only code run to find out). ``train.output`` must be a
+folder or creatable as one. A refusal is a :class:`ConfigError` naming the key, what it must be and the value.
 """
 
 from __future__ import annotations
@@ -51,13 +55,14 @@ import tomllib
 import numpy as np
 
 from .. import optimizers as _optimizers
+from ..config import DTYPES
 from ..checkpoint.config_codec import constructor_parameters, import_function
 from .data import CsvClickLog, MovieLens, SyntheticClickLog
 from .data.batch import EXCERPT_CHARS
 from .models import dense_optimizers as _dense
 
 __all__ = ["ConfigError", "DEFAULTS", "load_config", "merge", "check", "build_dataset", "build_optimizer",
-           "build_dense_optimizer", "EMBEDDING_OPTIMIZERS"]
+           "build_dense_optimizer", "table_storage", "EMBEDDING_OPTIMIZERS", "STORAGE_KEYS", "STORAGE_DEFAULTS"]
 
 
 class ConfigError(ValueError):
@@ -72,6 +77,12 @@ DEFAULTS = {
     "train": {"epochs": 1, "batch_size": 1024, "seed": 0, "output": "runs/embedcore", "checkpoint_every": 0,
               "eval_every": 0, "max_steps": 0},
 }
+
+#: How a table is stored (``TableConfig``'s arguments of the same names): set in ``[embedding]`` for every
+#: table, in ``[embedding.tables.NAME]`` for one. Not in :data:`DEFAULTS`, so that the configuration of a run
+#: that sets none of them (and its checkpoint's resume key) reads as before they existed.
+STORAGE_DEFAULTS = {"weights_dtype": "float32", "slot_dtype": "float32", "stochastic_rounding": True}
+STORAGE_KEYS = tuple(STORAGE_DEFAULTS)
 
 DATASETS = {"synthetic": SyntheticClickLog, "movielens": MovieLens, "csv": CsvClickLog}
 EMBEDDING_OPTIMIZERS = {"sgd": _optimizers.SGD, "adagrad": _optimizers.Adagrad,
@@ -126,8 +137,8 @@ def merge(base: dict, override: dict, where: str = "") -> dict:
     is not a table, are errors."""
     out = copy.deepcopy(base)
     if "optimizer" in override and override.get("optimizer") != base.get("optimizer"):
-        # Another optimizer: the default optimizer's own arguments no longer apply.
-        out = {k: v for k, v in out.items() if k in ("dim", "tables")}
+        # Another optimizer: the default optimizer's own arguments no longer apply (how tables are stored does).
+        out = {k: v for k, v in out.items() if k in ("dim", "tables", *STORAGE_KEYS)}
     for key, value in override.items():
         here = f"{where}.{key}" if where else key
         if not where and key not in base:
@@ -305,6 +316,8 @@ DATA_SCHEMA = {
             "combiner": _string(("sum", "mean", "sqrtn")), "seed": _SEED, "chunk_bytes": _integer(1, 1 << 30),
             "name": _string()},
 }
+#: How tables are stored, in ``[embedding]`` and ``[embedding.tables.NAME]``.
+STORAGE_SCHEMA = {"weights_dtype": _string(DTYPES), "slot_dtype": _string(DTYPES), "stochastic_rounding": _BOOLEAN}
 #: Rules of the optimizer arguments every optimizer shares; the others must be plain values
 #: (:func:`_plain_value`) and are checked by the optimizer's constructor.
 OPTIMIZER_SCHEMA = {"learning_rate": _number(0, lo_open=True)}
@@ -337,13 +350,17 @@ def check(config: dict) -> None:
     _check_section({k: v for k, v in data.items() if k != "kind"}, DATA_SCHEMA[kind], "data")
     emb = config["embedding"]
     SCHEMA["embedding"]["dim"](emb.get("dim"), "embedding.dim")
-    _check_optimizer(emb, "embedding", extra=("dim", "tables"))
+    _check_storage(emb, "embedding")
+    _check_optimizer(emb, "embedding", extra=("dim", "tables", *STORAGE_KEYS))
     if not isinstance(emb.get("tables"), dict):
         raise ConfigError(f"embedding.tables must be a table of per-table overrides, got {_shown(emb.get('tables'))}")
     for name, spec in emb["tables"].items():
+        where = f"embedding.tables.{name}"
         if not isinstance(spec, dict):
-            raise ConfigError(f"embedding.tables.{name} must be a table of optimizer settings, got {_shown(spec)}")
-        _check_optimizer(spec, f"embedding.tables.{name}")
+            raise ConfigError(f"{where} must be a table of optimizer and storage settings, got {_shown(spec)}")
+        _check_storage(spec, where)
+        if "optimizer" in spec or set(spec) - set(STORAGE_KEYS):
+            _check_optimizer(spec, where, extra=STORAGE_KEYS)
     for section in ("model", "train"):
         _check_keys(config[section], DEFAULTS[section], section)
         missing = sorted(set(DEFAULTS[section]) - set(config[section]))
@@ -394,9 +411,25 @@ def _custom_computation(path: str, where: str):
     return fn
 
 
+def _check_storage(spec: dict, where: str) -> None:
+    for key in STORAGE_KEYS:
+        if key in spec:
+            STORAGE_SCHEMA[key](spec[key], f"{where}.{key}")
+
+
+def table_storage(embedding: dict, name: str) -> dict:
+    """``TableConfig``'s storage arguments for table ``name``: its ``[embedding.tables.NAME]`` keys over
+    ``[embedding]``'s over :data:`STORAGE_DEFAULTS`."""
+    spec = embedding.get("tables", {}).get(name, {})
+    return {k: spec.get(k, embedding.get(k, default)) for k, default in STORAGE_DEFAULTS.items()}
+
+
 def _check_optimizer(spec, where, extra=()):
     if "optimizer" not in spec:
-        raise ConfigError(f"[{where}] needs an optimizer")
+        others = sorted(set(spec) - set(extra))
+        raise ConfigError(f"[{where}] needs an optimizer" + (
+            f" to take {[_clip(str(k)) for k in others[:20]]} (without one, only {list(STORAGE_KEYS)})"
+            if others else ""))
     cls = _optimizer_class(spec["optimizer"], where)
     allowed = [a for a in constructor_parameters(cls) if a != "custom_computation"] + ["optimizer", *extra]
     _check_keys(spec, allowed, f"{where}] (optimizer {spec['optimizer']!r}")
@@ -411,7 +444,7 @@ def _check_optimizer(spec, where, extra=()):
 def build_optimizer(spec: dict, where: str = "embedding") -> _optimizers.Optimizer:
     """An embedding optimizer from ``{"optimizer": name or "module:function", **arguments}``."""
     cls = _optimizer_class(spec["optimizer"], where)
-    args = {k: v for k, v in spec.items() if k not in ("optimizer", "dim", "tables")}
+    args = {k: v for k, v in spec.items() if k not in ("optimizer", "dim", "tables", *STORAGE_KEYS)}
     try:
         if cls is _optimizers.CustomOptimizer:
             return cls(_custom_computation(spec["optimizer"], where), **args)

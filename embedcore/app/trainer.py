@@ -42,7 +42,9 @@ from .metrics import BinaryMetrics
 from .models import DLRM, bce_with_logits, sigmoid
 from .plot import learning_curve
 from .progress import ProgressBar
-from .run_config import ConfigError, build_dataset, build_dense_optimizer, build_optimizer, check
+from .run_config import (STORAGE_DEFAULTS, STORAGE_KEYS, ConfigError, build_dataset, build_dense_optimizer,
+                         build_optimizer, check, table_storage)
+from ..tables import DenseStorage
 
 __all__ = ["run"]
 
@@ -60,14 +62,16 @@ def _build(config: dict):
     check_fits(9 * dataset.n_samples("eval"), f"the scores of the eval split ({dataset.n_samples('eval'):,} "
                                               f"samples, 9 bytes each for the exact AUC)", error=ConfigError)
     try:
-        features = feature_configs(dataset.features, emb_cfg["dim"])
+        features = feature_configs(dataset.features, emb_cfg["dim"], storage=lambda name: table_storage(emb_cfg, name))
     except ValueError as e:  # a table configuration refused (TableConfig checks its sizes)
         raise ConfigError(f"[embedding]: {e}") from None
     for name, spec in emb_cfg["tables"].items():
-        features[name].table.optimizer = build_optimizer(spec, f"embedding.tables.{name}")
+        if "optimizer" in spec:  # else the table only says how it is stored
+            features[name].table.optimizer = build_optimizer(spec, f"embedding.tables.{name}")
     optimizer = build_optimizer(emb_cfg)
     _check_tables_fit(dataset.features, emb_cfg["dim"],
-                      {f.name: features[f.name].table.optimizer or optimizer for f in dataset.features})
+                      {f.name: features[f.name].table.optimizer or optimizer for f in dataset.features},
+                      {f.name: features[f.name].table for f in dataset.features})
     try:
         emb = Embedding(features, optimizer, seed=train["seed"])
     except ValueError as e:  # a table the engine refuses (its size, its optimizer's row function, ...)
@@ -80,19 +84,20 @@ def _build(config: dict):
     return dataset, emb, model
 
 
-def _check_tables_fit(features, dim: int, optimizers: dict) -> None:
-    """Refuse tables (rows and optimizer slots, float32) that together could not fit in memory, naming the
-    largest and where its vocabulary size comes from, before the engine allocates any."""
-    sizes = {f.name: f.vocabulary_size * (dim + sum(dim if d == 2 else 1 for d in optimizers[f.name].slot_dims)) * 4
-             for f in features}
+def _check_tables_fit(features, dim: int, optimizers: dict, tables: dict) -> None:
+    """Refuse tables (rows and optimizer slots, in their stored dtypes) that together could not fit in memory,
+    naming the largest and where its vocabulary size comes from, before the engine allocates any."""
+    sizes = {f.name: DenseStorage.bytes_needed(f.vocabulary_size, dim, optimizers[f.name].slot_dims,
+                                               tables[f.name].stored_formats) for f in features}
     if not sizes:
         return
     largest = max(features, key=lambda f: sizes[f.name])
     source = f" from {largest.source}" if largest.source else ""
-    check_fits(sum(sizes.values()), f"the embedding tables ({len(sizes)} tables of embedding.dim = {dim} float32 "
-                                    f"values a row, with their optimizer slots; largest: table '{largest.name}', "
-                                    f"{largest.vocabulary_size:,} rows{source}, {sizes[largest.name]:,} bytes)",
-               error=ConfigError)
+    dtypes = sorted({tables[f.name].weights_dtype for f in features})
+    check_fits(sum(sizes.values()), f"the embedding tables ({len(sizes)} tables of embedding.dim = {dim} "
+                                    f"{'/'.join(dtypes)} values a row, with their optimizer slots; largest: table "
+                                    f"'{largest.name}', {largest.vocabulary_size:,} rows{source}, "
+                                    f"{sizes[largest.name]:,} bytes)", error=ConfigError)
 
 
 def _train_batches(dataset, batch_size: int, epoch: int, skip: int):
@@ -153,8 +158,20 @@ def _resume_key(config: dict) -> dict:
     """What must not change between a run and its resumption: anything that decides the samples a step
     sees or the model it trains (epochs, output, checkpoint and eval frequency may change)."""
     train = config["train"]
-    return {"data": config["data"], "embedding": config["embedding"], "model": config["model"],
-            "train": {k: train[k] for k in ("batch_size", "seed", "max_steps")}}
+    return {"data": config["data"], "embedding": _without_default_storage(config["embedding"]),
+            "model": config["model"], "train": {k: train[k] for k in ("batch_size", "seed", "max_steps")}}
+
+
+def _without_default_storage(embedding: dict) -> dict:
+    """``[embedding]`` without storage keys that say what their absence says (float32, stochastic rounding):
+    a run resumes whether it spells the defaults out or not, as checkpoints from before the keys did."""
+    def strip(spec):
+        return {k: v for k, v in spec.items() if not (k in STORAGE_KEYS and v == STORAGE_DEFAULTS[k])}
+    out = strip(embedding)
+    if isinstance(out.get("tables"), dict):
+        out["tables"] = {name: strip(spec) if isinstance(spec, dict) else spec
+                         for name, spec in out["tables"].items()}
+    return out
 
 
 def _save(emb, model, path, state, config):
@@ -214,6 +231,7 @@ def _run(config, resume, out, progress_stream, title):
     os.makedirs(output, exist_ok=True)  # only once everything is built: a refused run writes nothing
     out(f"data: {dataset!r}")
     out(f"engine: {emb!r} (built in {build_seconds:.1f} s, Numba compilation included)")
+    out(f"tables: {_storage_line(emb)}")
     optimum = _defined(dataset.optimum("eval")) if hasattr(dataset, "optimum") else None
 
     batch_size, epochs = train["batch_size"], train["epochs"]
@@ -297,6 +315,32 @@ def _run(config, resume, out, progress_stream, title):
     return metrics
 
 
+def _storage(emb) -> dict:
+    """How the tables are stored, and the bytes of their rows and slots."""
+    return {"tables": {name: {k: getattr(table, k) for k in STORAGE_KEYS} for name, table in emb.tables.items()},
+            "table_bytes": sum(int(t.weights.nbytes) for t in emb.physical_tables),
+            "slot_bytes": sum(int(s.nbytes) for t in emb.physical_tables for s in t.slots)}
+
+
+def _storage_line(emb) -> str:
+    """E.g. ``"26 tables, rows bfloat16, slots float32, rounding stochastic: 1.2 MB of rows, 2.4 MB of slots"``."""
+    tables = list(emb.tables.values())
+    kinds = []
+    for what, key in (("rows", "weights_dtype"), ("slots", "slot_dtype")):
+        kinds.append(f"{what} " + "/".join(sorted({getattr(t, key) for t in tables})))
+    if any("16" in t.weights_dtype or "16" in t.slot_dtype for t in tables):
+        rounding = sorted({"stochastic" if t.stochastic_rounding else "to nearest" for t in tables
+                           if "16" in t.weights_dtype or "16" in t.slot_dtype})
+        kinds.append(f"rounding {'/'.join(rounding)}")
+    info = _storage(emb)
+    return (f"{len(tables)} tables, {', '.join(kinds)}: {_size(info['table_bytes'])} of rows, "
+            f"{_size(info['slot_bytes'])} of slots")
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e6:.1f} MB" if n >= 1e6 else f"{n / 1e3:.1f} kB"
+
+
 def _metrics(config, dataset, emb, state, optimum, build_seconds, total_seconds, title) -> dict:
     final = state["epochs"][-1]["eval"] if state["epochs"] else None
     return _defined({
@@ -306,6 +350,7 @@ def _metrics(config, dataset, emb, state, optimum, build_seconds, total_seconds,
                     "eval_samples": dataset.n_samples("eval"),
                     "features": [{"name": f.name, "vocabulary_size": f.vocabulary_size, "max_ids": f.max_ids,
                                   "weighted": f.weighted} for f in dataset.features], "n_dense": dataset.n_dense},
+        "storage": _storage(emb),
         "optimum": optimum,
         "final": final,
         "gap_to_optimum": ({k: (None if final[k] is None or optimum[k] is None else

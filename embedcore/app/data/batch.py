@@ -89,12 +89,20 @@ class FeatureSpec:
             raise ValueError(f"feature '{self.name}': a weighted feature must be a bag")
 
 
-def feature_configs(features, dim, optimizer=None, initializer=None) -> dict:
+def feature_configs(features, dim, optimizer=None, initializer=None, storage=None) -> dict:
     """``{name: FeatureConfig}`` with one table per feature (``vocabulary_size`` rows of ``dim``, the
-    feature's combiner), ready for ``Embedding(feature_configs(ds.features, dim), optimizer)``."""
+    feature's combiner), ready for ``Embedding(feature_configs(ds.features, dim), optimizer)``.
+
+    ``storage`` says how the tables are stored: ``TableConfig``'s ``weights_dtype``, ``slot_dtype`` and
+    ``stochastic_rounding`` as one dict for every table, or a callable ``name -> dict`` (default: float32)."""
     from ...config import FeatureConfig, TableConfig
+
+    def stored(name):
+        return (storage(name) if callable(storage) else storage) or {}
+
     return {f.name: FeatureConfig(TableConfig(f.vocabulary_size, dim, initializer=initializer, optimizer=optimizer,
-                                              combiner=f.combiner, name=f.name)) for f in features}
+                                              combiner=f.combiner, name=f.name, **stored(f.name)))
+            for f in features}
 
 
 # ----------------------------------------------------------------------------------------------------------
