@@ -56,6 +56,14 @@ State, the torch way:
   copy is independent: it holds its own tables, slots, ``step``, optimizers and seed.
 * ``emb.save(path)`` / ``Embedding.restore(path)`` checkpoints are unchanged.
 
+``torch.compile(model, fullgraph=True)`` compiles a model holding the module into one graph: under the
+compiler, forward is the registered custom op ``embedcore::lookup`` (a fake implementation gives the
+activations' shapes from the feature config) and its registered backward calls ``embedcore::apply_gradients``,
+so the update still happens during ``loss.backward()``, as in eager mode (same tables, same losses). The
+compiled path takes a flat dict feature config and, per feature, a tensor of ids (``[B]`` or ``[B, k]``) or
+``(values, offsets)``, with an optional weights tensor; it returns ``{feature: activations}`` (copies). Up to
+64 compiled training forwards may wait for their backward; older ones are dropped (their backward raises).
+
 Sharded over ``torch.distributed`` (launch with ``torchrun --nproc-per-node K train.py``)::
 
     dist.init_process_group("gloo")
@@ -79,8 +87,10 @@ Sharded over ``torch.distributed`` (launch with ``torchrun --nproc-per-node K tr
 
 from __future__ import annotations
 
+import itertools
 import math
 import sys
+import weakref
 
 import numpy as np
 
@@ -239,6 +249,110 @@ class _ApplyInBackward(torch.autograd.Function):
         return (None, None) + (None,) * len(grads)
 
 
+# -- torch.compile: the module as two registered custom ops ----------------------------------------------
+# Under torch.compile, forward calls ``embedcore::lookup`` (ids in, activations and a token out) and its
+# registered backward calls ``embedcore::apply_gradients`` (the token and activation gradients in; the
+# trigger's empty gradient out, which keeps it in the backward graph). Both are opaque to the compiler: the
+# fake implementation gives the activations' shapes from the feature config, the real ones call the engine.
+_MODULES = weakref.WeakValueDictionary()  # handle -> EmbeddingModule
+_HANDLES = itertools.count()
+_MAX_PENDING = 64  # compiled forwards whose backward has not run yet, kept per module (older ones dropped)
+
+
+def _module_of(handle: int) -> "EmbeddingModule":
+    module = _MODULES.get(handle)
+    if module is None:
+        raise RuntimeError(f"embedcore: no EmbeddingModule with handle {handle} (it was deleted)")
+    return module
+
+
+def _compiled_shapes(module, layout: str, tensors):
+    """The activations' shapes of a compiled lookup, from the feature config and the inputs' shapes."""
+    shapes, it = [], iter(tensors)
+    for code, (path, feature) in zip(layout.split(","), inputs.flatten(module.embedding.feature_config)):
+        if code[0] == "b":
+            next(it)
+            batch = next(it).shape[0] - (1 if module.include_last_offset else 0)
+        else:
+            batch = next(it).shape[0]
+        if "w" in code:
+            next(it)
+        dim = feature.table.dim
+        if feature.output_shape is not None:
+            shapes.append(tuple(feature.output_shape) + (dim,))
+        elif feature.max_sequence_length:
+            shapes.append((batch, feature.max_sequence_length, dim))
+        else:
+            shapes.append((batch, dim))
+    return shapes
+
+
+def _lookup_impl(handle, layout, train, trigger, tensors):
+    module = _module_of(handle)
+    features, weights, it = {}, {}, iter(tensors)
+    for code, path in zip(layout.split(","), module._flat_paths):
+        features[path] = (next(it), next(it)) if code[0] == "b" else next(it)
+        weights[path] = next(it) if "w" in code else None
+    features, weights = module._from_torch(features, weights)
+    acts, lookup_ctx = module.embedding.lookup(features, weights)
+    leaves = [a for _, a in inputs.flatten(acts)]
+    token = -1
+    if train:
+        token = next(_HANDLES)
+        pending = module._compiled_pending
+        pending[token] = _Pending(module.embedding, lookup_ctx, inputs.unflatten(acts, [None] * len(leaves)),
+                                  [a.shape for a in leaves])
+        while len(pending) > _MAX_PENDING:
+            pending.pop(next(iter(pending)))
+    # copies: activations of features of one id space are views of one array, and outputs must not alias
+    return [torch.from_numpy(np.array(a, np.float32)) for a in leaves] + [torch.tensor(token, dtype=torch.int64)]
+
+
+def _lookup_fake(handle, layout, train, trigger, tensors):
+    module = _module_of(handle)
+    return ([torch.empty(shape, dtype=torch.float32) for shape in _compiled_shapes(module, layout, tensors)] +
+            [torch.empty((), dtype=torch.int64)])
+
+
+def _apply_impl(handle, token, grads):
+    token = int(token)
+    if token >= 0:
+        pending = _module_of(handle)._compiled_pending.pop(token, None)
+        if pending is None:
+            raise RuntimeError("embedcore: the embedding update of this compiled forward was already applied (or "
+                               f"more than {_MAX_PENDING} later forwards came before its backward): run forward again")
+        arrays = [_grad_to_numpy(g, shape) for g, shape in zip(grads, pending.shapes)]
+        pending.engine.apply_gradients(inputs.unflatten(pending.structure, arrays), pending.lookup_ctx)
+    return torch.zeros(0)
+
+
+def _apply_fake(handle, token, grads):
+    return torch.empty(0)
+
+
+def _lookup_setup(ctx, inputs, output):  # noqa: F811 - torch passes the arguments by these names
+    ctx.handle, ctx.n_tensors = inputs[0], len(inputs[4])
+    ctx.save_for_backward(output[-1])
+
+
+def _lookup_backward(ctx, grads):
+    token, = ctx.saved_tensors
+    trigger_grad = torch.ops.embedcore.apply_gradients(ctx.handle, token, list(grads[:-1]))
+    return None, None, None, trigger_grad, [None] * ctx.n_tensors
+
+
+if not hasattr(torch.ops.embedcore, "lookup"):  # defined once per process (a re-import keeps the first)
+    _lookup_op = torch.library.custom_op(
+        "embedcore::lookup", _lookup_impl, mutates_args=(),
+        schema="(int handle, str layout, bool train, Tensor trigger, Tensor[] tensors) -> Tensor[]")
+    _lookup_op.register_fake(_lookup_fake)
+    _lookup_op.register_autograd(_lookup_backward, setup_context=_lookup_setup)
+    _apply_op = torch.library.custom_op(
+        "embedcore::apply_gradients", _apply_impl, mutates_args=(),
+        schema="(int handle, Tensor token, Tensor[] grads) -> Tensor")
+    _apply_op.register_fake(_apply_fake)
+
+
 def _process_group(group):
     """The ``ProcessGroup`` to shard over: ``group`` itself, or the default group for ``"default"``."""
     import torch.distributed as dist
@@ -365,6 +479,26 @@ class EmbeddingModule(torch.nn.Module):
         self.include_last_offset = bool(include_last_offset)
         # The autograd node's input: zero-size, never given a gradient, not an nn.Parameter.
         self._trigger = torch.zeros(0, requires_grad=True)
+        self._register()
+
+    def _register(self):
+        """A handle for the compiled path's custom ops, and no compiled forward pending."""
+        config = self.embedding.feature_config
+        flat = isinstance(config, dict) and all(isinstance(v, FeatureConfig) for v in config.values())
+        self._flat_paths = [path for path, _ in inputs.flatten(config)] if flat else None
+        self._compiled_pending = {}
+        self._handle = next(_HANDLES)
+        _MODULES[self._handle] = self
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        for key in ("_compiled_pending", "_handle", "_flat_paths"):
+            state.pop(key, None)
+        return state
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self._register()
 
     @property
     def embedding_tables(self) -> dict:
@@ -409,6 +543,8 @@ class EmbeddingModule(torch.nn.Module):
         return torch.is_grad_enabled() and self.training and self._trigger.requires_grad
 
     def forward(self, features, weights=None):
+        if torch.compiler.is_compiling():
+            return self._compiled_forward(features, weights)
         if not self.sharded and self.updates_enabled:
             _refuse_replicated_under_ddp()
         keyed = None
@@ -438,6 +574,31 @@ class EmbeddingModule(torch.nn.Module):
                    for t in tensors]  # [B, dim]; a sequence feature's [B, L, dim] as L * dim columns
         return keyed_tensor(keys=list(keys), length_per_key=[t.shape[1] for t in columns],
                             values=torch.cat(columns, 1))
+
+    def _compiled_forward(self, features, weights):
+        """forward under ``torch.compile``: one ``embedcore::lookup`` op (its backward applies the update)."""
+        if self._flat_paths is None or not isinstance(features, dict):
+            raise InputError("under torch.compile, EmbeddingModule takes a flat dict feature config and a dict "
+                             "of tensors per feature (ids [B] or [B, k], or (values, offsets)); call it outside "
+                             "the compiled region (torch.compiler.disable) for other inputs")
+        tensors, layout = [], []
+        for path in self._flat_paths:
+            ids = features[path]
+            w = None if weights is None else weights.get(path)
+            if isinstance(ids, tuple):
+                tensors.extend(ids)
+                code = "b"
+            else:
+                tensors.append(ids)
+                code = "d"
+            if w is not None:
+                tensors.append(w)
+                code += "w"
+            layout.append(code)
+        train = self.updates_enabled
+        trigger = self._trigger if train else self._trigger.detach()
+        outs = torch.ops.embedcore.lookup(self._handle, ",".join(layout), train, trigger, tensors)
+        return dict(zip(self._flat_paths, outs[:-1]))
 
     def _from_torch(self, features, weights):
         """``features`` and ``weights`` (mirroring the feature config) with their torch tensors turned into NumPy
