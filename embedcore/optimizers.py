@@ -31,7 +31,7 @@ from .common_options import (COMMON_NAMES, N_COMMON, check_common_options, clip,
 from .initializers import FLOAT32_MAX, Initializer, finite_float32
 
 __all__ = ["Optimizer", "CustomOptimizer", "SGD", "Adagrad", "AdagradMomentum", "Adam", "FTRL",
-           "RowwiseAdagrad"]
+           "RowwiseAdagrad", "ExactAdagrad", "ExactRowwiseAdagrad"]
 
 
 def _is_number(value) -> bool:
@@ -317,6 +317,24 @@ def rowwise_adagrad(gradient, embedding_table, slot_variables, learning_rate, ep
     return embedding_table - scale * gradient, accumulator
 
 
+def exact_adagrad(gradient, embedding_table, slot_variables, learning_rate, epsilon):
+    """FBGEMM's ``EXACT_ADAGRAD``: ``a <- a + g^2;  w <- w - lr * g / (sqrt(a) + eps)``."""
+    accumulator = slot_variables[0] + gradient * gradient
+    return embedding_table - learning_rate * gradient / (np.sqrt(accumulator) + epsilon), accumulator
+
+
+def exact_rowwise_adagrad(gradient, embedding_table, slot_variables, learning_rate, epsilon, decay, l2, decoupled):
+    """FBGEMM's ``EXACT_ROWWISE_ADAGRAD``: with ``g' = g + l2 * decay * w``, ``a <- a + mean(g'^2)``,
+    ``m = lr / (sqrt(a) + eps)``, ``w <- (1 - l2 * m * decay - decoupled * lr * decay) * w - m * g``
+    (``l2`` / ``decoupled``: 1 for FBGEMM's weight-decay mode L2 / DECOUPLE, else 0)."""
+    decayed = gradient + (l2 * decay) * embedding_table
+    mean_square = np.float32(np.sum(decayed * decayed, dtype=np.float64) / gradient.size)
+    accumulator = slot_variables[0] + mean_square
+    multiplier = learning_rate / (np.sqrt(accumulator) + epsilon)
+    correction = 1.0 - l2 * multiplier * decay - decoupled * learning_rate * decay
+    return correction * embedding_table - multiplier * gradient, accumulator
+
+
 def _common_arguments(arguments: dict) -> dict:
     """The common options among a constructor's ``locals()``."""
     return {k: arguments[k] for k in _COMMON_ARGUMENTS if k in arguments}
@@ -565,3 +583,62 @@ class RowwiseAdagrad(_BuiltinOptimizer):
 
     def _own_hyperparameters(self, step):
         return {"epsilon": self.epsilon}
+
+
+def _check_eps(name: str, eps):
+    if not _is_number(eps) or eps <= 0:
+        raise ValueError(f"{name}: eps must be a positive float (the accumulators start at 0), got {eps!r}.")
+    _check_finite(name, positive=("eps",), eps=eps)
+    return float(eps)
+
+
+class ExactAdagrad(_BuiltinOptimizer):
+    """FBGEMM's ``EXACT_ADAGRAD`` (TorchRec's Adagrad): ``a <- a + g^2;  w <- w - lr * g / (sqrt(a) + eps)``,
+    ``a`` starting at 0. Defaults as FBGEMM's table-batched embeddings: ``learning_rate=0.01``,
+    ``eps=1e-8``. (:class:`Adagrad` is TensorFlow's: no ``eps``, ``a`` starting at 0.1.)"""
+    _recipe = exact_adagrad
+    _hyperparameter_names = ("epsilon",)
+    slot_names = ("accumulators",)
+    slot_dims = (2,)
+
+    def __init__(self, learning_rate=0.01, eps=1.0e-8):
+        super().__init__(learning_rate, {})
+        self.eps = _check_eps("ExactAdagrad", eps)
+        self.slot_initializers = (0.0,)
+        self._check_constants()
+
+    def _own_hyperparameters(self, step):
+        return {"epsilon": self.eps}
+
+
+_WEIGHT_DECAY_MODES = ("none", "l2", "decoupled")
+
+
+class ExactRowwiseAdagrad(_BuiltinOptimizer):
+    """FBGEMM's ``EXACT_ROWWISE_ADAGRAD`` (TorchRec's row-wise Adagrad), one accumulator per row from 0:
+    ``g' = g + wd * w`` with ``weight_decay_mode="l2"`` (else ``g``); ``a <- a + mean(g'^2)``;
+    ``m = lr / (sqrt(a) + eps)``; ``w <- w - m * g'`` (``"l2"``), ``w <- (1 - lr * wd) * w - m * g``
+    (``"decoupled"``, FBGEMM's DECOUPLE) or ``w <- w - m * g`` (``"none"``). Defaults as FBGEMM's:
+    ``learning_rate=0.01``, ``eps=1e-8``, ``weight_decay=0``, ``weight_decay_mode="none"``."""
+    _recipe = exact_rowwise_adagrad
+    _hyperparameter_names = ("epsilon", "decay", "l2", "decoupled")
+    _descriptions = {"decay": "weight_decay"}
+    slot_names = ("accumulators",)
+    slot_dims = (1,)
+
+    def __init__(self, learning_rate=0.01, eps=1.0e-8, weight_decay=0.0, weight_decay_mode="none"):
+        super().__init__(learning_rate, {})
+        self.eps = _check_eps("ExactRowwiseAdagrad", eps)
+        if not _is_number(weight_decay) or weight_decay < 0:
+            raise ValueError(f"ExactRowwiseAdagrad: weight_decay must be a float >= 0, got {weight_decay!r}.")
+        _check_finite("ExactRowwiseAdagrad", weight_decay=weight_decay)
+        if weight_decay_mode not in _WEIGHT_DECAY_MODES:
+            raise ValueError(f"ExactRowwiseAdagrad: weight_decay_mode must be one of {_WEIGHT_DECAY_MODES}, got "
+                             f"{weight_decay_mode!r}.")
+        self.weight_decay, self.weight_decay_mode = float(weight_decay), weight_decay_mode
+        self.slot_initializers = (0.0,)
+        self._check_constants()
+
+    def _own_hyperparameters(self, step):
+        return {"epsilon": self.eps, "decay": self.weight_decay,
+                "l2": float(self.weight_decay_mode == "l2"), "decoupled": float(self.weight_decay_mode == "decoupled")}

@@ -105,7 +105,7 @@ from .config import FeatureConfig
 from .engine import Embedding
 from .inputs import InputError, Ragged
 
-__all__ = ["EmbeddingModule"]
+__all__ = ["EmbeddingModule", "EmbeddingLearningRates"]
 
 
 def _tensor_to_numpy(value):
@@ -222,9 +222,20 @@ class _Pending:
     """What backward needs from one training forward: the engine, its lookup context, the activations'
     structure and shapes, and whether the update was already applied."""
 
-    def __init__(self, engine, lookup_ctx, structure, shapes):
+    def __init__(self, engine, lookup_ctx, structure, shapes, module=None):
         self.engine, self.lookup_ctx, self.structure, self.shapes = engine, lookup_ctx, structure, shapes
+        self.module = weakref.ref(module) if module is not None else None
         self.applied = False
+
+    def apply(self, arrays):
+        """The update: the scheduled learning rates first, then the engine's ``apply_gradients``."""
+        module = self.module() if self.module is not None else None
+        if module is not None:
+            module._before_update()
+        self.engine.apply_gradients(inputs.unflatten(self.structure, arrays), self.lookup_ctx)
+        self.applied = True
+        if module is not None:
+            module._after_update()
 
 
 class _ApplyInBackward(torch.autograd.Function):
@@ -244,8 +255,7 @@ class _ApplyInBackward(torch.autograd.Function):
                                "backward may run once for the embeddings (no retain_graph re-use): run forward "
                                "again")
         arrays = [_grad_to_numpy(g, shape) for g, shape in zip(grads, pending.shapes)]
-        pending.engine.apply_gradients(inputs.unflatten(pending.structure, arrays), pending.lookup_ctx)
-        pending.applied = True
+        pending.apply(arrays)
         return (None, None) + (None,) * len(grads)
 
 
@@ -301,7 +311,7 @@ def _lookup_impl(handle, layout, train, trigger, tensors):
         token = next(_HANDLES)
         pending = module._compiled_pending
         pending[token] = _Pending(module.embedding, lookup_ctx, inputs.unflatten(acts, [None] * len(leaves)),
-                                  [a.shape for a in leaves])
+                                  [a.shape for a in leaves], module)
         while len(pending) > _MAX_PENDING:
             pending.pop(next(iter(pending)))
     # copies: activations of features of one id space are views of one array, and outputs must not alias
@@ -321,8 +331,7 @@ def _apply_impl(handle, token, grads):
         if pending is None:
             raise RuntimeError("embedcore: the embedding update of this compiled forward was already applied (or "
                                f"more than {_MAX_PENDING} later forwards came before its backward): run forward again")
-        arrays = [_grad_to_numpy(g, shape) for g, shape in zip(grads, pending.shapes)]
-        pending.engine.apply_gradients(inputs.unflatten(pending.structure, arrays), pending.lookup_ctx)
+        pending.apply([_grad_to_numpy(g, shape) for g, shape in zip(grads, pending.shapes)])
     return torch.zeros(0)
 
 
@@ -351,6 +360,39 @@ if not hasattr(torch.ops.embedcore, "lookup"):  # defined once per process (a re
         "embedcore::apply_gradients", _apply_impl, mutates_args=(),
         schema="(int handle, Tensor token, Tensor[] grads) -> Tensor")
     _apply_op.register_fake(_apply_fake)
+
+
+class EmbeddingLearningRates(torch.optim.Optimizer):
+    """The tables' learning rates as a ``torch.optim.Optimizer`` that ``torch.optim.lr_scheduler`` can drive.
+
+    One param group per distinct embedcore optimizer of the module (``group["tables"]`` names its tables),
+    ``group["lr"]`` its learning rate. Get it from :meth:`EmbeddingModule.learning_rates`; build any scheduler
+    on it and call ``scheduler.step()`` as usual. The module copies each group's ``lr`` into its optimizer
+    right before every update (so a checkpoint records the last update's rate) and calls :meth:`step` after it,
+    which does nothing else (the tables are updated in backward) but lets schedulers see the steps.
+    """
+
+    def __init__(self, optimizers):
+        self._optimizers = list(optimizers)
+        groups = [{"params": [torch.zeros(0)], "lr": float(opt.learning_rate), "tables": names}
+                  for opt, names in self._optimizers]
+        super().__init__(groups, {"lr": 0.0})
+
+    def step(self, closure=None):  # noqa: D102 - the tables were updated in backward
+        return None
+
+    def sync(self) -> None:
+        """Copy each group's ``lr`` into its embedcore optimizer (checked finite and > 0 first, all or none)."""
+        values = []
+        for group, (opt, names) in zip(self.param_groups, self._optimizers):
+            lr = group["lr"]
+            lr = float(lr.item() if isinstance(lr, torch.Tensor) else lr)
+            if not math.isfinite(lr) or lr < 0:
+                raise ValueError(f"embedcore: the learning rate of tables {names} set by the scheduler is {lr}, "
+                                 f"not a finite float >= 0; nothing was changed")
+            values.append(lr)
+        for (opt, _), lr in zip(self._optimizers, values):
+            opt.learning_rate = lr
 
 
 def _process_group(group):
@@ -487,12 +529,13 @@ class EmbeddingModule(torch.nn.Module):
         flat = isinstance(config, dict) and all(isinstance(v, FeatureConfig) for v in config.values())
         self._flat_paths = [path for path, _ in inputs.flatten(config)] if flat else None
         self._compiled_pending = {}
+        self._learning_rates = getattr(self, "_learning_rates", None)
         self._handle = next(_HANDLES)
         _MODULES[self._handle] = self
 
     def __getstate__(self):
         state = dict(self.__dict__)
-        for key in ("_compiled_pending", "_handle", "_flat_paths"):
+        for key in ("_compiled_pending", "_handle", "_flat_paths", "_learning_rates"):
             state.pop(key, None)
         return state
 
@@ -532,6 +575,29 @@ class EmbeddingModule(torch.nn.Module):
         return cls(ShardedEmbedding.restore(path, comm=group, **kwargs), include_last_offset=include_last_offset,
                    process_group=group)
 
+    def learning_rates(self) -> EmbeddingLearningRates:
+        """The tables' learning rates as a torch optimizer for ``torch.optim.lr_scheduler`` (one param group
+        per distinct embedcore optimizer; see :class:`EmbeddingLearningRates`). The same object every call.
+        The optimizers' learning rates must be numbers (a callable learning rate schedules itself)."""
+        if self._learning_rates is None:
+            optimizers = {}
+            for table in self.embedding.physical_tables:
+                opt = table.optimizer
+                if callable(opt.learning_rate):
+                    raise ValueError(f"embedcore: tables {list(table.table_names)} have a callable learning rate "
+                                     f"({opt.learning_rate!r}); a torch lr_scheduler drives numbers only")
+                optimizers.setdefault(id(opt), (opt, []))[1].extend(table.table_names)
+            self._learning_rates = EmbeddingLearningRates(optimizers.values())
+        return self._learning_rates
+
+    def _before_update(self):
+        if self._learning_rates is not None:
+            self._learning_rates.sync()
+
+    def _after_update(self):
+        if self._learning_rates is not None:
+            self._learning_rates.step()
+
     def requires_grad_(self, requires_grad: bool = True):
         """Also freezes (False) or unfreezes (True) the embedding tables."""
         self._trigger.requires_grad_(requires_grad)
@@ -560,7 +626,7 @@ class EmbeddingModule(torch.nn.Module):
             tensors = [torch.from_numpy(a) for a in leaves]
         else:
             skeleton = inputs.unflatten(acts, [None] * len(leaves))  # the structure, without holding the arrays
-            pending = _Pending(self.embedding, lookup_ctx, skeleton, [a.shape for a in leaves])
+            pending = _Pending(self.embedding, lookup_ctx, skeleton, [a.shape for a in leaves], self)
             tensors = list(_ApplyInBackward.apply(self._trigger, pending, *leaves))
         if keyed is None:
             return inputs.unflatten(acts, tensors)
