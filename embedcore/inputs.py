@@ -31,12 +31,38 @@ class InputError(ValueError):
     """A batch of features, weights or gradients that the engine refuses; nothing was changed."""
 
 
+def _as_array(value) -> np.ndarray:
+    """``value`` as a NumPy array (no copy when it already is one or shares memory with one).
+
+    A framework tensor is recognized by duck typing, without importing its framework: one with ``detach()``
+    (PyTorch) is detached first (``requires_grad`` tensors refuse ``__array__``), and one whose dtype NumPy
+    lacks (bfloat16) is widened with its ``float()`` method (float32, exact for 16-bit floats).
+    """
+    if isinstance(value, np.ndarray):
+        return value
+    detach = getattr(value, "detach", None)
+    if callable(detach) and hasattr(value, "__array__"):
+        value = detach()
+        try:
+            return np.asarray(value)
+        except TypeError:  # a dtype without a NumPy twin (torch.bfloat16)
+            widen = getattr(value, "float", None)
+            if not callable(widen):
+                raise
+            return np.asarray(widen())
+    return np.asarray(value)
+
+
 class Ragged:
-    """A ragged batch: sample ``b`` holds ``values[row_splits[b]:row_splits[b + 1]]``."""
+    """A ragged batch: sample ``b`` holds ``values[row_splits[b]:row_splits[b + 1]]``.
+
+    ``values`` and ``row_splits``: arrays, or anything NumPy reads, CPU torch tensors included (of any float
+    dtype, with ``requires_grad`` or not: detached, bfloat16 widened to float32), without importing torch.
+    """
 
     def __init__(self, values, row_splits):
-        self.values = np.asarray(values)
-        self.row_splits = np.asarray(row_splits)
+        self.values = _as_array(values)
+        self.row_splits = _as_array(row_splits)
 
     @classmethod
     def from_lists(cls, lists, dtype=None):
@@ -59,8 +85,8 @@ class Sparse:
     """
 
     def __init__(self, indices, values, dense_shape):
-        self.indices = np.asarray(indices)
-        self.values = np.asarray(values)
+        self.indices = _as_array(indices)
+        self.values = _as_array(values)
         try:
             shape = tuple(dense_shape)
         except TypeError:
