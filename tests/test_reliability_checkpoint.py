@@ -6,6 +6,7 @@ checkpoint that can only make embedcore classes be called, directories whose fil
 not files, declared sizes beyond the files and the machine, and readers racing a save in another process.
 """
 
+import hashlib
 import json
 import math
 import os
@@ -38,10 +39,18 @@ EXAMPLES = int(float(os.environ.get("EMBEDCORE_MANIFEST_EXAMPLES") or 30))
 DERANDOMIZE = not os.environ.get("EMBEDCORE_MANIFEST_RANDOM")
 
 
-def make_engine(seed=3):
-    """Two small tables: Adagrad (one slot) and a custom SGD named by import path (for allow_import)."""
-    a = ec.TableConfig(20, 4, name="a", combiner="sum")
-    b = ec.TableConfig(12, 4, name="b", optimizer=ec.CustomOptimizer(custom_sgd, 0.1))
+# 16-bit storage for make_engine (issue 28): bfloat16 rows with float16 accumulators, float16 rows to nearest.
+HALF = {"a": dict(weights_dtype="bfloat16", slot_dtype="float16"),
+        "b": dict(weights_dtype="float16", stochastic_rounding=False)}
+EXPORT_DTYPES = ("int8", "float16", "bfloat16", "float32")
+
+
+def make_engine(seed=3, storage=None):
+    """Two small tables: Adagrad (one slot) and a custom SGD named by import path (for allow_import);
+    ``storage``: per table, TableConfig's dtype arguments (:data:`HALF`)."""
+    storage = storage or {}
+    a = ec.TableConfig(20, 4, name="a", combiner="sum", **storage.get("a", {}))
+    b = ec.TableConfig(12, 4, name="b", optimizer=ec.CustomOptimizer(custom_sgd, 0.1), **storage.get("b", {}))
     features = {"fa": ec.FeatureConfig(a), "fb": ec.FeatureConfig(b, max_sequence_length=2)}
     return ec.Embedding(features, ec.Adagrad(0.1), seed=seed)
 
@@ -224,25 +233,85 @@ def pristine(tmp_path_factory, source):
     return path
 
 
-@settings(max_examples=EXAMPLES, deadline=None, derandomize=DERANDOMIZE,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@pytest.fixture(scope="module")
+def half_source():
+    emb = make_engine(seed=3, storage=HALF)
+    emb.step = 5
+    return emb
+
+
+@pytest.fixture(scope="module")
+def half_target():
+    return make_engine(seed=4, storage=HALF)
+
+
+@pytest.fixture(scope="module")
+def half_pristine(tmp_path_factory, half_source):
+    path = tmp_path_factory.mktemp("half_pristine") / "c"
+    half_source.save(path, extra={"x": np.arange(3.0)}, metadata={"epoch": 1})
+    return path
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory, pristine, half_pristine):
+    """``{name: path}``: serving exports of the float32 checkpoint in every dtype, and of the 16-bit one."""
+    root = tmp_path_factory.mktemp("exports")
+    out = {dtype: root / dtype for dtype in EXPORT_DTYPES}
+    for dtype, path in out.items():
+        ec.export_for_serving(pristine, path, dtype=dtype)
+    out["int8 of 16-bit"] = root / "int8-of-half"
+    ec.export_for_serving(half_pristine, out["int8 of 16-bit"], dtype="int8")
+    return out
+
+
+def _mutated_copy(pristine, scratch, data):
+    """A copy of ``pristine`` whose manifest had 1-3 random mutations, re-signed (read through CURRENT, so a
+    serving export too); returns (path, the mutated manifest)."""
+    path = os.path.join(scratch, "c")
+    shutil.copytree(pristine, path)
+    with open(os.path.join(path, "CURRENT")) as f:
+        snapshot_dir = os.path.join(path, json.load(f)["snapshot"])
+    manifest = os.path.join(snapshot_dir, "manifest.json")
+    with open(manifest) as f:
+        m = json.load(f)
+    for _ in range(data.draw(st.integers(1, 3), label="mutations")):
+        m = _mutate(m, data) if isinstance(m, dict) else m
+    text = json.dumps(m)
+    with open(manifest, "w") as f:
+        f.write(text)
+    with open(os.path.join(path, "CURRENT"), "w") as f:
+        f.write(json.dumps({"snapshot": os.path.basename(snapshot_dir),
+                            "manifest_sha256": hashlib.sha256(text.encode()).hexdigest()}))
+    return path, m
+
+
+MUTATOR_SETTINGS = settings(max_examples=EXAMPLES, deadline=None, derandomize=DERANDOMIZE,
+                            suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+
+
+@MUTATOR_SETTINGS
 @given(data=st.data())
 def test_mutated_manifests_give_a_checkpoint_error_or_load_and_change_nothing_when_refused(pristine, target,
                                                                                               source, data):
     """Any mutation of a valid manifest, re-signed so that the hash chain holds, either loads or raises
     CheckpointError (never KeyError, TypeError, OverflowError, ...); a refused load changes nothing."""
+    _check_mutated(pristine, target, source, data)
+
+
+@MUTATOR_SETTINGS
+@given(data=st.data())
+def test_mutated_16_bit_manifests_give_a_checkpoint_error_or_load_and_change_nothing_when_refused(
+        half_pristine, half_target, half_source, data):
+    """The same for a checkpoint of bfloat16 and float16 tables with float16 slots (dtypes in the manifest,
+    the files' BF16/F16 tensors, the stored configuration's weights_dtype, slot_dtype, stochastic_rounding)."""
+    _check_mutated(half_pristine, half_target, half_source, data)
+
+
+def _check_mutated(pristine, target, source, data):
     scratch = tempfile.mkdtemp(prefix="mutated-")
     try:
-        path = os.path.join(scratch, "c")
-        shutil.copytree(pristine, path)
-        holder = {}
-
-        def edit(m):
-            for _ in range(data.draw(st.integers(1, 3), label="mutations")):
-                m = _mutate(m, data) if isinstance(m, dict) else m
-            holder["m"] = m
-            return json.dumps(m)
-        edit_manifest(path, edit)
+        path, mutated = _mutated_copy(pristine, scratch, data)
+        holder = {"m": mutated}
         for strict in (True, False):
             before = snapshot(target)
             try:
@@ -260,6 +329,106 @@ def test_mutated_manifests_give_a_checkpoint_error_or_load_and_change_nothing_wh
                 pass
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+@pytest.mark.parametrize("kind", ["int8", "bfloat16", "int8 of 16-bit"])
+@MUTATOR_SETTINGS
+@given(data=st.data())
+def test_mutated_serving_export_manifests_give_a_checkpoint_error_or_serve_the_same_tables(exports, target, kind,
+                                                                                           data):
+    """A serving export's manifest mutated and re-signed: ServingEmbedding serves the export's own tables bit
+    for bit or raises CheckpointError; training readers raise CheckpointError (or, for a mutation that made
+    it a training checkpoint they accept, load it), never another exception; a refused load changes nothing."""
+    original = {n: np.array(t) for n, t in ec.ServingEmbedding(exports[kind]).embedding_tables.items()}
+    scratch = tempfile.mkdtemp(prefix="mutated-export-")
+    try:
+        path, _ = _mutated_copy(exports[kind], scratch, data)
+        try:
+            server = ec.ServingEmbedding(path)
+        except CheckpointError:
+            pass
+        else:
+            for name, table in server.embedding_tables.items():
+                assert np.asarray(table).tobytes() == original[name].tobytes(), name
+        before = snapshot(target)
+        for attempt in (lambda: target.load(path), lambda: target.load(path, strict=False, convert_dtypes=True)):
+            try:
+                attempt()
+            except CheckpointError:
+                assert_unchanged(target, before)
+        for attempt in (lambda: ec.Embedding.restore(path, allow_import=True), lambda: read_extra(path),
+                        lambda: open_snapshot(path), lambda: open_snapshot(path, serving=True)):
+            try:
+                attempt()
+            except CheckpointError:
+                pass
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _export_files(path):
+    with open(os.path.join(path, "CURRENT")) as f:
+        snap = os.path.join(path, json.load(f)["snapshot"])
+    return [os.path.join(path, "CURRENT")] + sorted(os.path.join(snap, n) for n in os.listdir(snap))
+
+
+@pytest.mark.parametrize("kind", EXPORT_DTYPES + ("int8 of 16-bit",))
+def test_corrupt_and_truncated_serving_exports_are_refused_or_serve_the_same_tables(exports, target, tmp_path,
+                                                                                    kind):
+    """Every file of an export (CURRENT, manifest, each table's file) with one byte flipped at 12 places or cut
+    at 6 lengths: ServingEmbedding raises CheckpointError (a flip in a tensor file's informational
+    ``__metadata__`` may serve the same tables), training readers raise CheckpointError and change nothing."""
+    original = {n: np.array(t) for n, t in ec.ServingEmbedding(exports[kind]).embedding_tables.items()}
+    rng = np.random.default_rng(len(kind))
+    before = snapshot(target)
+    outcomes = {"refused": 0, "served the same": 0}
+    for index, name in enumerate(_export_files(exports[kind])):
+        size = os.path.getsize(name)
+        damages = [("flip", int(at)) for at in rng.integers(0, size, 12)] + \
+            [("cut", int(n)) for n in sorted({0, 1, size // 2, size - 1, *rng.integers(0, size, 2).tolist()})]
+        for how, at in damages:
+            path = tmp_path / f"e{index}-{how}-{at}"
+            shutil.copytree(exports[kind], path)
+            victim = str(path / os.path.relpath(name, exports[kind]))
+            raw = bytearray(open(victim, "rb").read())
+            if how == "flip":
+                raw[at] ^= 0x5A
+            else:
+                raw = raw[:at]
+            open(victim, "wb").write(raw)
+            try:
+                server = ec.ServingEmbedding(path)
+            except CheckpointError:
+                outcomes["refused"] += 1
+            else:
+                assert how == "flip" and victim.endswith(".safetensors"), (how, at, victim)
+                for t, table in server.embedding_tables.items():
+                    assert np.asarray(table).tobytes() == original[t].tobytes(), (how, at, victim)
+                outcomes["served the same"] += 1
+            for strict in (True, False):
+                with pytest.raises(CheckpointError):
+                    target.load(path, strict=strict)
+            with pytest.raises(CheckpointError):
+                ec.Embedding.restore(path)
+            assert_unchanged(target, before)
+            shutil.rmtree(path)
+    assert outcomes["refused"] > 0
+    print(f"\n{kind} export: {outcomes}")
+
+
+@pytest.mark.parametrize("kind", EXPORT_DTYPES + ("int8 of 16-bit",))
+def test_a_serving_export_is_refused_by_every_training_reader(exports, target, half_target, kind):
+    for engine in (target, half_target):
+        before = snapshot(engine)
+        for strict in (True, False):
+            for convert in (False, True):
+                with pytest.raises(CheckpointError, match="serving export"):
+                    engine.load(exports[kind], strict=strict, convert_dtypes=convert)
+        assert_unchanged(engine, before)
+    for call in (lambda: ec.Embedding.restore(exports[kind], allow_import=True), lambda: read_extra(exports[kind]),
+                 lambda: open_snapshot(exports[kind])):
+        with pytest.raises(CheckpointError, match="serving export"):
+            call()
 
 
 # -- item 4: NaN/Inf in a checkpoint's tables and slots ----------------------------------------------------
