@@ -10,9 +10,14 @@
   allocations and those Numba makes inside jitted code), for the same batch with a vocabulary of 10**4 and
   of 10**6 rows, with lazy optimizers only and with a non-lazy one; lookup and apply_gradients measured
   separately, the engine's first step (which allocates the grow-only workspaces) and later ones; and the
-  ``VmHWM`` rise of a step without tracing.
+  ``VmHWM`` rise of a step without tracing. Kind ``"lazy16"`` is ``"lazy"`` with bfloat16 rows and slots.
+* ``storage``: the resident memory and the resident high-water mark that building a table with its slots
+  (allocated, initialised) and training it a few steps add to the process, for a float32 table of
+  :data:`STORAGE_ROWS` rows and bfloat16 tables (rows and slots) of the same rows and of twice as many;
+  measured from ``VmRSS`` and ``VmHWM`` (reset through ``/proc/self/clear_refs``), the kernels compiled first.
 """
 
+import ctypes
 import gc
 import json
 import sys
@@ -108,18 +113,20 @@ def rss_phase():
 # -- peak ----------------------------------------------------------------------------------------------------
 
 PEAK_BATCH = 1024
+PEAK_KINDS = ("lazy", "dense", "lazy16")
 PEAK_VOCABS = (10_000, 1_000_000)
 PEAK_ID_RANGE = 10_000  # the same ids (and so the same duplicates) for every vocabulary
 
 
 def peak_engine(vocab, kind):
     """Two physical tables: "items" (Adagrad, dim 16) fed by three features, "users" (dim 8) by one; "users"
-    has a per-row custom function (row temporaries in Numba) for ``kind="lazy"`` and non-lazy Adam (every
-    row updated every step) for ``"dense"``."""
-    items = ec.TableConfig(vocab, 16, name="items", combiner="mean")
-    users_opt = (ec.CustomOptimizer(rowwise_momentum, 0.05, ["momentum"], [0.0]) if kind == "lazy"
+    has a per-row custom function (row temporaries in Numba) for ``kind="lazy"`` (and ``"lazy16"``, every
+    table's rows and slots in bfloat16) and non-lazy Adam (every row updated every step) for ``"dense"``."""
+    stored = {"weights_dtype": "bfloat16", "slot_dtype": "bfloat16"} if kind == "lazy16" else {}
+    items = ec.TableConfig(vocab, 16, name="items", combiner="mean", **stored)
+    users_opt = (ec.CustomOptimizer(rowwise_momentum, 0.05, ["momentum"], [0.0]) if kind.startswith("lazy")
                  else ec.Adam(0.01, lazy_adam=False))
-    users = ec.TableConfig(vocab, 8, name="users", combiner="sqrtn", optimizer=users_opt)
+    users = ec.TableConfig(vocab, 8, name="users", combiner="sqrtn", optimizer=users_opt, **stored)
     features = {"hist": ec.FeatureConfig(items), "item": ec.FeatureConfig(items),
                 "seq": ec.FeatureConfig(items, max_sequence_length=5), "tags": ec.FeatureConfig(users)}
     return ec.Embedding(features, ec.Adagrad(0.05), seed=4)
@@ -139,6 +146,8 @@ PEAK_SHAPE = {
                         # rowwise_momentum: up to 6 row temporaries alive at once (g*g, 0.9*m, g*scale, m,
                         # lr*m, the new row)
                         {"dim": 8, "combiner": "sqrtn", "row_slots": 1, "lazy": True, "row_temporaries": 6}],
+               "lazy16": [{"dim": 16, "combiner": "mean", "row_slots": 1, "lazy": True},
+                          {"dim": 8, "combiner": "sqrtn", "row_slots": 1, "lazy": True, "row_temporaries": 6}],
                "dense": [{"dim": 16, "combiner": "mean", "row_slots": 1, "lazy": True},
                          {"dim": 8, "combiner": "sqrtn", "row_slots": 2, "lazy": False}]},
 }
@@ -214,7 +223,7 @@ def peak_phase():
     batches = [peak_batch(t) for t in range(4)]
     out = {"phase": "peak", "threads": numba.get_num_threads(), "shape": PEAK_SHAPE, "runs": {},
            "numba_traced_peak": numba_allocations_traced()}
-    for kind in ("lazy", "dense"):
+    for kind in PEAK_KINDS:
         # Compile the kernels (and warm NumPy) on a small engine first: compilation is not a step's memory.
         warm = peak_engine(PEAK_ID_RANGE, kind)
         for t in range(2):
@@ -239,11 +248,81 @@ def peak_phase():
     return out
 
 
+# -- storage -------------------------------------------------------------------------------------------------
+
+STORAGE_ROWS, STORAGE_DIM, STORAGE_STEPS = 1_000_000, 16, 3
+BF16 = {"weights_dtype": "bfloat16", "slot_dtype": "bfloat16"}
+#: (name, rows, TableConfig storage arguments, slot initializer): a float32 table of V rows, bfloat16 ones
+#: (rows and slots) of V and 2V rows; the accumulators start at Adagrad's plain float 0.1, or at the
+#: initializer object Constant(0.1) (filled chunk by chunk into a 16-bit slot).
+STORAGE_CASES = (("float32", STORAGE_ROWS, {}, "float"),
+                 ("bfloat16", STORAGE_ROWS, BF16, "float"),
+                 ("bfloat16 x2", 2 * STORAGE_ROWS, BF16, "float"),
+                 ("bfloat16 x2, Constant slot initializer", 2 * STORAGE_ROWS, BF16, "Constant"))
+
+
+def adagrad(gradient, embedding_table, slot_variables, learning_rate, hyperparameters):
+    accumulator = slot_variables[0] + gradient * gradient
+    return embedding_table - learning_rate * gradient / np.sqrt(accumulator), accumulator
+
+
+def storage_engine(rows, stored, slot_init):
+    """One Adagrad table (a full-row accumulator slot) of ``rows`` x 16, fed by a bag feature."""
+    table = ec.TableConfig(rows, STORAGE_DIM, name="items", combiner="sum", **stored)
+    optimizer = (ec.Adagrad(0.05, initial_accumulator_value=0.1) if slot_init == "float" else
+                 ec.CustomOptimizer(adagrad, 0.05, ["accumulators"], [ec.Constant(0.1)]))
+    return ec.Embedding({"items": ec.FeatureConfig(table)}, optimizer, seed=6)
+
+
+def trim():
+    """Hand the allocator's free heap memory back to the system (glibc), so that VmRSS counts live memory."""
+    gc.collect()
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def storage_steps(emb, rows, steps):
+    rng = np.random.default_rng(7)
+    grads = {"items": rng.standard_normal((PEAK_BATCH, STORAGE_DIM)).astype(np.float32)}
+    for _ in range(steps):
+        _, ctx = emb.lookup({"items": rng.integers(0, rows, (PEAK_BATCH, 8))})
+        emb.apply_gradients(grads, ctx)
+
+
+def storage_phase():
+    out = {"phase": "storage", "rows": STORAGE_ROWS, "dim": STORAGE_DIM, "steps": STORAGE_STEPS, "cases": {}}
+    for name, rows, stored, slot_init in STORAGE_CASES:  # compile the kernels (and warm NumPy) first
+        warm = storage_engine(1000, stored, slot_init)
+        storage_steps(warm, 1000, 2)
+        del warm
+    for name, rows, stored, slot_init in STORAGE_CASES:
+        trim()
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # VmHWM := VmRSS
+        before = status("VmRSS")
+        emb = storage_engine(rows, stored, slot_init)
+        trim()
+        built = status("VmRSS")
+        storage_steps(emb, rows, STORAGE_STEPS)
+        trim()
+        after, high = status("VmRSS"), status("VmHWM")
+        table = emb.physical_tables[0]
+        out["cases"][name] = {
+            "rows": rows, "dtype": str(table.weights.dtype), "slot_dtype": str(table.slots[0].dtype),
+            "nbytes": int(table.weights.nbytes + sum(s.nbytes for s in table.slots)),
+            "resident_built": built - before, "resident": after - before, "peak": high - before}
+        del emb, table
+        gc.collect()
+    return out
+
+
 if __name__ == "__main__":
     for phase in sys.argv[1:]:
         # The long rss phase runs Numba on one thread: on a machine shared with other busy processes, every
         # parallel region waits for a descheduled worker thread (35 ms a step instead of 3 ms on a loaded
         # 2-core machine). The peak phase runs on all threads: per-thread scratch is part of its formula.
         numba.set_num_threads(1 if phase == "rss" else numba.config.NUMBA_NUM_THREADS)
-        result = {"rss": rss_phase, "peak": peak_phase}[phase]()
+        result = {"rss": rss_phase, "peak": peak_phase, "storage": storage_phase}[phase]()
         print(json.dumps(result), flush=True)
