@@ -341,3 +341,30 @@ def test_demo_with_bfloat16_tables(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["demo", "--weights-dtype", "int8"])
     assert "invalid choice: 'int8'" in capsys.readouterr().err
+
+
+def test_biased_mf_gradients_match_finite_differences():
+    from embedcore.app.models import BiasedMF, squared_error
+    rng = np.random.default_rng(0)
+    model = BiasedMF(3.5, 3, l2=0.1, l2_bias=0.02)
+    acts = {"user": rng.normal(size=(4, 3)), "movie": rng.normal(size=(4, 3)),
+            "user_bias": rng.normal(size=(4, 1)), "movie_bias": rng.normal(size=(4, 1))}
+    target = rng.uniform(1, 5, 4)
+
+    def loss(a):
+        prediction, _ = model.forward({k: v.astype(np.float32) for k, v in a.items()})
+        value, _ = squared_error(prediction, target)
+        return value + 0.05 * (np.sum(a["user"] ** 2) + np.sum(a["movie"] ** 2)) + \
+            0.01 * (np.sum(a["user_bias"] ** 2) + np.sum(a["movie_bias"] ** 2))
+
+    prediction, cache = model.forward({k: v.astype(np.float32) for k, v in acts.items()})
+    grads = model.backward(cache, squared_error(prediction, target)[1])
+    assert model.ids({"user": np.arange(2), "movie": np.arange(2)})["movie_bias"].tolist() == [0, 1]
+    for name, a in acts.items():
+        numeric = np.zeros_like(a)
+        for index in np.ndindex(a.shape):
+            up, down = {k: v.copy() for k, v in acts.items()}, {k: v.copy() for k, v in acts.items()}
+            up[name][index] += 1e-2
+            down[name][index] -= 1e-2
+            numeric[index] = (loss(up) - loss(down)) / 2e-2
+        np.testing.assert_allclose(grads[name], numeric, rtol=2e-2, atol=2e-3, err_msg=name)
