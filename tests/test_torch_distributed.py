@@ -121,6 +121,15 @@ def test_a_stuck_rank_makes_the_other_fail_within_the_timeout(tmp_path):
     assert codes[0] == 0, log
 
 
+def test_a_dead_rank_makes_the_other_fail_not_hang(tmp_path):
+    codes, reports, log = launch(2, "stuck", tmp_path, "--timeout", 20, "--die", 1, timeout=120)
+    assert codes[1] == 3 and 0 in reports, log
+    error = reports[0]["error"]
+    assert error is not None and error["type"] == "DistributedError", log
+    assert reports[0]["elapsed"] < 21  # the closed connection fails the collective, or the timeout does
+    assert codes[0] == 0, log
+
+
 def test_under_ddp_the_dense_part_syncs_and_an_unsharded_module_is_refused(tmp_path):
     codes, reports, log = launch(2, "ddp", tmp_path)
     assert codes == [0, 0], log

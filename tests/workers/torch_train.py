@@ -12,7 +12,8 @@ gathered whole). Modes:
     ``--save-at STEP CKPT`` saves a collective checkpoint there (and ``OUT/saved.npz``); ``--resume CKPT``
     starts from a checkpoint written by any number of ranks or one process.
 ``stuck``
-    rank 1 sleeps instead of taking part in a lookup; the others must raise within ``--timeout`` seconds.
+    rank 1 sleeps instead of taking part in a lookup (``--die 1``: exits instead); the others must raise
+    within ``--timeout`` seconds.
 ``ddp``
     a dense layer and the sharded module under ``DistributedDataParallel``, two steps; then an unsharded
     module under DDP, which must be refused.
@@ -122,6 +123,8 @@ def stuck(out, opts, rank, world):
     module(f, weights)  # everyone takes part once (compiled, warm)
     if rank == 1:
         report(out, rank, {"slept": True})
+        if opts.get("--die") == "1":
+            os._exit(3)  # dies without a word: its connections close
         time.sleep(float(opts["--timeout"]) * 3)
         return
     start = time.monotonic()
