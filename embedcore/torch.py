@@ -529,8 +529,8 @@ class EmbeddingModule(torch.nn.Module):
     engine's NumPy activations; for a ``KeyedJaggedTensor`` a dict ``{key: activations}`` in the feature
     config's order (a dict's own order) or, for a real torchrec one, a ``KeyedTensor`` as torchrec's
     ``EmbeddingBagCollection`` returns (the features' activations concatenated along dim 1, a sequence
-    feature's ``[B, L, dim]`` as ``L * dim`` columns). See the module docstring for when and how the tables are updated (during
-    ``loss.backward()``, before the dense ``optimizer.step()``).
+    feature's ``[B, L, dim]`` as ``L * dim`` columns). See the module docstring for when and how the tables
+    are updated (during ``loss.backward()``, before the dense ``optimizer.step()``).
 
     The module registers no parameters: ``torch.optim.X(model.parameters())`` sees only the dense model's.
     ``requires_grad_(False)`` freezes the tables (forward becomes lookup-only), ``requires_grad_(True)``

@@ -70,6 +70,9 @@ class TorchTransport:
         if self.rank < 0:
             raise ValueError("this process is not a member of the process group it was given")
         self.backend = str(dist.get_backend(group))
+        if "gloo" not in self.backend:  # "gloo", or "cpu:gloo,cuda:nccl"
+            raise ValueError(f"embedcore exchanges CPU tensors: its process group needs the gloo backend, this one "
+                             f"is '{self.backend}'; pass dist.new_group(backend='gloo') (every rank calls it)")
 
     def _alltoall_bytes(self, out: torch.Tensor, inp: torch.Tensor, out_splits, in_splits):
         work = dist.all_to_all_single(out, inp, [int(x) for x in out_splits], [int(x) for x in in_splits],

@@ -100,7 +100,8 @@ def train(out, opts, rank, world):
             facts["bad"] = None
         except Exception as e:
             facts["bad"] = {"type": type(e).__name__, "message": str(e)}
-        facts["bad_changed_nothing"] = bool(engine.step == 0 and np.array_equal(before, engine.embedding_tables["users"]))
+        unchanged = np.array_equal(before, engine.embedding_tables["users"])
+        facts["bad_changed_nothing"] = bool(engine.step == 0 and unchanged)
     save_at = opts.get("--save-at")
 
     def checkpoint(_):
