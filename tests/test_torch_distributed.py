@@ -83,6 +83,12 @@ def test_two_gloo_ranks_equal_one_process_fed_the_concatenated_batch(two_ranks):
     assert_tables(np.load(out / "tables.npz"), reference((2,) * STEPS), exact=False)
 
 
+def test_one_gloo_rank_is_bit_identical_to_one_process(tmp_path):
+    codes, reports, log = launch(1, "train", tmp_path, "--steps", STEPS)
+    assert codes == [0] and reports[0]["step"] == STEPS, log
+    assert_tables(np.load(tmp_path / "tables.npz"), reference((1,) * STEPS), exact=True)
+
+
 def test_bad_input_on_one_rank_is_refused_on_every_rank_and_changes_nothing(two_ranks):
     _, reports = two_ranks
     for rank, r in reports.items():
