@@ -8,13 +8,16 @@ A table (or slot) of ``weights_dtype`` ``"float16"`` or ``"bfloat16"`` stores 2 
 * to nearest, ties to even (:func:`f32_to_f16`, :func:`f32_to_bf16`): NumPy's and ml_dtypes' own casts, or
 * stochastic (:func:`f32_to_f16_stochastic`, :func:`f32_to_bf16_stochastic`): ``x`` between the two 16-bit
   values ``lo < x < hi`` becomes ``hi`` with probability ``(x - lo) / (hi - lo)``, else ``lo`` (magnitudes;
-  the sign is kept), so the stored value is unbiased: ``E[stored] = x``. The decision adds ``k`` random bits
-  to the ``k`` bits rounding drops (``k`` = 16 for bfloat16; 13 for a float16 normal, more for a subnormal)
-  and keeps the carry: up exactly when ``dropped + random >= 2**k``.
+  the sign is kept), so the stored value is unbiased: ``E[stored] = x``. Rounding drops ``k`` bits of the
+  float32 (16 for bfloat16; 13 for a float16 normal, more for a subnormal); with 16 random bits ``r`` the
+  value rounds up exactly when ``r mod 2**k + dropped >= 2**k`` (``k <= 16``), or, for ``k > 16``, when
+  ``r + (the top 16 dropped bits) >= 2**16``: the probability then has 16 bits of resolution, a bias below
+  ``2**-16`` of the gap between float16 subnormals (``2**-40``).
 
-The random bits come from :func:`rounding_bits`, a counter-based hash of ``(key, counter)``; the update
-kernel's key mixes the engine's seed, the table, the slot and the step, and its counter is the table row
-id times ``dim`` plus the column, so a value's rounding does not depend on threads, stacking or sharding.
+The random bits come from :func:`rounding_bits`, a counter-based hash of ``(key, counter)`` giving 64 bits,
+four values' worth: the update kernel's key mixes the engine's seed, the table, the slot and the step, and
+its counter is the table row id times ``ceil(dim / 4)`` plus the column's group of four (value ``j`` takes
+bits ``16 * (j % 4)`` and up), so a value's rounding does not depend on threads, stacking or sharding.
 
 A value too large for the format rounds to infinity, which the update treats like any non-finite result:
 the row is left as it was and reported. float16 holds magnitudes up to 65504 (subnormals down to 2**-24);
@@ -151,11 +154,11 @@ def f32_to_bf16(value):
 
 @njit(inline="always")
 def f32_to_bf16_stochastic(value, random):
-    """``value`` rounded stochastically to bfloat16 (module docstring) with the low 16 bits of ``random``."""
+    """``value`` rounded stochastically to bfloat16 (module docstring) with the 16 random bits ``random``."""
     u = _bits_of_float32(np.float32(value))
     if (u & _U32(0x7FFFFFFF)) >= _U32(0x7F800000):
         return f32_to_bf16(value)  # infinity and NaN are kept
-    return np.uint16((u + (_U32(random & np.uint64(0xFFFF)))) >> _U32(16))
+    return np.uint16((u + (_U32(random) & _U32(0xFFFF))) >> _U32(16))
 
 
 @njit(inline="always")
@@ -178,16 +181,17 @@ def f32_to_f16(value):
 
 @njit(inline="always")
 def f32_to_f16_stochastic(value, random):
-    """``value`` rounded stochastically to float16 (module docstring) with bits of the 64-bit ``random``."""
+    """``value`` rounded stochastically to float16 (module docstring) with the 16 random bits ``random``."""
     x = np.float32(value)
     u = _bits_of_float32(x)
+    r = _U32(random) & _U32(0xFFFF)
     sign = (u >> _U32(16)) & _U32(0x8000)
     a = u & _U32(0x7FFFFFFF)
     if a >= _U32(0x47800000):  # 2**16 and above, infinity, NaN: no float16 below can be the result
         return f32_to_f16(value)
     if a >= _U32(0x38800000):  # a float16 normal: 13 bits dropped (a carry may reach infinity: overflow)
         v = a - _U32(112 << 23)
-        return np.uint16(sign | ((v + _U32(random & np.uint64(0x1FFF))) >> _U32(13)))
+        return np.uint16(sign | ((v + (r & _U32(0x1FFF))) >> _U32(13)))
     # A float16 subnormal: |x| = m * 2**(e - 150) in units of 2**-24 is m >> (126 - e), dropping 126 - e bits.
     e = np.int64(a >> _U32(23))
     m = np.uint64(a & _U32(0x7FFFFF))
@@ -195,11 +199,14 @@ def f32_to_f16_stochastic(value, random):
         m = m | np.uint64(0x800000)
     else:
         e = np.int64(1)  # a float32 subnormal: m * 2**-149
-    shift = 126 - e
-    if shift >= 64:  # below 2**-88: zero (the bias this leaves is below 2**-88 per value)
+    shift = 126 - e  # at least 14
+    if shift <= 16:
+        mask = (np.uint64(1) << np.uint64(shift)) - np.uint64(1)
+        return np.uint16(sign | _U32((m + (np.uint64(r) & mask)) >> np.uint64(shift)))
+    if shift - 16 >= 24:  # m < 2**24: no dropped bit among the top 16, the value rounds to zero
         return np.uint16(sign)
-    mask = (np.uint64(1) << np.uint64(shift)) - np.uint64(1)
-    return np.uint16(sign | _U32((m + (random & mask)) >> np.uint64(shift)))
+    top = m >> np.uint64(shift - 16)  # the integer part, then the top 16 dropped bits
+    return np.uint16(sign | _U32((top + np.uint64(r)) >> np.uint64(16)))
 
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -207,8 +214,9 @@ _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 
 @njit(inline="always")
 def rounding_bits(key, counter):
-    """64 random bits, a pure function of ``(key, counter)`` (SplitMix64's finaliser, as the initialisers')."""
-    return _mix(np.uint64(key) ^ _mix(np.uint64(counter) * _GOLDEN + _GOLDEN))
+    """64 random bits, a pure function of ``(key, counter)``: output ``counter`` of SplitMix64 seeded with
+    ``key`` (its finaliser, as the initialisers', of ``key + (counter + 1) * golden``)."""
+    return _mix(np.uint64(key) + (np.uint64(counter) + np.uint64(1)) * _GOLDEN)
 
 
 @njit(inline="always")

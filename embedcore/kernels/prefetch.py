@@ -64,10 +64,11 @@ def _prefetch_row_impl(array, row):
         def impl_element(array, row):
             prefetch(array, row, 0)
         return impl_element
+    per_line = max(1, 512 // array.dtype.bitwidth)  # values in a 64-byte line: 16 float32, 32 16-bit
 
     def impl(array, row):
         n = array.shape[1]
-        for j in range(0, n, CACHE_LINE_FLOATS):
+        for j in range(0, n, per_line):
             prefetch(array, row, j)
         if n:
             prefetch(array, row, n - 1)  # a row not starting on a line boundary spans one more line

@@ -26,7 +26,8 @@ from numba.extending import intrinsic
 
 from .prefetch import CACHE_LINE_FLOATS, emit_prefetch
 
-__all__ = ["weighted_sum_registers", "sequential_sum_registers", "sums_in_registers", "block_width", "no_gains"]
+__all__ = ["weighted_sum_registers", "sequential_sum_registers", "weighted_sum_registers_16", "sums_in_registers",
+           "block_width", "no_gains"]
 
 _I32 = ir.IntType(32)
 
@@ -43,11 +44,16 @@ def _float32_rows(array):
     return isinstance(array, types.Array) and array.ndim == 2 and array.layout == "C" and array.dtype == types.float32
 
 
-def sums_in_registers(dst, index, gain, src) -> bool:
+def _bits_rows(array):
+    return isinstance(array, types.Array) and array.ndim == 2 and array.layout == "C" and array.dtype == types.uint16
+
+
+def sums_in_registers(dst, index, gain, src, stored: str = "float32") -> bool:
     """Whether :func:`weighted_sum_registers` takes arguments of these Numba types: C-contiguous float32
-    rows ``dst`` and ``src`` (its vector loads and stores assume contiguous rows), 1-D integer ``index`` and
-    float32 ``gain`` of any layout, or ``None`` (every gain 1)."""
-    return (_float32_rows(dst) and _float32_rows(src)
+    rows ``dst`` and ``src`` (its vector loads and stores assume contiguous rows; ``src`` C-contiguous
+    ``uint16`` bits for a ``stored`` 16-bit format), 1-D integer ``index`` and float32 ``gain`` of any
+    layout, or ``None`` (every gain 1)."""
+    return (_float32_rows(dst) and (_float32_rows(src) if stored == "float32" else _bits_rows(src))
             and isinstance(index, types.Array) and index.ndim == 1 and isinstance(index.dtype, types.Integer)
             and (no_gains(gain) or isinstance(gain, types.Array) and gain.ndim == 1
                  and gain.dtype == types.float32))
@@ -82,26 +88,53 @@ class _Arrays:
         return self.builder.extract_value(self.arrays[name][1].shape, 0)
 
 
-def _block_sum_intrinsic(group_size):
+def _block_sum_intrinsic(group_size, stored="float32"):
     """The block sum adding occurrences in groups of ``group_size`` (4: ``(t0 + t1) + (t2 + t3)`` then the
-    rest one by one, the lookup's order; 1: one by one, the update's order)."""
+    rest one by one, the lookup's order; 1: one by one, the update's order), of rows ``stored`` as float32 or
+    as the bits of a 16-bit format (converted to float32 as they are loaded)."""
 
     @intrinsic
     def block_sum(typingctx, dst, d, lo, hi, index, gain, src, ahead, col, width):
-        return _block_sum_signature(group_size, dst, d, lo, hi, index, gain, src, ahead, col, width)
+        return _block_sum_signature(group_size, stored, dst, d, lo, hi, index, gain, src, ahead, col, width)
     return block_sum
 
 
-def _block_sum_signature(group_size, dst, d, lo, hi, index, gain, src, ahead, col, width):
+def _splat(builder, vector, value):
+    return ir.Constant(vector, [value] * vector.count)
+
+
+def _decode(builder, raw, stored):
+    """A ``<w x i16>`` vector of 16-bit values as ``<w x float>`` (exact: kernels/half.py's conversions)."""
+    w = raw.type.count
+    ints = ir.VectorType(_I32, w)
+    h = builder.zext(raw, ints)
+    if stored == "bfloat16":  # the float32 with these 16 high bits
+        return builder.bitcast(builder.shl(h, _splat(builder, ints, 16)), ir.VectorType(ir.FloatType(), w))
+    sign = builder.shl(builder.and_(h, _splat(builder, ints, 0x8000)), _splat(builder, ints, 16))
+    exponent = builder.and_(h, _splat(builder, ints, 0x7C00))
+    mantissa = builder.and_(h, _splat(builder, ints, 0x3FF))
+    magnitude = builder.shl(builder.and_(h, _splat(builder, ints, 0x7FFF)), _splat(builder, ints, 13))
+    normal = builder.add(magnitude, _splat(builder, ints, 112 << 23))    # exponent 15 -> 127
+    special = builder.add(magnitude, _splat(builder, ints, 224 << 23))   # infinity, NaN: all-ones exponent
+    floats = ir.VectorType(ir.FloatType(), w)
+    subnormal = builder.fmul(builder.uitofp(mantissa, floats), _splat(builder, floats, 2.0 ** -24))
+    bits = builder.select(builder.icmp_unsigned("==", exponent, _splat(builder, ints, 0x7C00)), special, normal)
+    bits = builder.select(builder.icmp_unsigned("==", exponent, _splat(builder, ints, 0)),
+                          builder.bitcast(subnormal, ints), bits)
+    return builder.bitcast(builder.or_(bits, sign), floats)
+
+
+def _block_sum_signature(group_size, stored, dst, d, lo, hi, index, gain, src, ahead, col, width):
     """``dst[d, col:col + width] = sum over k in [lo, hi) of gain[k] * src[index[k], col:col + width]`` (the
     module docstring's order for ``group_size``; ``gain`` None: every gain 1, no product, the same sums since
     ``1 * x == x``); for ``ahead`` > 0 the block's lines of the rows ``ahead`` occurrences on are prefetched."""
     if not (isinstance(width, types.IntegerLiteral) and width.literal_value % CACHE_LINE_FLOATS == 0
-            and sums_in_registers(dst, index, gain, src)
+            and sums_in_registers(dst, index, gain, src, stored)
             and all(isinstance(t, types.Integer) for t in (d, lo, hi, ahead, col))):
         return None
     w = width.literal_value
     unit = no_gains(gain)
+    per_line = CACHE_LINE_FLOATS if stored == "float32" else 2 * CACHE_LINE_FLOATS
 
     def codegen(context, builder, signature, args):
         arrays = _Arrays(context, builder, signature, args)
@@ -110,7 +143,7 @@ def _block_sum_signature(group_size, dst, d, lo, hi, index, gain, src, ahead, co
         row_d, lo_v, hi_v, ahead_v, col_v = as_intp
         vector = ir.VectorType(ir.FloatType(), w)
         n = arrays.length("index")
-        lines = list(range(0, w, CACHE_LINE_FLOATS)) + [w - 1]  # + the last value: a row off a line boundary
+        lines = list(range(0, w, per_line)) + [w - 1]  # + the last value: a row off a line boundary
         prefetching = builder.icmp_signed(">", ahead_v, intp(0))
 
         def source_row(k):
@@ -130,8 +163,13 @@ def _block_sum_signature(group_size, dst, d, lo, hi, index, gain, src, ahead, co
 
         def term(k):
             """gain[k] * src[index[k], col:col + w], in float32."""
-            values = builder.load(builder.bitcast(arrays.pointer("src", source_row(k), col_v), vector.as_pointer()),
-                                  align=4)
+            if stored == "float32":
+                values = builder.load(builder.bitcast(arrays.pointer("src", source_row(k), col_v),
+                                                      vector.as_pointer()), align=4)
+            else:
+                raw = builder.load(builder.bitcast(arrays.pointer("src", source_row(k), col_v),
+                                                   ir.VectorType(ir.IntType(16), w).as_pointer()), align=2)
+                values = _decode(builder, raw, stored)
             if unit:
                 return values
             scale = builder.load(arrays.pointer("gain", k))
@@ -210,6 +248,7 @@ def _block_sum_signature(group_size, dst, d, lo, hi, index, gain, src, ahead, co
 
 _grouped_block_sum = _block_sum_intrinsic(4)
 _sequential_block_sum = _block_sum_intrinsic(1)
+_grouped_block_sum_16 = {stored: _block_sum_intrinsic(4, stored) for stored in ("float16", "bfloat16")}
 
 
 @njit(inline="always")
@@ -227,3 +266,18 @@ def sequential_sum_registers(dst, d, lo, hi, index, gain, src, ahead, dim, width
     occurrence at a time."""
     for col in range(0, dim, width):
         _sequential_block_sum(dst, d, lo, hi, index, gain, src, ahead, col, width)
+
+
+def _weighted_sum_registers_16(stored):
+    block_sum = _grouped_block_sum_16[stored]
+
+    @njit(inline="always")
+    def weighted_sum_decoded(dst, d, lo, hi, index, gain, src, ahead, dim, width):
+        for col in range(0, dim, width):
+            block_sum(dst, d, lo, hi, index, gain, src, ahead, col, width)
+    weighted_sum_decoded.__doc__ = (f":func:`weighted_sum_registers` of the ``uint16`` bits of {stored} rows "
+                                    f"(the same sums as of their float32 values)")
+    return weighted_sum_decoded
+
+
+weighted_sum_registers_16 = {stored: _weighted_sum_registers_16(stored) for stored in ("float16", "bfloat16")}

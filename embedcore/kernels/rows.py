@@ -252,7 +252,7 @@ def gather_kernel(dim: int, prefetch: bool = True):
 
 
 # The gather of a 16-bit table: the same sums of the rows' values converted to float32 (``decode``, one of
-# kernels/half.py's), in memory rather than in registers.
+# kernels/half.py's), in registers for rows of whole cache lines (``dim`` a constant), else in memory.
 _GATHER_16_SOURCE = '''
 def gather(table, rows, gains, out_ptr, act, ahead):
     dim = act.shape[1]
@@ -260,16 +260,33 @@ def gather(table, rows, gains, out_ptr, act, ahead):
         weighted_sum(act, a, out_ptr[a], out_ptr[a + 1], rows, gains, table, ahead, dim, decode)
 '''
 
+_GATHER_16_FIXED_SOURCE = '''
+def gather(table, rows, gains, out_ptr, act, ahead):
+    if table.shape[1] != {dim} or act.shape[1] != {dim}:
+        raise ValueError("gather kernel compiled for rows of {dim} values called with other rows")
+    for a in prange(act.shape[0]):
+        in_registers(act, a, out_ptr[a], out_ptr[a + 1], rows, gains, table, ahead, {dim}, {width})
+'''
 
-def gather_16_kernel(stored: str):
+
+def gather_16_kernel(stored: str, dim: int | None = None):
     """The jitted gather of a table stored as ``stored`` (``"float16"`` or ``"bfloat16"``), its ``uint16``
-    view passed as ``table``; ``gather(table, rows, gains, out_ptr, act, ahead)``."""
-    kernel = _GATHERS.get(stored)
+    view passed as ``table``, for rows of ``dim`` values when :func:`fixed_length` (sums in registers), any
+    length otherwise; ``gather(table, rows, gains, out_ptr, act, ahead)``."""
+    from .half import decoder
+    from .row_vector import weighted_sum_registers_16
+    fixed = dim is not None and fixed_length(dim)  # (the caller passes C-contiguous rows then)
+    key = (stored, dim if fixed else None)
+    kernel = _GATHERS.get(key)
     if kernel is None:
-        from .half import decoder
-        namespace = {"prange": prange, "weighted_sum": weighted_sum, "decode": decoder(stored)}
-        kernel = _GATHERS[stored] = jit_source(_GATHER_16_SOURCE, namespace, "gather", ("gather 16", stored),
-                                               f"embedcore gather kernel, {stored}", parallel=True)
+        if fixed:
+            namespace = {"prange": prange, "in_registers": weighted_sum_registers_16[stored]}
+            source = _GATHER_16_FIXED_SOURCE.format(dim=dim, width=block_width(dim))
+        else:
+            namespace = {"prange": prange, "weighted_sum": weighted_sum, "decode": decoder(stored)}
+            source = _GATHER_16_SOURCE
+        kernel = _GATHERS[key] = jit_source(source, namespace, "gather", ("gather 16", *key),
+                                            f"embedcore gather kernel, {stored}", parallel=True)
     return kernel
 
 
@@ -281,7 +298,9 @@ def gather_combine(table, rows, gains, out_ptr, act, prefetch: bool = True, stor
     comes as its ``uint16`` view; its values are summed as float32, as a float32 copy of it would be."""
     dim = act.shape[1]
     if stored != "float32":
-        gather_16_kernel(stored)(table, rows, gains, out_ptr, act, ROWS_AHEAD if prefetch else 0)
+        contiguous = table.flags.c_contiguous and act.flags.c_contiguous
+        gather_16_kernel(stored, dim if contiguous else None)(table, rows, gains, out_ptr, act,
+                                                              ROWS_AHEAD if prefetch else 0)
     elif fixed_length(dim):
         gather_kernel(dim, prefetch)(table, rows, gains, out_ptr, act)
     else:

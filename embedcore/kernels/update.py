@@ -249,6 +249,9 @@ def _scratch(slot_dims, elementwise, formats):
     lines = [f"    {name} = np.empty(dim, np.float32)" for name in _scratch_rows(slot_dims, elementwise)]
     if formats.weights_16:  # the rounded rows, checked before they are stored
         lines.append("    e_w = np.empty(dim, np.uint16)")
+    if formats.any_16 and formats.stochastic:  # 16 random bits a value, four to a word
+        lines += ["    words = (dim + 3) // 4", "    random_words = np.empty(words, np.uint64)",
+                  "    random_16 = random_words.view(np.uint16)"]
     if formats.slots_16:
         lines += [f"    e_n{k} = np.empty(dim, np.uint16)" for k, d in enumerate(slot_dims) if d == 2]
     return _SCRATCH.format(slot_scratch="\n".join(lines) + ("\n" if lines else ""))
@@ -281,23 +284,30 @@ def _store(slot_dims, weights, slot_rows, slot_scalars, formats):
         for k, d in enumerate(slot_dims):
             lines.append(f"copy_row(s{k}[r], {slot_rows[k]})" if d == 2 else f"s{k}[r] = {slot_scalars[k]}")
         return lines
-    lines = ["t_row, key = rounding_place(rounding, np.int64(r))", "base = np.uint64(t_row) * np.uint64(dim)",
-             "ok = True"]
+    stochastic = formats.stochastic
+    lines = ["t_row, key = rounding_place(rounding, np.int64(r))", "ok = True"]
+    if stochastic:
+        lines.append("base = np.uint64(t_row) * np.uint64(words)")
+
+    def encode_row(dst, src, key, encode, finite):
+        out = []
+        if stochastic:  # the row's random words, then each value's 16 bits
+            out += ["for q in range(words):", f"    random_words[q] = rounding_bits({key}, base + np.uint64(q))"]
+        bits = "random_16[j]" if stochastic else "0"
+        return out + ["for j in range(dim):", f"    {dst}[j] = {encode}({src}[j], {bits})",
+                      f"    ok = ok & {finite}({dst}[j])"]
+
     if formats.slots_16:
         lines += [f"key_s{k} = slot_key(key, {k})" for k in range(n)]
     if formats.weights_16:
-        lines += ["for j in range(dim):",
-                  f"    e_w[j] = enc_w({weights}[j], rounding_bits(key, base + np.uint64(j)))",
-                  "    ok = ok & fin_w(e_w[j])"]
+        lines += encode_row("e_w", weights, "key", "enc_w", "fin_w")
     if formats.slots_16:
         for k, d in enumerate(slot_dims):
             if d == 2:
-                lines += ["for j in range(dim):",
-                          f"    e_n{k}[j] = enc_s({slot_rows[k]}[j], rounding_bits(key_s{k}, base + np.uint64(j)))",
-                          f"    ok = ok & fin_s(e_n{k}[j])"]
+                lines += encode_row(f"e_n{k}", slot_rows[k], f"key_s{k}", "enc_s", "fin_s")
             else:
-                lines += [f"e_v{k} = enc_s({slot_scalars[k]}, rounding_bits(key_s{k}, np.uint64(t_row)))",
-                          f"ok = ok & fin_s(e_v{k})"]
+                bits = f"np.uint16(rounding_bits(key_s{k}, np.uint64(t_row)) & np.uint64(0xFFFF))" if stochastic else "0"
+                lines += [f"e_v{k} = enc_s({slot_scalars[k]}, {bits})", f"ok = ok & fin_s(e_v{k})"]
     lines += ["if not ok:"] + _flag("STATUS_OUTPUT")
     lines.append(f"copy_row(table[r], {'e_w' if formats.weights_16 else weights})")
     for k, d in enumerate(slot_dims):
