@@ -132,13 +132,7 @@ HALF_DTYPES = {"users": {"weights": "bfloat16", "slot/accumulators": "float32"},
                "items": {"weights": "bfloat16", "slot/momenta": "float16", "slot/velocities": "float16"},
                "tiny": {"weights": "bfloat16", "slot/momenta": "float16", "slot/velocities": "float16"},
                "tags": {"weights": "float32", "slot/accumulators": "float16"}}
-# A 16-bit table of fewer rows than ranks: the rank owning none fails to build (rank's shard of 0 rows:
-# embedcore/tables/physical.py _fill_stored steps range(0, 0, 0) for a slot initializer that is a plain number).
-EMPTY_16_BIT_SHARD = pytest.mark.xfail(strict=True, reason="a 16-bit shard of no rows cannot be filled "
-                                       "(_fill_stored: range() arg 3 must not be zero)")
-
-
-@pytest.mark.parametrize("world", [1, 2, pytest.param(3, marks=EMPTY_16_BIT_SHARD)])
+@pytest.mark.parametrize("world", [1, 2, 3])
 def test_16_bit_sharded_training_equals_one_process_bit_for_bit(trained, world):
     """bfloat16 rows rounded stochastically (stacked Adam tables with float16 slots; a lazy Adagrad table),
     a float32 table of float16 slots: K ranks give one process's tables and slots bit for bit (3 ranks: a

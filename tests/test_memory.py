@@ -266,10 +266,6 @@ def test_a_twice_larger_16_bit_table_is_built_within_a_float32_tables_bound(stor
     assert double["peak"] <= f32["peak"] + FILL_TRANSIENT + RSS_SLACK, (double, f32)
 
 
-@pytest.mark.xfail(strict=True, reason="engine: tables/physical.py _fill_stored fills a 16-bit slot whose "
-                   "initializer is a plain float (Adagrad's initial_accumulator_value) in one pass, through a "
-                   "float32 scratch of the whole slot and its rounded copy: a build peak of ~2.7x the table's "
-                   "bytes (reported, issue 28)")
 def test_a_twice_larger_16_bit_table_with_a_float_slot_initializer_is_built_within_the_bound(storage):
     f32, double = storage["float32"], storage["bfloat16 x2"]
     assert double["peak"] <= f32["peak"] + FILL_TRANSIENT + RSS_SLACK, (double, f32)

@@ -292,25 +292,41 @@ _FILL_CHUNK_VALUES = 1 << 22  # values rounded into a 16-bit table per pass (a 1
 
 def _fill_stored(initializer, out, place, seed, *names) -> None:
     """``fill_rows`` into ``out`` (rows of ``place``); a 16-bit ``out`` is filled in float32 and rounded to
-    nearest, chunk by chunk (a plain callable initializer, which makes the whole table, in one pass), and a
-    value beyond its range is refused naming the table (``ValueError``)."""
+    nearest: a constant once, an :class:`~embedcore.initializers.Initializer` chunk by chunk, a plain
+    callable (which makes the whole table) in one pass. A value beyond the 16-bit range is refused naming
+    the table (``ValueError``)."""
+    from ..initializers import Initializer
     vocabulary = place.config.vocabulary_size
     if out.dtype == np.float32:
         fill_rows(initializer, out, place.first, vocabulary, seed, *names, stride=place.stride)
         return
-    from ..initializers import Initializer
     n, width = out.shape
-    step = n if not isinstance(initializer, Initializer) else max(1, _FILL_CHUNK_VALUES // max(width, 1))
+    if n == 0:
+        return
+    if isinstance(initializer, (int, float, np.integer, np.floating)) and not isinstance(initializer, bool):
+        row = np.empty((1, width), np.float32)
+        fill_rows(initializer, row, 0, 1, seed, *names)
+        _check_rounded(row, row.astype(out.dtype), place.first, 1, initializer, names)
+        out[...] = row.astype(out.dtype)
+        return
+    step = max(1, _FILL_CHUNK_VALUES // width) if isinstance(initializer, Initializer) else n
     scratch = np.empty((min(step, n), width), np.float32)
     for lo in range(0, n, step):
         part = scratch[:min(step, n - lo)]
-        fill_rows(initializer, part, place.first + lo * place.stride, vocabulary, seed, *names, stride=place.stride)
+        first = place.first + lo * place.stride
+        fill_rows(initializer, part, first, vocabulary, seed, *names, stride=place.stride)
         with np.errstate(over="ignore"):
-            out[lo:lo + part.shape[0]] = part.astype(out.dtype)
-        bad = np.flatnonzero(~np.isfinite(out[lo:lo + part.shape[0]]).all(axis=1))
-        if bad.size:
-            row = place.first + (lo + int(bad[0])) * place.stride
-            value = part[bad[0]][~np.isfinite(out[lo + bad[0]].astype(np.float32))][0]
-            name = format_of(out.dtype)
-            raise ValueError(f"initializer {initializer!r} for {'/'.join(names)} wrote {value} to row {row}, beyond "
-                             f"the range of {name} (magnitudes up to {FORMAT_RANGE[name]:g})")
+            out[lo:lo + part.shape[0]] = part
+        _check_rounded(part, out[lo:lo + part.shape[0]], first, place.stride, initializer, names)
+
+
+def _check_rounded(values, rounded, first_row, stride, initializer, names) -> None:
+    """Refuse float32 ``values`` whose 16-bit ``rounded`` values overflowed, naming the first such row."""
+    bad = np.flatnonzero(~np.isfinite(rounded).all(axis=1))
+    if bad.size:
+        k = int(bad[0])
+        value = values[k][~np.isfinite(rounded[k].astype(np.float32))][0]
+        name = format_of(rounded.dtype)
+        raise ValueError(f"initializer {initializer!r} for {'/'.join(names)} wrote {value} to row "
+                         f"{first_row + k * stride}, beyond the range of {name} (magnitudes up to "
+                         f"{FORMAT_RANGE[name]:g})")
