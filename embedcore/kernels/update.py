@@ -267,11 +267,11 @@ def _flag(code):
     return [f"    status[item] = {code}", "    progress[1] += 1", "    continue"]
 
 
-def _load(dst, src, is_16, decode):
-    """``dst[:] = src`` into a float32 scratch row, decoding 16-bit values."""
+def _load(dst, array, is_16, decode):
+    """``dst[:] = array[r]`` into a float32 scratch row, decoding 16-bit values."""
     if not is_16:
-        return [f"copy_row({dst}, {src})"]
-    return ["for j in range(dim):", f"    {dst}[j] = {decode}({src}[j])"]
+        return [f"copy_row({dst}, {array}[r])"]
+    return ["for j in range(dim):", f"    {dst}[_U(j)] = {decode}({array}[r, _U(j)])"]
 
 
 def _store(slot_dims, weights, slot_rows, slot_scalars, formats):
@@ -294,8 +294,9 @@ def _store(slot_dims, weights, slot_rows, slot_scalars, formats):
         if stochastic:  # the row's random words, then each value's 16 bits
             out += ["for q in range(words):", f"    random_words[q] = rounding_bits({key}, base + np.uint64(q))"]
         bits = "random_16[j]" if stochastic else "0"
-        return out + ["for j in range(dim):", f"    {dst}[j] = {encode}({src}[j], {bits})",
-                      f"    ok = ok & {finite}({dst}[j])"]
+        bits = bits.replace("[j]", "[_U(j)]")
+        return out + ["for j in range(dim):", f"    {dst}[_U(j)] = {encode}({src}[_U(j)], {bits})",
+                      f"    ok = ok & {finite}({dst}[_U(j)])"]
 
     if formats.slots_16:
         lines += [f"key_s{k} = slot_key(key, {k})" for k in range(n)]
@@ -338,10 +339,10 @@ def _body(slot_dims, elementwise, formats):
         lines += ["if not ok:"] + _flag("STATUS_OUTPUT")
         return lines + _store(slot_dims, "w_new", [f"n{k}" for k in range(n)], [None] * n, formats)
     # Per row: the function gets scratch copies, so in-place edits reach the table only once checked.
-    lines += _load("w_new", "table[r]", formats.weights_16, "dec_w")
+    lines += _load("w_new", "table", formats.weights_16, "dec_w")
     for k, d in enumerate(slot_dims):
         if d == 2:
-            lines += _load(f"n{k}", f"s{k}[r]", formats.slots_16, "dec_s")
+            lines += _load(f"n{k}", f"s{k}", formats.slots_16, "dec_s")
     slot_args = "".join(f"n{k}, " if d == 2 else (f"dec_s(s{k}[r]), " if formats.slots_16 else f"s{k}[r], ")
                         for k, d in enumerate(slot_dims))
     lines.append(f"out = fn(g_row, w_new, ({slot_args}), learning_rate, hyperparameters)")
