@@ -27,7 +27,8 @@ from .engine import Embedding, LookupContext, NonFiniteError, UpdateReport
 from .export import export_for_serving
 from .initializers import Constant, Initializer, RandomUniform, RowId, TruncatedNormal, Zeros
 from .inputs import InputError, Ragged, Sparse
-from .optimizers import FTRL, SGD, Adagrad, AdagradMomentum, Adam, CustomOptimizer, Optimizer, RowwiseAdagrad
+from .optimizers import (FTRL, SGD, Adagrad, AdagradMomentum, Adam, CustomOptimizer, ExactAdagrad, ExactRowwiseAdagrad,
+                         Optimizer, RowwiseAdagrad)
 from .serving import ServingEmbedding
 from .tuning import Tuning
 
@@ -36,6 +37,7 @@ __version__ = "0.1.0"
 __all__ = [
     "TableConfig", "FeatureConfig", "Embedding", "LookupContext", "UpdateReport", "NonFiniteError",
     "Optimizer", "CustomOptimizer", "SGD", "Adagrad", "AdagradMomentum", "Adam", "FTRL", "RowwiseAdagrad",
+    "ExactAdagrad", "ExactRowwiseAdagrad",
     "Initializer", "Constant", "Zeros", "TruncatedNormal", "RandomUniform", "RowId",
     "Ragged", "Sparse", "InputError", "RowFunctionError", "CheckpointError", "ServingEmbedding", "Tuning",
     "export_for_serving",
