@@ -128,11 +128,12 @@ def assert_unchanged(emb, snap):
             assert now_slots[n][s].tobytes() == v.tobytes(), f"slot {n}/{s} changed"
 
 
-def rewrite_manifest(path, edit):
-    """Edit a checkpoint's manifest (``edit(text) -> text``) and re-sign it in ``CURRENT``, as someone who
-    controls the directory could: only the checks beyond the hash chain stand in the way."""
+def rewrite_manifest(path, edit, serving=False):
+    """Edit a checkpoint's (``serving``: a serving export's) manifest (``edit(text) -> text``) and re-sign it
+    in ``CURRENT``, as someone who controls the directory could: only the checks beyond the hash chain stand
+    in the way."""
     from embedcore.checkpoint import open_snapshot
-    snap = open_snapshot(path)
+    snap = open_snapshot(path, serving=serving)
     manifest = os.path.join(snap.dir, "manifest.json")
     with open(manifest) as f:
         text = edit(f.read())

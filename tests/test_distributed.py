@@ -36,20 +36,10 @@ def mpirun(n, script, *args, timeout=240, python=()):
 
 @functools.lru_cache(maxsize=None)
 def reference(worlds, kind="float32"):
-    """One process trained on the global batches, step t's samples in the order the ranks of a job of
-    ``worlds[t]`` ranks hold them (their concatenation), with the workers' schedule (``kind``: the
-    workers' ``--tables``)."""
-    emb = ec.Embedding(*mpi_train.config(kind), seed=3)
-    mpi_train.train(emb, len(worlds), lambda t: np.concatenate(mpi_train.assignment(t, worlds[t])), kind=kind)
-    return emb
+    return mpi_train.reference(worlds, kind)
 
 
-def assert_tables(npz, emb, exact):
-    tolerance = {"rtol": 0, "atol": 0} if exact else {"rtol": 1e-5, "atol": 1e-6}
-    for name, table in emb.embedding_tables.items():
-        np.testing.assert_allclose(npz[f"{name}/weights"], table, err_msg=name, **tolerance)
-        for slot, value in emb.slot_variables[name].items():
-            np.testing.assert_allclose(npz[f"{name}/{slot}"], value, err_msg=f"{name}/{slot}", **tolerance)
+assert_tables = mpi_train.assert_tables
 
 
 @pytest.fixture(scope="module")

@@ -19,20 +19,12 @@ from embedcore.checkpoint.tensor_file import read_header
 from embedcore.export import dequantize_int8_rows, quantize_int8_rows
 from embedcore.kernels.quantized import gather_fused8
 
+from . import harness
 from . import reference as ref
 
 def rewrite_manifest(path, edit):
-    """Edit an export's manifest (``edit(text) -> text``) and re-sign it in ``CURRENT``, as someone who controls
-    the directory could (``tests.harness.rewrite_manifest`` for serving exports)."""
-    snap = open_snapshot(path, serving=True)
-    manifest = os.path.join(snap.dir, "manifest.json")
-    with open(manifest) as f:
-        text = edit(f.read())
-    with open(manifest, "w") as f:
-        f.write(text)
-    pointer = {"snapshot": snap.name, "manifest_sha256": hashlib.sha256(text.encode()).hexdigest()}
-    with open(os.path.join(path, "CURRENT"), "w") as f:
-        f.write(json.dumps(pointer))
+    harness.rewrite_manifest(path, edit, serving=True)
+
 
 EPS32 = float(np.finfo(np.float32).eps)
 

@@ -52,19 +52,7 @@ def launch(world, mode, out, *args, timeout=180):
     return [p.returncode for p in procs], reports, "\n".join(logs)[-4000:]
 
 
-def reference(worlds):
-    """One process trained on the global batches, each step's samples in the order the ranks hold them."""
-    emb = ec.Embedding(*mpi_train.config(), seed=3)
-    mpi_train.train(emb, len(worlds), lambda t: np.concatenate(mpi_train.assignment(t, worlds[t])))
-    return emb
-
-
-def assert_tables(npz, emb, exact):
-    tolerance = {"rtol": 0, "atol": 0} if exact else {"rtol": 1e-5, "atol": 1e-6}
-    for name, table in emb.embedding_tables.items():
-        np.testing.assert_allclose(npz[f"{name}/weights"], table, err_msg=name, **tolerance)
-        for slot, value in emb.slot_variables[name].items():
-            np.testing.assert_allclose(npz[f"{name}/{slot}"], value, err_msg=f"{name}/{slot}", **tolerance)
+reference, assert_tables = mpi_train.reference, mpi_train.assert_tables
 
 
 @pytest.fixture(scope="module")

@@ -120,6 +120,25 @@ def train(emb, stop, rows_of, on_step=None, kind="float32"):
                 on_step(emb)
 
 
+def reference(worlds, kind="float32"):
+    """One process trained on the global batches, step t's samples in the order the ranks of a job of
+    ``worlds[t]`` ranks hold them (their concatenation), with the workers' schedule (``kind``: the
+    workers' ``--tables``)."""
+    emb = ec.Embedding(*config(kind), seed=3)
+    train(emb, len(worlds), lambda t: np.concatenate(assignment(t, worlds[t])), kind=kind)
+    return emb
+
+
+def assert_tables(npz, emb, exact):
+    """The tables and slots a job saved (``save_tables``) equal ``emb``'s: bit for bit, or to float32
+    summation order."""
+    tolerance = {"rtol": 0, "atol": 0} if exact else {"rtol": 1e-5, "atol": 1e-6}
+    for name, table in emb.embedding_tables.items():
+        np.testing.assert_allclose(npz[f"{name}/weights"], table, err_msg=name, **tolerance)
+        for slot, value in emb.slot_variables[name].items():
+            np.testing.assert_allclose(npz[f"{name}/{slot}"], value, err_msg=f"{name}/{slot}", **tolerance)
+
+
 def save_tables(emb, path):
     tables = emb.gather_tables()
     if emb.rank == 0:
