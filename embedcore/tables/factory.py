@@ -63,9 +63,10 @@ def _check_fits(plans) -> None:
         formats = places[0].config.stored_formats
         nbytes = DenseStorage.bytes_needed(n_rows, dim, opt.slot_dims, formats) + (0 if opt.lazy else n_rows)
         n_slots = len(opt.slot_dims)
+        slot_kind = "" if formats.slots == "float32" else f"{formats.slots} "
         tables = [p.config.name for p in places]
         what = (f"table(s) {tables} ({n_rows:,} rows x {dim:,} {formats.weights} values"
-                f"{f', plus {n_slots} {formats.slots} slot(s)' if n_slots else ''})")
+                f"{f', plus {n_slots} {slot_kind}slot(s)' if n_slots else ''})")
         check_fits(nbytes, what)
         total += nbytes
         names += tables
