@@ -173,7 +173,8 @@ class TableLookup:
 
     @property
     def embedding_tables(self) -> dict:
-        """Table name -> its ``[vocabulary_size, dim]`` float32 array (a view of the engine's storage)."""
+        """Table name -> its ``[vocabulary_size, dim]`` array in the table's ``weights_dtype`` (float32,
+        ``np.float16`` or ``ml_dtypes.bfloat16``; a view of the engine's storage)."""
         return {name: table.table_rows(name) for table in self._physical for name in table.table_names}
 
     @property
@@ -257,7 +258,8 @@ class TrainingEngine(TableLookup):
 
     @property
     def slot_variables(self) -> dict:
-        """Table name -> {slot name: the slot's rows this engine holds, ``[rows, dim]`` or ``[rows]`` float32}."""
+        """Table name -> {slot name: the slot's rows this engine holds, ``[rows, dim]`` or ``[rows]``, in the
+        table's ``slot_dtype``}."""
         return {name: table.slot_rows(name) for table in self._physical for name in table.table_names}
 
     @property

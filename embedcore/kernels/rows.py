@@ -32,8 +32,10 @@ from numba import njit, prange, types
 from numba.extending import overload
 
 from ..compile_cache import jit_source
+from .half import decoder
 from .prefetch import CACHE_LINE_FLOATS, prefetch_rows_ahead
-from .row_vector import block_width, no_gains, sequential_sum_registers, sums_in_registers, weighted_sum_registers
+from .row_vector import (block_width, no_gains, sequential_sum_registers, sums_in_registers, weighted_sum_registers,
+                         weighted_sum_registers_16)
 
 __all__ = ["weighted_sum", "weighted_sum_fixed", "sequential_sum", "sequential_sum_fixed", "copy_row", "gather_combine", "gather_kernel", "fixed_length",
            "sum_gradients", "count_non_finite", "ROWS_AHEAD"]
@@ -273,8 +275,6 @@ def gather_16_kernel(stored: str, dim: int | None = None):
     """The jitted gather of a table stored as ``stored`` (``"float16"`` or ``"bfloat16"``), its ``uint16``
     view passed as ``table``, for rows of ``dim`` values when :func:`fixed_length` (sums in registers), any
     length otherwise; ``gather(table, rows, gains, out_ptr, act, ahead)``."""
-    from .half import decoder
-    from .row_vector import weighted_sum_registers_16
     fixed = dim is not None and fixed_length(dim)  # (the caller passes C-contiguous rows then)
     key = (stored, dim if fixed else None)
     kernel = _GATHERS.get(key)

@@ -293,8 +293,7 @@ def _store(slot_dims, weights, slot_rows, slot_scalars, formats):
         out = []
         if stochastic:  # the row's random words, then each value's 16 bits
             out += ["for q in range(words):", f"    random_words[q] = rounding_bits({key}, base + np.uint64(q))"]
-        bits = "random_16[j]" if stochastic else "0"
-        bits = bits.replace("[j]", "[_U(j)]")
+        bits = "random_16[_U(j)]" if stochastic else "0"
         return out + ["for j in range(dim):", f"    {dst}[_U(j)] = {encode}({src}[_U(j)], {bits})",
                       f"    ok = ok & {finite}({dst}[_U(j)])"]
 
