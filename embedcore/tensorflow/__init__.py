@@ -1,0 +1,14 @@
+"""TensorFlow front end: run a ``tf.tpu.experimental.embedding`` program on embedcore by swapping one class.
+
+Importing this package imports TensorFlow (the ``[tensorflow]`` extra); the core never does. Modules:
+
+* ``convert``: TensorFlow's config objects (``TableConfig``, ``FeatureConfig``, optimizers, initializers,
+  callable learning rates) to embedcore's, faithfully; embedcore's own configs pass through.
+* ``tensors``: ``tf.Tensor`` / ``tf.RaggedTensor`` / ``tf.SparseTensor`` features to embedcore inputs, and
+  activations back to ``tf.Tensor``.
+* ``graph``: the bridge that runs an engine's lookup and update eagerly and inside ``tf.function``.
+* ``engines``: drop-ins for TensorFlow's classes: ``TPUEmbeddingV2``, ``TPUEmbedding`` (the v2 API, with
+  ``enqueue``/``dequeue``) and ``TPUEmbeddingForServing``.
+* ``keras``: a Keras layer whose sparse update runs in its gradient, so ``model.fit`` trains the tables.
+* ``checkpoint``: tables and slots to and from a ``tf.train.Checkpoint`` written by TensorFlow's engines.
+"""
