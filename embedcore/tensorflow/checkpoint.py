@@ -1,0 +1,397 @@
+"""Tables and slots to and from ``tf.train.Checkpoint``\\ s of TensorFlow's TPU embedding engines.
+
+A model trained with ``tf.tpu.experimental.embedding`` moves to embedcore with :func:`load_tf_checkpoint`,
+and back with :func:`save_tf_checkpoint` (or :func:`as_trackable`, to save the tables beside a model).
+
+What TensorFlow writes (tensorflow 2.21; read from ``tpu_embedding_base.py``, ``tpu_embedding_v2.py``,
+``tpu_embedding_for_serving.py``, ``tpu_embedding_v3*.py`` and checked by this module's tests):
+
+* ``TPUEmbedding`` (on CPU and on TPU) and ``TPUEmbeddingForServing`` track, under the object the user
+  put in the checkpoint (``tf.train.Checkpoint(embedding=...)``), one ``[vocabulary_size, dim]`` float32
+  variable per table, named by the table's name (``table_<i>`` for the i-th table, in order of first use
+  by the flattened features, when unnamed), one per slot named ``<table>/<slot>`` (TensorFlow's slot
+  names: ``accumulators``; ``momenta``, ``velocities``; ``accumulators``, ``linears``; ...), and a dict
+  ``_variables``: table name -> {``"parameters"``: table, slot name: slot}. This module reads that dict
+  from the checkpoint's object graph, so names holding ``/`` or ``.`` are never ambiguous.
+* On TPU, ``TPUEmbedding`` shards each variable over the hosts into contiguous row blocks; the checkpoint
+  stores the blocks as slices of one full-shape tensor, which TensorFlow's reader assembles.
+* ``TPUEmbeddingV2`` (SparseCore) stores *stacked* tables: tables of one ``dim`` and optimizer in one
+  variable whose rows are interleaved over the SparseCores, described by a
+  ``SparseCoreTableLayouts`` proto under ``_sparse_core_table_layouts``: row ``r`` of a table lies in
+  shard ``(r % num_sparse_cores + rotation) % num_sparse_cores`` at position ``row_offset +
+  r // num_sparse_cores``, padded rows and columns beyond the table's shape. Tables and slots are read out
+  of such a checkpoint by that rule (TensorFlow's own serving class reads only the tables).
+
+Written checkpoints use the per-table layout, which ``TPUEmbedding`` and ``TPUEmbeddingForServing``
+restore, and which TensorFlow's v3 checkpoint adapter describes as resharded onto SparseCore at restore
+(not checked here: that needs a TPU).
+
+Table names: the engine's table names are the checkpoint's unless ``feature_config`` (TensorFlow's, or
+embedcore's, configuration the engine was built from) is given: then the engine's i-th table is
+TensorFlow's i-th table (as TensorFlow orders and names them), checked to have the same shape.
+
+Steps are not part of TensorFlow's embedding checkpoints: the engine's ``step`` is left as it is unless
+``step`` is passed. Every refusal is a :class:`~embedcore.CheckpointError` naming the table and slot, and
+leaves the engine as it was.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from ..checkpoint import CheckpointError
+
+__all__ = ["load_tf_checkpoint", "save_tf_checkpoint", "as_trackable", "tf_table_names", "PARAMETERS"]
+
+PARAMETERS = "parameters"              # the table's key in TensorFlow's ``_variables`` dict
+_VARIABLES = "_variables"
+_LAYOUTS = "_sparse_core_table_layouts"
+_VALUE = "VARIABLE_VALUE"
+_GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"
+
+
+# -- the engine and its names ----------------------------------------------------------------------------
+def _engine_of(engine):
+    """The embedcore training engine behind ``engine`` (itself, or the drop-in's ``engine`` attribute)."""
+    inner = engine if hasattr(engine, "set_state") else getattr(engine, "engine", None)
+    needed = ("set_state", "embedding_tables", "slot_variables", "tables")
+    if inner is None or not all(hasattr(inner, a) for a in needed):
+        raise TypeError(f"engine must be an embedcore.Embedding (or a drop-in exposing one as .engine), got "
+                        f"{type(engine).__name__}")
+    return inner
+
+
+def tf_table_names(feature_config) -> list:
+    """TensorFlow's names of the tables of ``feature_config``, in TensorFlow's order (see :func:`_tf_tables`)."""
+    return [name for _, name in _tf_tables(feature_config)]
+
+
+def _tf_tables(feature_config) -> list:
+    """``[(table config, TensorFlow's name), ...]`` of the tables of ``feature_config``, in TensorFlow's order.
+
+    Tables are ordered by their first use in ``tf.nest.flatten(feature_config)`` (by identity); a table
+    without a name is called ``table_<i>``, ``i`` its position in that order (as ``TPUEmbedding`` names it).
+    """
+    import tensorflow as tf
+    tables = []
+    for feature in tf.nest.flatten(feature_config):
+        if not any(feature.table is t for t in tables):
+            tables.append(feature.table)
+    return [(t, t.name if t.name is not None else f"table_{i}") for i, t in enumerate(tables)]
+
+
+def _name_map(emb, feature_config) -> dict:
+    """Engine table name -> the checkpoint's table name."""
+    if feature_config is None:
+        return {name: name for name in emb.tables}
+    given = _tf_tables(feature_config)
+    mine = list(emb.tables.values())
+    if len(given) != len(mine):
+        raise CheckpointError(f"feature_config has {len(given)} table(s) ({[n for _, n in given]}), the engine "
+                              f"{len(mine)} ({[t.name for t in mine]})")
+    names = {}
+    for (table, tf_name), own in zip(given, mine):
+        if (table.vocabulary_size, table.dim) != (own.vocabulary_size, own.dim):
+            raise CheckpointError(f"feature_config's table '{tf_name}' is {table.vocabulary_size} x {table.dim}, "
+                                  f"but the engine's table in its place, '{own.name}', is {own.vocabulary_size} x "
+                                  f"{own.dim}: pass the feature_config the engine was built from")
+        if tf_name in names.values():
+            raise CheckpointError(f"feature_config names two tables '{tf_name}'")
+        names[own.name] = tf_name
+    return names
+
+
+# -- reading TensorFlow's checkpoint -----------------------------------------------------------------------
+class _Stored:
+    """One table or slot in the checkpoint: its shape and dtype (from the index) and how to read it."""
+
+    def __init__(self, shape, dtype, read, where):
+        self.shape, self.dtype, self.read, self.where = tuple(shape), dtype, read, where
+
+
+def _open(path):
+    """``(reader, prefix)`` of the TensorFlow checkpoint at ``path`` (a prefix, or a directory with a
+    ``checkpoint`` file naming one)."""
+    import tensorflow as tf
+    path = os.fspath(path)
+    prefix = tf.train.latest_checkpoint(path) if os.path.isdir(path) else path
+    if prefix is None:
+        raise CheckpointError(f"no TensorFlow checkpoint in the directory {path!r} (no 'checkpoint' file naming "
+                              f"one; pass the checkpoint's prefix, e.g. '{os.path.join(path, 'ckpt-1')}')")
+    try:
+        return tf.train.load_checkpoint(prefix), prefix
+    except Exception as e:  # NotFoundError, DataLossError, ... : TensorFlow's reader says why
+        raise CheckpointError(f"cannot read a TensorFlow checkpoint at {prefix!r}: {type(e).__name__}: "
+                              f"{str(e).strip()[:300]}") from None
+
+
+def _object_graph(reader, prefix):
+    """The checkpoint's object graph: ``(nodes, paths)``, paths as ``a/b/c`` from the root (node 0)."""
+    from tensorflow.core.protobuf import trackable_object_graph_pb2
+    if not reader.has_tensor(_GRAPH_KEY):
+        raise CheckpointError(f"{prefix!r} is a name-based (TF1) checkpoint without an object graph; "
+                              f"TensorFlow's TPU embedding engines write object-based ones (tf.train.Checkpoint)")
+    graph = trackable_object_graph_pb2.TrackableObjectGraph()
+    try:
+        graph.ParseFromString(reader.get_tensor(_GRAPH_KEY))
+    except Exception as e:
+        raise CheckpointError(f"{prefix!r}: its object graph cannot be read ({type(e).__name__}: {e})") from None
+    paths, queue = {0: ""}, [0]
+    while queue:
+        node = queue.pop(0)
+        for child in graph.nodes[node].children:
+            if child.node_id not in paths and child.node_id < len(graph.nodes):
+                paths[child.node_id] = f"{paths[node]}/{child.local_name}".lstrip("/")
+                queue.append(child.node_id)
+    return graph.nodes, paths
+
+
+def _children(node) -> dict:
+    return {c.local_name: c.node_id for c in node.children}
+
+
+def _value_key(node):
+    keys = [a.checkpoint_key for a in node.attributes if a.name == _VALUE]
+    return keys[0] if keys else None
+
+
+def _embedding_objects(nodes, paths) -> list:
+    """Node ids of the objects that look like TensorFlow's TPU embedding engines: a ``_variables`` dict of
+    dicts that each hold ``parameters``."""
+    found = []
+    for k, path in sorted(paths.items(), key=lambda kv: kv[1]):
+        variables = _children(nodes[k]).get(_VARIABLES)
+        if variables is None:
+            continue
+        tables = _children(nodes[variables])
+        if tables and all(PARAMETERS in _children(nodes[t]) for t in tables.values()):
+            found.append(k)
+    return found
+
+
+def _stored_variables(reader, nodes, obj, prefix, where) -> dict:
+    """Table name -> {``parameters`` or slot name: :class:`_Stored`} of one embedding object, the tables of a
+    SparseCore checkpoint taken out of their stacked variables."""
+    shapes, dtypes = reader.get_variable_to_shape_map(), reader.get_variable_to_dtype_map()
+
+    def stored(key, what):
+        if key is None or key not in shapes:
+            raise CheckpointError(f"{prefix!r}: {what} has no value in the checkpoint")
+        return _Stored(shapes[key], dtypes[key].as_numpy_dtype, lambda: reader.get_tensor(key), key)
+
+    variables = {}
+    for name, t in _children(nodes[_children(nodes[obj])[_VARIABLES]]).items():
+        variables[name] = {slot: stored(_value_key(nodes[v]), f"{where} table '{name}' {slot}")
+                           for slot, v in _children(nodes[t]).items()}
+    layouts = _children(nodes[obj]).get(_LAYOUTS)
+    if layouts is None:
+        return variables
+    serialized = reader.get_tensor(_value_key(nodes[layouts])) if _value_key(nodes[layouts]) else b""
+    return _unstacked(serialized, variables, prefix) if serialized else variables
+
+
+def _unstacked(serialized, stacked, prefix) -> dict:
+    """The tables (and their slots) of the stacked SparseCore variables ``stacked``, by the layouts proto."""
+    from tensorflow.core.tpu.kernels import sparse_core_layout_pb2
+    layouts = sparse_core_layout_pb2.SparseCoreTableLayouts()
+    layouts.ParseFromString(serialized)
+    tables, cache = {}, {}
+    for layout in layouts.tables:
+        if layout.stacked_table_name not in stacked:
+            raise CheckpointError(f"{prefix!r}: table '{layout.table_name}' lies in the stacked table "
+                                  f"'{layout.stacked_table_name}', which the checkpoint does not hold")
+        tables[layout.table_name] = {
+            slot: _Stored(tuple(layout.unsharded_shape), source.dtype,
+                          _unshuffler(layout, source, cache, prefix, slot), f"{source.where} ({layout.table_name})")
+            for slot, source in stacked[layout.stacked_table_name].items()}
+    return tables
+
+
+def _unshuffler(layout, source, cache, prefix, slot):
+    """A reader of one table's rows out of a stacked SparseCore variable (read once, shared by its tables)."""
+    cores = int(layout.num_sparse_cores)
+    rows, dim = (int(x) for x in layout.unsharded_shape)
+    per_core = int(layout.unsharded_padded_shape[0]) // max(cores, 1)
+
+    def read():
+        if source.where not in cache:
+            cache[source.where] = source.read()
+        stacked = cache[source.where]
+        if cores < 1 or stacked.ndim != 2 or stacked.shape[0] % cores or dim > stacked.shape[1] or \
+                layout.sparse_core_shard_row_offset + -(-rows // cores) > stacked.shape[0] // cores:
+            raise CheckpointError(f"{prefix!r}: the stacked table '{layout.stacked_table_name}' ({slot}) of shape "
+                                  f"{stacked.shape} does not hold table '{layout.table_name}' as its layout says "
+                                  f"({cores} SparseCores, {per_core} rows each from row "
+                                  f"{layout.sparse_core_shard_row_offset})")
+        shards = stacked.reshape(cores, stacked.shape[0] // cores, stacked.shape[1])
+        ids = np.arange(rows)
+        core = (ids % cores + int(layout.sparse_core_shard_rotation)) % cores
+        return shards[core, int(layout.sparse_core_shard_row_offset) + ids // cores, :dim]
+    return read
+
+
+def _select(found, paths, prefix, object_path):
+    if object_path is not None:
+        chosen = [k for k in found if paths[k] == object_path.strip("/")]
+        if not chosen:
+            raise CheckpointError(f"{prefix!r} holds no TPU embedding object at '{object_path}' (it holds "
+                                  f"{[paths[k] or '<root>' for k in found] or 'none'})")
+        return chosen[0]
+    if len(found) != 1:
+        if not found:
+            raise CheckpointError(f"{prefix!r} holds no tables of a TensorFlow TPU embedding engine (no object with "
+                                  f"a '_variables' dict of tables; its objects: "
+                                  f"{sorted(p for p in paths.values() if p)[:12]})")
+        raise CheckpointError(f"{prefix!r} holds {len(found)} TPU embedding objects, "
+                              f"{[paths[k] or '<root>' for k in found]}: pass object_path= to choose one")
+    return found[0]
+
+
+def load_tf_checkpoint(engine, path, feature_config=None, *, object_path=None, tables_only=False,
+                       convert_dtypes=False, step=None) -> str:
+    """Replace ``engine``'s tables and slots with those of a checkpoint of TensorFlow's TPU embedding.
+
+    Args:
+        engine: an :class:`embedcore.Embedding` (or a drop-in exposing one as ``.engine``).
+        path: the checkpoint's prefix (``.../ckpt-3``), or a directory whose ``checkpoint`` file names one.
+        feature_config: the configuration (TensorFlow's or embedcore's) the engine was built from, when the
+            checkpoint's table names are TensorFlow's and differ from the engine's (unnamed tables).
+        object_path: the path of the embedding object in the checkpoint (``"embedding"``,
+            ``"model/layer/_tpu_embedding"``), needed only when the checkpoint holds several.
+        tables_only: read the tables and leave the slots as they are (a serving checkpoint has none).
+        convert_dtypes: round TensorFlow's float32 values to nearest for 16-bit tables or slots (refused
+            otherwise).
+        step: the engine's ``step`` afterwards (``None`` keeps it; TensorFlow's checkpoints do not store it).
+
+    Everything is checked before anything changes: the checkpoint must hold every table of the engine and
+    no other, each of the engine's shape, and (unless ``tables_only``) exactly the engine's slots of each
+    table, of the table's shape; values must be finite. Returns the checkpoint prefix read.
+    """
+    emb = _engine_of(engine)
+    names = _name_map(emb, feature_config)
+    reader, prefix = _open(path)
+    nodes, paths = _object_graph(reader, prefix)
+    obj = _select(_embedding_objects(nodes, paths), paths, prefix, object_path)
+    where = f"'{paths[obj] or '<root>'}'"
+    stored = _stored_variables(reader, nodes, obj, prefix, where)
+
+    problems, plan = [], []
+    missing = sorted(n for n in names.values() if n not in stored)
+    if missing:
+        problems.append(f"no table {missing} (it holds {sorted(stored)})")
+    extra = sorted(set(stored) - set(names.values()))
+    if extra:
+        problems.append(f"tables {extra} that the engine does not have (its tables are {sorted(names.values())})")
+    tables, slots = emb.embedding_tables, emb.slot_variables
+    for own, theirs in names.items():
+        if theirs not in stored:
+            continue
+        label = f"table '{theirs}'" + (f" (the engine's '{own}')" if own != theirs else "")
+        found = stored[theirs]
+        targets = [(PARAMETERS, label, tables[own])]
+        if not tables_only:
+            wanted, present = set(slots[own]), set(found) - {PARAMETERS}
+            for slot in sorted(wanted - present):
+                problems.append(f"{label} has no slot '{slot}' (its slots are {sorted(present)}; tables_only=True "
+                                f"reads the tables alone)")
+            for slot in sorted(present - wanted):
+                problems.append(f"{label} has a slot '{slot}' that the engine's optimizer does not have (its slots "
+                                f"are {sorted(wanted)}); build the engine with the checkpoint's optimizer")
+            targets += [(s, f"{label} slot '{s}'", slots[own][s]) for s in slots[own] if s in present]
+        for key, what, target in targets:
+            source = found[key]
+            if source.shape != target.shape:
+                problems.append(f"{what} has shape {list(source.shape)}, the engine's has {list(target.shape)}")
+            elif np.dtype(source.dtype).kind != "f":
+                problems.append(f"{what} holds {np.dtype(source.dtype)}, not floats")
+            elif np.dtype(source.dtype) != target.dtype and not convert_dtypes:
+                problems.append(f"{what} is stored as {np.dtype(source.dtype)}, the engine's is {target.dtype}; "
+                                f"convert_dtypes=True rounds it to nearest")
+            else:
+                plan.append((own, key, what, source, target.dtype))
+    if problems:
+        raise CheckpointError(f"TensorFlow checkpoint {prefix!r} ({where}) does not match the engine: "
+                              + "; ".join(problems) + " (nothing was changed)")
+
+    new_tables, new_slots = {}, {}
+    for own, key, what, source, dtype in plan:
+        try:
+            value = np.ascontiguousarray(source.read(), dtype=dtype)
+        except CheckpointError:
+            raise
+        except Exception as e:  # DataLossError (a checksum or a truncated file), ...
+            raise CheckpointError(f"TensorFlow checkpoint {prefix!r}: {what} ({source.where}) cannot be read: "
+                                  f"{type(e).__name__}: {str(e).strip()[:300]} (nothing was changed)") from None
+        if key == PARAMETERS:
+            new_tables[own] = value
+        else:
+            new_slots.setdefault(own, {})[key] = value
+    try:
+        emb.set_state(new_tables, new_slots, step)
+    except ValueError as e:
+        raise CheckpointError(f"TensorFlow checkpoint {prefix!r}: {e}") from None
+    return prefix
+
+
+# -- writing one TensorFlow reads --------------------------------------------------------------------------
+def as_trackable(engine, feature_config=None, *, include_slots=True):
+    """A trackable holding float32 copies of ``engine``'s tables (and slots), laid out as TensorFlow's
+    ``TPUEmbedding`` tracks its own: put it in a ``tf.train.Checkpoint`` in the place of the TensorFlow
+    engine (``tf.train.Checkpoint(model=model, embedding=as_trackable(emb))``), and TensorFlow's
+    ``TPUEmbedding`` / ``TPUEmbeddingForServing`` restores it.
+
+    ``feature_config`` (the configuration the TensorFlow engine is built from) gives the tables
+    TensorFlow's names, as in :func:`load_tf_checkpoint`. Slots of one value per row (``slot_dims`` 1, the
+    row-wise optimizers) have no TensorFlow counterpart and are refused; ``include_slots=False`` writes the
+    tables alone (what TensorFlow's serving needs).
+    """
+    import tensorflow as tf
+    emb = _engine_of(engine)
+    names = _name_map(emb, feature_config)
+    tables, slots = emb.embedding_tables, emb.slot_variables
+    holder = tf.__internal__.tracking.AutoTrackable()
+    chosen, problems = {}, []
+    for own, theirs in names.items():
+        entry = {PARAMETERS: tables[own]}
+        if include_slots:
+            for slot, rows in slots[own].items():
+                if rows.shape != tables[own].shape:
+                    problems.append(f"table '{own}' slot '{slot}' has shape {list(rows.shape)}, not the table's "
+                                    f"{list(tables[own].shape)}: TensorFlow's TPU embedding slots are "
+                                    f"[vocabulary_size, dim] (include_slots=False writes the tables alone)")
+                entry[slot] = rows
+        attributes = [theirs] + [f"{theirs}/{s}" for s in entry if s != PARAMETERS]
+        taken = [a for a in attributes if hasattr(holder, a) or a == _VARIABLES]
+        if taken:
+            problems.append(f"table '{theirs}': the name {taken[0]!r} is reserved by TensorFlow's trackables")
+        chosen[theirs] = entry
+    if problems:
+        raise CheckpointError("cannot write a TensorFlow checkpoint: " + "; ".join(problems))
+    variables = {}
+    for theirs, entry in chosen.items():
+        made = {key: tf.Variable(np.asarray(rows, dtype=np.float32), name=theirs if key == PARAMETERS
+                                 else f"{theirs}/{key}", trainable=key == PARAMETERS)
+                for key, rows in entry.items()}
+        setattr(holder, theirs, made[PARAMETERS])
+        for key, variable in made.items():
+            if key != PARAMETERS:
+                setattr(holder, f"{theirs}/{key}", variable)
+        variables[theirs] = made
+    holder._variables = variables
+    return holder
+
+
+def save_tf_checkpoint(engine, path, feature_config=None, *, include_slots=True, attribute="embedding") -> str:
+    """Write ``engine``'s tables and slots as the TensorFlow checkpoint ``path`` (a prefix), as
+    ``tf.train.Checkpoint(**{attribute: tpu_embedding}).write(path)`` would; returns the prefix written.
+
+    Restore it in TensorFlow with ``tf.train.Checkpoint(embedding=tpu_embedding).restore(path)``. See
+    :func:`as_trackable` for ``feature_config`` and ``include_slots``; ``step`` is not written.
+    """
+    import tensorflow as tf
+    if not isinstance(attribute, str) or not attribute:
+        raise CheckpointError(f"attribute must be a non-empty string, got {attribute!r}")
+    holder = as_trackable(engine, feature_config, include_slots=include_slots)
+    return tf.train.Checkpoint(**{attribute: holder}).write(os.fspath(path))
