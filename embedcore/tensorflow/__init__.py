@@ -12,3 +12,7 @@ Importing this package imports TensorFlow (the ``[tensorflow]`` extra); the core
 * ``keras``: a Keras layer whose sparse update runs in its gradient, so ``model.fit`` trains the tables.
 * ``checkpoint``: tables and slots to and from a ``tf.train.Checkpoint`` written by TensorFlow's engines.
 """
+
+from .engines import TPUEmbedding, TPUEmbeddingForServing, TPUEmbeddingV2
+
+__all__ = ["TPUEmbeddingV2", "TPUEmbedding", "TPUEmbeddingForServing"]

@@ -13,7 +13,7 @@ graph, what ``tf.numpy_function`` hands over). Ids keep their integer dtype (emb
 alike); weights that are not float32 are cast to float32 by TensorFlow first, as TensorFlow's engines do.
 
 Going back, :func:`to_tensor` makes a float32 NumPy array a ``tf.Tensor`` without a copy where DLPack allows
-(C-contiguous float32 or float16), else with one; :func:`gradient_to_numpy` reads a gradient (``tf.Tensor``,
+(C-contiguous, 64-byte aligned float32 or float16), else with one; :func:`gradient_to_numpy` reads a gradient (``tf.Tensor``,
 ``tf.IndexedSlices``, NumPy or ``None``) as a NumPy array, densifying ``IndexedSlices`` (what
 ``tf.GradientTape`` gives for a ``tf.gather`` of activations).
 """
@@ -112,12 +112,14 @@ def to_numpy(tensor) -> np.ndarray:
 
 
 _DLPACK_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))
+_TF_ALIGNMENT = 64  # TensorFlow's kernels (Eigen) abort on tensors whose data is not 64-byte aligned
 
 
 def to_tensor(array: np.ndarray) -> tf.Tensor:
     """``array`` as an eager ``tf.Tensor``: sharing its memory through DLPack when it is C-contiguous float32
-    or float16 (the tensor keeps the array alive), else copied. The caller must not write ``array`` later."""
-    if array.dtype in _DLPACK_DTYPES and array.flags.c_contiguous:
+    or float16 and 64-byte aligned (TensorFlow's kernels need that; the tensor keeps the array alive), else
+    copied. The caller must not write ``array`` later."""
+    if array.dtype in _DLPACK_DTYPES and array.flags.c_contiguous and array.ctypes.data % _TF_ALIGNMENT == 0:
         try:
             return tf.experimental.dlpack.from_dlpack(array.__dlpack__())
         except (tf.errors.InvalidArgumentError, TypeError, BufferError):

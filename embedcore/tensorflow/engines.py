@@ -1,0 +1,565 @@
+"""Drop-ins for TensorFlow's TPU embedding classes, running on an :class:`embedcore.Embedding`.
+
+A program written for ``tf.tpu.experimental.embedding`` runs by swapping one class:
+
+* :class:`TPUEmbeddingV2` (``tpu_embedding_v3.py``): ``embedding_lookup(features, weights=None)`` (also
+  ``__call__``) -> ``(activations, preserved_outputs)``; ``apply_gradients(gradients, preserved_outputs)``.
+* :class:`TPUEmbedding` (the v2 API, ``tpu_embedding_v2.py``): ``enqueue(features, weights=None,
+  training=True)``, ``dequeue()``, ``apply_gradients(gradients)``.
+* :class:`TPUEmbeddingForServing` (``tpu_embedding_for_serving.py``): ``embedding_lookup(features,
+  weights=None)`` (also ``__call__``) -> activations, TensorFlow's CPU serving lookup.
+
+They take TensorFlow's own config objects (``TableConfig``, ``FeatureConfig``, the optimizers; converted by
+:mod:`embedcore.tensorflow.convert`) or embedcore's, and features as ``tf.Tensor`` / ``tf.RaggedTensor`` /
+``tf.SparseTensor`` nests like the feature config; activations are float32 ``tf.Tensor`` s with static
+shapes; gradients come from ``tf.GradientTape``. Everything works eagerly and inside ``tf.function`` (through
+:mod:`embedcore.tensorflow.graph`: one stateful op per lookup and per update; see there for ordering,
+retracing and errors). No ``TPUStrategy`` is needed (or looked at): under any strategy these classes train
+on the host.
+
+Behaviour kept from TensorFlow: the error classes and messages its engines raise for structure (``TypeError``
+/ ``ValueError`` of ``tf.nest.assert_same_structure``), input types and ranks, weights of the wrong kind,
+gradients that are not tensors or of the wrong shape (``ValueError``), and the order of calls
+(``RuntimeError``). Differences: ``apply_gradients`` with ``None`` for a feature applies no update to it
+(TensorFlow sends a zero gradient, which differs for optimizers that decay); the tables are not
+``tf.Variable`` s (see ``embedding_tables``); ``TPUEmbedding``'s queue holds one batch (a second ``enqueue``
+before its ``dequeue`` raises ``RuntimeError``), and ``enqueue`` / ``dequeue`` / ``apply_gradients`` of one
+step must be called in the same ``tf.function`` (or all eagerly), as TensorFlow's examples do.
+
+``embedding_tables``: each table as a ``tf.Tensor`` snapshot: a copy of the rows, in the table's dtype,
+taken when the property is read (TensorFlow returns ``tf.Variable`` s; embedcore's rows live in NumPy and are
+updated in place, which a ``tf.Tensor`` -- immutable to TensorFlow, and aliased only when 64-byte aligned --
+must not see). Read it again after training for the new values; it costs one copy of every table. Zero-copy
+NumPy views are ``engine.embedding_tables`` (``engine``: the :class:`embedcore.Embedding` underneath); to
+write rows, use ``engine.set_state``.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.python.util import nest
+
+import embedcore as ec
+
+from . import graph, tensors
+
+__all__ = ["TPUEmbeddingV2", "TPUEmbedding", "TPUEmbeddingForServing"]
+
+
+def _convert(feature_config, optimizer):
+    """``(embedcore features nest, [(given table, embedcore table)], embedcore optimizer or None)``."""
+    try:
+        from . import convert
+    except ImportError:  # only embedcore's own configs can be taken as they are
+        convert = None
+    if convert is not None:
+        converted = convert.features(feature_config)
+        return converted.features, list(converted.tables), convert.optimizer(optimizer)
+    leaves = tf.nest.flatten(feature_config)
+    if not all(isinstance(f, ec.FeatureConfig) for f in leaves) or not (
+            optimizer is None or isinstance(optimizer, ec.Optimizer)):
+        raise ValueError("TensorFlow config objects need embedcore.tensorflow.convert, which could not be imported")
+    tables = []
+    for f in leaves:
+        if not any(f.table is t for t, _ in tables):
+            tables.append((f.table, f.table))
+    return feature_config, tables, optimizer
+
+
+def _table_tensor(array: np.ndarray) -> tf.Tensor:
+    """A snapshot of a table's (or slot's) rows as a ``tf.Tensor`` of the same dtype (a copy)."""
+    return tf.constant(array)
+
+
+class _Front:
+    """What the three classes share: configs, the engine (built lazily), tables, structure checks."""
+
+    _what = "TPUEmbedding"
+    _keep_dense_last_dim = False
+
+    def __init__(self, feature_config, optimizer):
+        self._feature_config = feature_config
+        self._optimizer_given = optimizer
+        self._ec_features, self._table_pairs, self._ec_optimizer = _convert(feature_config, optimizer)
+        self._paths = graph.feature_paths(feature_config)
+        self._engine = None
+        self._built = False
+
+    # -- building ----------------------------------------------------------------------------------------
+    def _engine_features(self):
+        return self._ec_features
+
+    def build(self):
+        """Create the tables (and slots): an :class:`embedcore.Embedding` of the converted configs."""
+        if self._built:
+            return
+        with tf.init_scope():  # may be called while tracing: the tables are made once, eagerly
+            self._engine = ec.Embedding(self._engine_features(), self._ec_optimizer)
+        self._built = True
+
+    def _maybe_build(self):
+        if not self._built:
+            self.build()
+
+    @property
+    def engine(self) -> ec.Embedding:
+        """The :class:`embedcore.Embedding` holding the tables (built on first use)."""
+        self._maybe_build()
+        return self._engine
+
+    @property
+    def embedding_tables(self) -> dict:
+        """``{TableConfig as given: tf.Tensor}``: a snapshot of each table's rows (see the module docstring)."""
+        self._maybe_build()
+        rows = self._engine.embedding_tables
+        return {given: _table_tensor(rows[ec_table.name]) for given, ec_table in self._table_pairs}
+
+    @property
+    def variables(self) -> dict:
+        """``{TableConfig as given: {"parameters": rows, slot name: slot rows}}``, snapshots."""
+        self._maybe_build()
+        rows, slots = self._engine.embedding_tables, self._engine.slot_variables
+        return {given: {"parameters": _table_tensor(rows[t.name]),
+                        **{slot: _table_tensor(v) for slot, v in slots.get(t.name, {}).items()}}
+                for given, t in self._table_pairs}
+
+    def __repr__(self):
+        state = repr(self._engine) if self._built else "not built"
+        return f"{type(self).__name__}({len(self._paths)} features; {state})"
+
+    # -- checks (TensorFlow's errors) --------------------------------------------------------------------
+    def _check_structure(self, value):
+        nest.assert_same_structure(self._feature_config, value)
+
+    def _check_gradients(self, gradients, shapes):
+        """TensorFlow's checks of ``gradients`` against the activations' static ``shapes``."""
+        self._check_structure(gradients)
+        for (path, _), gradient, shape in zip(self._paths, nest.flatten(gradients), shapes):
+            if gradient is None:
+                continue
+            if isinstance(gradient, tf.IndexedSlices):
+                continue
+            if not isinstance(gradient, tf.Tensor):
+                raise ValueError(f"found non-tensor type: {type(gradient)} at path {path}.")
+            if not gradient.shape.is_compatible_with(shape):
+                raise ValueError(f"Found gradient of shape {gradient.shape} at path {path}. Expected shape "
+                                 f"{shape}.")
+
+    def _ec_nest(self, flat):
+        return tf.nest.pack_sequence_as(self._ec_features, flat)
+
+    def _lookup(self, features, weights, training, name=None):
+        """``(activations mirroring the given config, handle, static shapes)``."""
+        acts, handle = graph.lookup(self._engine, self._ec_nest(nest.flatten(features)),
+                                    None if weights is None else self._ec_nest(nest.flatten(weights)),
+                                    training=training, keep_dense_last_dim=self._keep_dense_last_dim, name=name)
+        flat = tf.nest.flatten(acts)
+        return nest.pack_sequence_as(self._feature_config, flat), handle, [a.shape for a in flat]
+
+    def _apply(self, gradients, handle, name=None):
+        return graph.apply_gradients(self._engine, self._ec_nest(nest.flatten(gradients)), handle, name=name)
+
+
+def _leaf_types(paths, features, weights, dense_weights: str):
+    """TensorFlow's checks of each feature's input type and its weights' type.
+
+    ``dense_weights``: ``"refuse"`` (the v2 API), ``"tensor"`` (v3: dense weights must be tensors) or
+    ``"serving"`` (TensorFlow's serving lookup's messages)."""
+    flat_w = [None] * len(paths) if weights is None else nest.flatten(weights)
+    for (path, feature), inp, w in zip(paths, nest.flatten(features), flat_w):
+        if isinstance(inp, (tf.SparseTensor, tf.RaggedTensor)):
+            kind = type(inp)
+            if w is not None and not isinstance(w, kind):
+                if dense_weights == "serving":
+                    raise ValueError(f"Weight for {path} is of type {type(w)} but it does not match type of the "
+                                     f"input which is {type(inp)}.")
+                if dense_weights == "tensor":
+                    raise ValueError(f"Expect weight to be {kind.__name__} type but got {type(w)}")
+                raise ValueError(f"Weight for {path} is type {type(w)} which does not match type input which is "
+                                 f"{kind.__name__}.")
+        elif isinstance(inp, (tf.Tensor, np.ndarray)):
+            if w is not None:
+                if dense_weights == "refuse":
+                    raise ValueError(f"Weight specified for dense input {path}, which is not allowed. Weight will "
+                                     f"always be 1 in this case.")
+                if dense_weights == "serving":
+                    raise ValueError(f"Weight specified for {path}, but input is dense.")
+                if not isinstance(w, (tf.Tensor, np.ndarray)):
+                    raise ValueError(f"Expect weight to be Tensor type but got {type(w)}")
+        else:
+            raise ValueError(f"Input {path} is of unknown type {type(inp)}. Please only pass Tensor, SparseTensor or "
+                             f"RaggedTensor as input.")
+        if dense_weights == "serving" and w is not None and _max_sequence_length(feature) > 0:
+            raise ValueError(f"Weight specified for {path}, but this is a sequence feature.")
+
+
+def _max_sequence_length(feature) -> int:
+    return int(getattr(feature, "max_sequence_length", 0) or 0)
+
+
+def _output_shape(feature):
+    shape = getattr(feature, "output_shape", None)
+    return tf.TensorShape(list(shape)) if shape else None
+
+
+# ----------------------------------------------------------------------------------------------------------
+
+class TPUEmbeddingV2(_Front):
+    """``tf.tpu.experimental.embedding.TPUEmbeddingV2`` on embedcore.
+
+    ``embedding_lookup(features, weights=None)`` (and ``__call__``) returns ``(activations,
+    preserved_outputs)``; pass ``preserved_outputs`` back to ``apply_gradients(gradients,
+    preserved_outputs)``, which updates the tables the lookup read with each table's fused optimizer (once per
+    lookup; ``None`` for a feature: no update for it). ``embedding_tables`` is keyed as TensorFlow keys it,
+    by stacked table name: the names of the tables stacked into one physical table (equal optimizer, ``dim``
+    and storage; embedcore's stacking rule) joined with ``"_"``, each a snapshot of the stacked rows in
+    embedcore's order (features' first-seen order). ``embedding_table_shards`` is not provided (no devices);
+    ``pipeline_execution_with_tensor_core`` and ``sparse_core_embedding_config`` change nothing here.
+    """
+
+    _what = "TPUEmbeddingV2"
+
+    def __init__(self, feature_config, optimizer=None, pipeline_execution_with_tensor_core: bool = False,
+                 sparse_core_embedding_config=None):
+        super().__init__(feature_config, optimizer)
+        self._pipelining = pipeline_execution_with_tensor_core
+
+    @property
+    def embedding_tables(self) -> dict:
+        """``{stacked table name: tf.Tensor}`` (see the class docstring)."""
+        self._maybe_build()
+        return {"_".join(t.table_names): _table_tensor(t.weights) for t in self._engine.physical_tables}
+
+    @property
+    def variables(self) -> dict:
+        """``{stacked table name: {"parameters": rows, slot name: slot rows}}``, snapshots."""
+        self._maybe_build()
+        out = {}
+        for t in self._engine.physical_tables:
+            names = list(t.optimizer.slot_names) if t.optimizer is not None else []
+            slots = {n: _table_tensor(s) for n, s in zip(names, t.slots)}
+            out["_".join(t.table_names)] = {"parameters": _table_tensor(t.weights), **slots}
+        return out
+
+    def __call__(self, features, weights=None):
+        """Call the mid level api to do embedding lookup (see :meth:`embedding_lookup`)."""
+        return self.embedding_lookup(features, weights)
+
+    def embedding_lookup(self, features, weights=None):
+        """Look ``features`` (and ``weights``) up; returns ``(activations, preserved_outputs)``.
+
+        Raises:
+            TypeError / ValueError: ``features`` or ``weights`` do not have the feature config's structure.
+            ValueError: an input of another type than Tensor, SparseTensor or RaggedTensor, weights of another
+                kind than their input.
+            embedcore.InputError: bad values (ids out of range, ...), eagerly; inside a graph, in a
+                ``tf.errors.OpError`` when it runs.
+        """
+        self._maybe_build()
+        self._check_structure(features)
+        if weights is not None:
+            self._check_structure(weights)
+        _leaf_types(self._paths, features, weights, "tensor")
+        activations, handle, shapes = self._lookup(features, weights, training=True)
+        return activations, {"embedcore_lookup": handle, "embedcore_shapes": _ShapeRecord(shapes)}
+
+    def apply_gradients(self, gradients, preserved_outputs):
+        """Apply ``gradients`` (mirroring the feature config; ``None`` entries update nothing) to the lookup
+        that returned ``preserved_outputs``.
+
+        Raises:
+            RuntimeError: not built.
+            TypeError / ValueError: ``gradients`` do not have the feature config's structure.
+            ValueError: a gradient that is not a tensor, or of another shape than its activations, or
+                ``preserved_outputs`` that no ``embedding_lookup`` of this object returned.
+        """
+        if not self._built:
+            raise RuntimeError("apply_gradients called on unbuilt TPUEmbeddingV2 object. Please either call the "
+                               "embedding lookup method first or manually call the build method.")
+        if not isinstance(preserved_outputs, dict) or "embedcore_lookup" not in preserved_outputs:
+            raise ValueError(f"preserved_outputs must be the second output of this object's embedding_lookup, got "
+                             f"{type(preserved_outputs).__name__}")
+        record = preserved_outputs.get("embedcore_shapes")
+        shapes = record.shapes if isinstance(record, _ShapeRecord) else [None] * len(self._paths)
+        self._check_gradients(gradients, [tf.TensorShape(s) if s is not None else tf.TensorShape(None)
+                                          for s in shapes])
+        return self._apply(gradients, preserved_outputs["embedcore_lookup"])
+
+
+class _ShapeRecord:
+    """The static shapes of one lookup's activations, carried in ``preserved_outputs`` (``tf.nest`` sees no
+    tensors in it, so ``preserved_outputs`` passes through ``tf.function`` boundaries as a Python value)."""
+
+    def __init__(self, shapes):
+        self.shapes = list(shapes)
+
+    def __repr__(self):
+        return f"_ShapeRecord({self.shapes})"
+
+
+# ----------------------------------------------------------------------------------------------------------
+
+class _StepState:
+    """``TPUEmbedding``'s queue in one graph (or eagerly): the batch enqueued, then the batch dequeued."""
+
+    def __init__(self):
+        self.enqueued = None   # (activations, handle, shapes, training)
+        self.dequeued = None   # (handle, shapes, training, applied)
+
+
+class TPUEmbedding(_Front):
+    """``tf.tpu.experimental.embedding.TPUEmbedding`` (the v2 API) on embedcore.
+
+    ``enqueue(features, weights=None, training=True)`` looks the batch up, ``dequeue()`` returns its
+    activations, ``apply_gradients(gradients)`` updates the tables with the gradients of the activations
+    last dequeued (once; ``None`` for a feature: no update for it). Under any strategy (TensorFlow needs a
+    ``TPUStrategy`` for these three; here none is needed). ``embedding_tables`` is keyed by the
+    ``TableConfig`` objects given.
+
+    Order of calls, per ``tf.function`` (or eagerly): ``enqueue`` -> ``dequeue`` -> ``apply_gradients``; a
+    second ``enqueue`` before ``dequeue``, a ``dequeue`` without ``enqueue``, an ``apply_gradients`` without a
+    dequeued batch (or twice for one batch, or for a batch enqueued with ``training=False``) raise
+    ``RuntimeError``.
+
+    Output shapes follow TensorFlow's rules: ``FeatureConfig.output_shape`` first, then the shapes given to
+    :meth:`build`, then those detected from the first enqueued batch; a later batch of another shape raises
+    ``ValueError``.
+    """
+
+    def __init__(self, feature_config, optimizer, pipeline_execution_with_tensor_core: bool = False):
+        super().__init__(feature_config, optimizer)
+        self._pipelining = pipeline_execution_with_tensor_core
+        self._output_shapes = [_output_shape(f) for _, f in self._paths]
+        self._states = weakref.WeakKeyDictionary()
+        self._eager_state = _StepState()
+
+    def build(self, per_replica_input_shapes=None, per_replica_batch_size=None):
+        """Create the tables and slots; record output shapes from ``per_replica_input_shapes`` (a nest like
+        the feature config, or an int batch size) or ``per_replica_batch_size``.
+
+        Raises:
+            ValueError: the shapes disagree with the feature config's output shapes, or are of rank < 1.
+        """
+        if self._built:
+            return
+        incoming = None
+        if per_replica_batch_size is not None and per_replica_input_shapes is None:
+            per_replica_input_shapes = int(per_replica_batch_size)
+        if isinstance(per_replica_input_shapes, int):
+            incoming = [tf.TensorShape([per_replica_input_shapes, _max_sequence_length(f)])
+                        if not _output_shape(f) and _max_sequence_length(f) > 0
+                        else tf.TensorShape([per_replica_input_shapes]) for _, f in self._paths]
+        elif per_replica_input_shapes is not None:
+            nest.assert_same_structure(nest.flatten(per_replica_input_shapes), nest.flatten(self._feature_config))
+            incoming = self._outputs_from_inputs([tf.TensorShape(s) for s in nest.flatten(per_replica_input_shapes)])
+        if incoming is not None:
+            self._check_output_shapes(incoming)
+            self._update_output_shapes(incoming)
+        super().build()
+
+    # -- output shapes (TensorFlow's rules) -------------------------------------------------------------
+    def _outputs_from_inputs(self, input_shapes):
+        out = []
+        for shape, (_, feature) in zip(input_shapes, self._paths):
+            if shape.rank is None or shape.rank < 1:
+                raise ValueError(f"Received input tensor of shape {shape}. Rank must be 1 and above")
+            if len(shape) == 2 and shape[-1] != 1 and not _output_shape(feature) and \
+                    _max_sequence_length(feature) > 0:
+                dims = shape.as_list()
+                shape = tf.TensorShape(dims[:-1] + [_max_sequence_length(feature), dims[-1]])
+            out.append(shape if shape.rank == 1 else shape[:-1])
+        return out
+
+    def _input_shapes(self, features):
+        shapes = []
+        for (path, feature), inp in zip(self._paths, nest.flatten(features)):
+            if isinstance(inp, tf.SparseTensor):
+                dims = inp.shape.as_list()
+                if len(dims) < 2:
+                    raise ValueError(f"Only rank 2 and above sparse tensor is supported, find rank {len(dims)} "
+                                     f"sparse tensor for input {path}")
+                if not _output_shape(feature) and _max_sequence_length(feature) > 0 and len(dims) == 2:
+                    dims.insert(len(dims) - 1, _max_sequence_length(feature))
+            elif isinstance(inp, tf.RaggedTensor):
+                dims = inp.shape.as_list()
+                if len(dims) != 2:
+                    raise ValueError(f"Only rank 2 ragged tensor is supported, find rank {len(dims)} ragged tensor "
+                                     f"for input {path}")
+                if not _output_shape(feature) and _max_sequence_length(feature) > 0:
+                    dims.insert(len(dims) - 1, _max_sequence_length(feature))
+            else:
+                dims = tf.convert_to_tensor(inp).shape.as_list()
+                if len(dims) < 1:
+                    raise ValueError(f"Only rank 1 and above dense tensor is supported, find rank {len(dims)} "
+                                     f"sparse tensor for input {path}")
+                if len(dims) > 1 and dims[-1] != 1:
+                    raise ValueError(f"Rank 2 or above dense tensor should have last dimension as 1 as the last "
+                                     f"dimension will always be reduced. Instead got dense tensor as shape {dims}")
+            shapes.append(tf.TensorShape(dims))
+        return shapes
+
+    def _check_output_shapes(self, incoming):
+        for (path, _), old, new in zip(self._paths, self._output_shapes, incoming):
+            if old and new:
+                if len(new) in (1, 2) and len(old) > len(new):
+                    continue
+                if len(old) != len(new) or not old.is_compatible_with(new):
+                    raise ValueError(f"Inconsistent shape founded for input feature {path}, Output shape is set to be "
+                                     f"{old}, But got incoming output shape {new}")
+
+    def _update_output_shapes(self, incoming):
+        self._output_shapes = [old if old else new for old, new in zip(self._output_shapes, incoming)]
+
+    # -- the step ----------------------------------------------------------------------------------------
+    def _state(self) -> _StepState:
+        if tf.executing_eagerly():
+            return self._eager_state
+        g = tf.compat.v1.get_default_graph()
+        state = self._states.get(g)
+        if state is None:
+            state = self._states[g] = _StepState()
+        return state
+
+    def enqueue(self, features, weights=None, training: bool = True, name=None, device=None):
+        """Look up ``features`` (and ``weights``: ragged/sparse only, mirroring the ids) for the next
+        :meth:`dequeue`. ``device`` is accepted and ignored (there is one host).
+
+        Raises:
+            TypeError / ValueError: structure unlike the feature config; ValueError: input types, ranks,
+                weights for dense inputs, output shapes unlike earlier ones.
+            RuntimeError: a batch is already enqueued and not dequeued.
+        """
+        del device
+        self._check_structure(features)
+        if weights is not None:
+            self._check_structure(weights)
+        _leaf_types(self._paths, features, weights, "refuse")
+        incoming = self._outputs_from_inputs(self._input_shapes(features))
+        if not self._built:
+            self._check_output_shapes(incoming)
+            self._update_output_shapes(incoming)
+            self.build()
+        else:
+            self._check_output_shapes(incoming)
+        state = self._state()
+        if state.enqueued is not None:
+            raise RuntimeError("enqueue called twice without a dequeue in between: this TPUEmbedding holds one "
+                               "enqueued batch at a time; call dequeue() first")
+        activations, handle, shapes = self._lookup(features, weights, bool(training), name=name)
+        state.enqueued = (activations, handle, shapes, bool(training))
+
+    def dequeue(self, name=None):
+        """The activations of the batch last enqueued, a nest like the feature config.
+
+        Raises:
+            RuntimeError: not built, or no batch enqueued since the last dequeue.
+        """
+        del name
+        if not self._built:
+            raise RuntimeError("dequeue called on unbuilt TPUEmbedding object. Please either call enqueue first or "
+                               "manually call the build method.")
+        state = self._state()
+        if state.enqueued is None:
+            raise RuntimeError("dequeue called without a batch enqueued: call enqueue(features) first (in the same "
+                               "tf.function)")
+        activations, handle, shapes, training = state.enqueued
+        state.enqueued = None
+        state.dequeued = [handle, shapes, training, False]
+        return activations
+
+    def apply_gradients(self, gradients, name=None):
+        """Update the tables with ``gradients`` of the activations last dequeued (``None`` entries: no update
+        for that feature).
+
+        Raises:
+            RuntimeError: not built; no batch dequeued; the batch was enqueued with ``training=False``; its
+                gradients were applied already.
+            TypeError / ValueError: structure unlike the feature config; ValueError: a gradient that is not a
+                tensor, or of another shape than its activations.
+        """
+        if not self._built:
+            raise RuntimeError("apply_gradients called on unbuilt TPUEmbedding object. Please either call enqueue "
+                               "first or manually call the build method.")
+        state = self._state()
+        if state.dequeued is None:
+            raise RuntimeError("apply_gradients called without a dequeued batch: call enqueue(...) and dequeue() "
+                               "first (in the same tf.function)")
+        handle, shapes, training, applied = state.dequeued
+        if not training:
+            raise RuntimeError("apply_gradients called for a batch enqueued with training=False: enqueue it with "
+                               "training=True to update the tables")
+        if applied:
+            raise RuntimeError("apply_gradients called twice for one dequeued batch: its gradients were applied "
+                               "already")
+        self._check_gradients(gradients, shapes)
+        state.dequeued[3] = True
+        return self._apply(gradients, handle, name=name)
+
+
+# ----------------------------------------------------------------------------------------------------------
+
+class TPUEmbeddingForServing(_Front):
+    """``tf.tpu.experimental.embedding.TPUEmbeddingForServing`` on embedcore: TensorFlow's CPU serving lookup.
+
+    ``embedding_lookup(features, weights=None)`` (and ``__call__``) returns activations mirroring
+    ``features`` at any batch size, shaped as TensorFlow's ``serving_embedding_lookup`` shapes them: a dense
+    id tensor of shape ``S`` gives ``S + [dim]`` (one row per id, ``tf.nn.embedding_lookup``); a rank-2 sparse
+    or ragged tensor ``[B, dim]`` combined with the table's combiner (``[B, max_sequence_length, dim]`` for a
+    sequence feature with no ``output_shape``); a sparse tensor of higher rank ``S[:-1] + [dim]``; a ragged
+    tensor with an ``output_shape`` of ``B`` rows is reshaped to it. A feature's training ``output_shape``
+    is otherwise not used. The optimizer may be ``None`` (no slots; needs embedcore's lookup-only engine).
+    ``embedding_tables`` is keyed by the given ``TableConfig`` s.
+    """
+
+    _what = "TPUEmbeddingForServing"
+    _keep_dense_last_dim = True
+
+    def __init__(self, feature_config, optimizer, experimental_sparsecore_restore_info=None):
+        del experimental_sparsecore_restore_info
+        super().__init__(feature_config, optimizer)
+
+    def _engine_features(self):
+        # Serving shapes activations from the batch (above), so the engine looks up without output shapes.
+        plain = [f if f.output_shape is None else
+                 ec.FeatureConfig(f.table, f.max_sequence_length, f.validate_weights_and_indices, None, f.name)
+                 for f in tf.nest.flatten(self._ec_features)]
+        self._ec_features = tf.nest.pack_sequence_as(self._ec_features, plain)
+        return self._ec_features
+
+    def __call__(self, features, weights=None):
+        return self.embedding_lookup(features, weights)
+
+    def embedding_lookup(self, features, weights=None):
+        """Apply the serving lookup (see the class docstring).
+
+        Raises:
+            TypeError / ValueError: structure unlike the feature config.
+            ValueError: TensorFlow's serving errors (weights for a dense input or of another kind than the
+                input or for a sequence feature, a dense input for a sequence feature, an unknown input type,
+                a ragged tensor of rank other than 2, an ``output_shape`` that does not fit a ragged batch).
+        """
+        self._maybe_build()
+        self._check_structure(features)
+        if weights is not None:
+            nest.assert_same_structure(features, weights)
+        _leaf_types(self._paths, features, weights, "serving")
+        reshapes = []
+        for (path, feature), inp in zip(self._paths, nest.flatten(features)):
+            target = None
+            if isinstance(inp, tf.RaggedTensor) and _output_shape(feature):
+                rows = int(np.prod(feature.output_shape))
+                batch = inp.shape[0]
+                if batch is not None and rows != batch:
+                    raise ValueError(f"Output shape set in the FeatureConfig should be the factor of the input data "
+                                     f"batch size. But instead got output shape {list(feature.output_shape)}, input "
+                                     f"data batch size {batch} (embedcore serves ragged output shapes of the batch's "
+                                     f"size only) for feature {path}")
+                target = list(feature.output_shape)
+            reshapes.append(target)
+        activations, _, _ = self._lookup(features, weights, training=False)
+        flat = nest.flatten(activations)
+        flat = [a if t is None else tf.reshape(a, t + [a.shape[-1]]) for a, t in zip(flat, reshapes)]
+        return nest.pack_sequence_as(self._feature_config, flat)
