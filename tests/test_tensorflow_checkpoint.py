@@ -425,3 +425,23 @@ def test_reads_sparse_core_stacked_tables_as_tensorflow_serving_does(tmp_path, c
     for name in tables:
         np.testing.assert_array_equal(serving.embedding_tables[serving._table_config[list(tables).index(name)]]
                                       .numpy(), emb.embedding_tables[name])
+
+
+# -- through embedcore's drop-ins for TensorFlow's classes -------------------------------------------------
+@pytest.mark.parametrize("class_name", ["TPUEmbedding", "TPUEmbeddingV2", "TPUEmbeddingForServing"])
+def test_a_tensorflow_program_moves_by_swapping_the_class(tmp_path, class_name):
+    """TensorFlow's config objects (unnamed tables included), a drop-in engine: the checkpoint loads without
+    a feature_config, and TensorFlow restores what the drop-in saves."""
+    engines = pytest.importorskip("embedcore.tensorflow.engines")
+    tf_engine = E.TPUEmbedding(tf_features(named=False), E.SGD(0.1))
+    tf_engine.build()
+    randomize(tf_engine, 4)
+    prefix = tf.train.Checkpoint(embedding=tf_engine).write(str(tmp_path / "tf"))
+    ours = getattr(engines, class_name)(tf_features(named=False), E.SGD(0.1))
+    ours.build()
+    load_tf_checkpoint(ours, prefix)
+    assert_same(tf_values(tf_engine), ec_values(ours.engine))
+    back = E.TPUEmbedding(tf_features(named=False), E.SGD(0.1))
+    back.build()
+    tf.train.Checkpoint(embedding=back).read(save_tf_checkpoint(ours, tmp_path / "ec")).assert_consumed()
+    assert_same(tf_values(tf_engine), tf_values(back))
