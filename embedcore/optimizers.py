@@ -274,8 +274,8 @@ def adagrad_momentum(gradient, embedding_table, slot_variables, learning_rate, m
 
 def adam(gradient, embedding_table, slot_variables, learning_rate, beta_1, beta_2, epsilon, sum_inside_sqrt):
     """``m <- b1 m + (1 - b1) g;  v <- b2 v + (1 - b2) g^2;  w <- w - lr_t m / d`` with
-    ``d = sqrt(v + eps^2)`` (``sum_inside_sqrt`` 1) or ``sqrt(v) + eps`` (0); ``lr_t`` already holds the bias
-    correction."""
+    ``d = sqrt(v + eps^2)`` (``sum_inside_sqrt`` 1) or ``sqrt(v) + eps`` (0); ``lr_t`` is the learning rate
+    the optimizer hands over (with its bias correction folded in, if it has one)."""
     g = gradient
     m = beta_1 * slot_variables[0] + (1.0 - beta_1) * g
     v = beta_2 * slot_variables[1] + (1.0 - beta_2) * g * g
@@ -460,10 +460,18 @@ class AdagradMomentum(_BuiltinOptimizer):
 
 
 class Adam(_BuiltinOptimizer):
-    __doc__ = """Adam (TensorFlow's TPU formula):
+    __doc__ = """Adam as TensorFlow's TPU embeddings run it:
     ``m <- b1 m + (1 - b1) g;  v <- b2 v + (1 - b2) g^2;  w <- w - lr_t * m / d``,
-    ``d = sqrt(v + epsilon^2)`` if ``sum_inside_sqrt`` else ``sqrt(v) + epsilon``, and the bias correction
-    folded into the learning rate: ``lr_t = lr * sqrt(1 - b2^t) / (1 - b1^t)``, t the engine step from 1.
+    ``d = sqrt(v + epsilon^2)`` if ``sum_inside_sqrt`` else ``sqrt(v) + epsilon``.
+
+    ``bias_correction=False`` (the default, TensorFlow's): ``lr_t = lr``. TPU embeddings apply no bias
+    correction (TensorFlow's ``optimization_parameters.proto``: the hardware does not update Adam's
+    hyperparameters; "use the dynamic learning rate feature instead"), so a TensorFlow user who wants it folds
+    it into a learning-rate callable, and that callable works here unchanged.
+    ``bias_correction=True`` (jax-tpu-embedding's Adam, and embedcore's before this option):
+    ``lr_t = lr * sqrt(1 - b2^t) / (1 - b1^t)``, ``t`` the engine's step from 1 (:attr:`Embedding.step` after
+    the update; it counts ``apply_gradients`` calls, not the updates of each row).
+
     ``lazy_adam=True`` updates only touched rows; ``False`` updates every row, untouched ones with a zero
     gradient (their moments decay and their weights keep moving). Slots ``momenta``, ``velocities`` start
     at 0.""" + _COMMON_DOC
@@ -476,7 +484,8 @@ class Adam(_BuiltinOptimizer):
     def __init__(self, learning_rate=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-07, lazy_adam=True,
                  sum_inside_sqrt=True, use_gradient_accumulation=True, clip_weight_min=None,
                  clip_weight_max=None, weight_decay_factor=None, multiply_weight_decay_factor_by_learning_rate=None,
-                 slot_variable_creation_fn=None, clipvalue=None, low_dimensional_packing_status=False):
+                 slot_variable_creation_fn=None, clipvalue=None, low_dimensional_packing_status=False,
+                 bias_correction=False):
         super().__init__(learning_rate, _common_arguments(locals()))
         if not _is_number(beta_1) or beta_1 < 0.0 or beta_1 >= 1.0:
             raise ValueError(f"Adam: beta_1 must be in [0, 1); got {beta_1!r}.")
@@ -486,13 +495,18 @@ class Adam(_BuiltinOptimizer):
             raise ValueError(f"Adam: epsilon must be positive; got {epsilon!r}.")
         if not use_gradient_accumulation and not lazy_adam:
             raise ValueError("Adam: when `use_gradient_accumulation` is False, lazy_adam must be True.")
+        if not isinstance(bias_correction, (bool, np.bool_)):
+            raise ValueError(f"Adam: bias_correction must be True or False; got {bias_correction!r}.")
         self.beta_1, self.beta_2, self.epsilon = float(beta_1), float(beta_2), float(epsilon)
         _check_finite("Adam", positive=("epsilon",), epsilon=epsilon)
         self.lazy_adam, self.sum_inside_sqrt = bool(lazy_adam), bool(sum_inside_sqrt)
+        self.bias_correction = bool(bias_correction)
         self.lazy = self.lazy_adam
         self._check_constants()
 
     def learning_rate_value(self, step, configured):
+        if not self.bias_correction:
+            return configured
         lr = float(configured)
         return np.float32(lr * math.sqrt(1.0 - self.beta_2 ** step) / (1.0 - self.beta_1 ** step))
 

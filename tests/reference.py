@@ -106,7 +106,8 @@ def adam(g, w, slots, lr, p, step):
     b1, b2, eps = p.get("beta_1", 0.9), p.get("beta_2", 0.999), p.get("epsilon", 1e-7)
     m = b1 * slots[0] + (1 - b1) * g
     v = b2 * slots[1] + (1 - b2) * g ** 2
-    lr_t = lr * math.sqrt(1 - b2 ** step) / (1 - b1 ** step)
+    # TensorFlow's TPU Adam has no bias correction; bias_correction=True is jax-tpu-embedding's form.
+    lr_t = lr * math.sqrt(1 - b2 ** step) / (1 - b1 ** step) if p.get("bias_correction") else lr
     denominator = np.sqrt(v + eps ** 2) if p.get("sum_inside_sqrt", True) else np.sqrt(v) + eps
     return _clip_weights(w - lr_t * m / denominator, p), [m, v]
 

@@ -30,6 +30,9 @@ CASES = {
                           ref.adam, dict(beta_1=0.8, beta_2=0.9, epsilon=1e-3, sum_inside_sqrt=False,
                                          clip_min=-1.0, clip_max=1.0), 0.05, True),
     "adam-non-lazy": (ec.Adam(0.05, lazy_adam=False), ref.adam, {}, 0.05, False),
+    "adam-bias-corrected": (ec.Adam(0.05, bias_correction=True), ref.adam, dict(bias_correction=True), 0.05, True),
+    "adam-bias-corrected-non-lazy": (ec.Adam(0.05, beta_1=0.7, beta_2=0.8, lazy_adam=False, bias_correction=True),
+                                     ref.adam, dict(beta_1=0.7, beta_2=0.8, bias_correction=True), 0.05, False),
     "ftrl": (ec.FTRL(0.5, initial_accumulator_value=0.2), ref.ftrl, {}, 0.5, True),
     "ftrl-regularized": (ec.FTRL(0.5, learning_rate_power=-0.6, l1_regularization_strength=0.05,
                                  l2_regularization_strength=0.1, beta=0.3, initial_accumulator_value=0.2),
@@ -271,7 +274,12 @@ def test_a_learning_rate_callable_is_called_once_even_when_weight_decay_uses_it(
     lr_value, hyper = opt.step_values(1)
     assert len(calls) == 1
     assert hyper[2] == np.float32(0.5 * 0.1)  # the decay, scaled by the configured learning rate
-    assert np.isclose(lr_value, 0.1 * np.sqrt(1 - 0.999) / (1 - 0.9))  # Adam's bias correction on top
+    assert lr_value == np.float32(0.1)  # TensorFlow's TPU Adam: no bias correction
+    corrected = ec.Adam(lr, weight_decay_factor=0.5, multiply_weight_decay_factor_by_learning_rate=True,
+                        bias_correction=True)
+    lr_value, hyper = corrected.step_values(1)
+    assert len(calls) == 2 and hyper[2] == np.float32(0.5 * 0.1)  # the decay scales the configured rate
+    assert np.isclose(lr_value, 0.1 * np.sqrt(1 - 0.999) / (1 - 0.9))  # the bias correction on top
 
 
 @pytest.mark.parametrize("layout", ["one array", "swapped", "gap", "strided", "float64"])

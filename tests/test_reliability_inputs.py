@@ -193,7 +193,7 @@ def test_a_learning_rate_is_accepted_exactly_when_float32_holds_it(value):
     (lambda: ec.AdagradMomentum(0.1, momentum=float("nan")), r"Adagrad momentum: momentum must be a finite"),
     # Derived values, checked at construction: -1/exponent, Adam's bias-corrected rate, decay times the rate.
     (lambda: ec.AdagradMomentum(0.1, exponent=1e-39), r"-1 / exponent \(hyperparameter 7 of its row function\) evaluated to -1\.0*1?e\+39"),
-    (lambda: ec.Adam(1e38, beta_1=0.999999), r"the learning rate of step 1 evaluated to"),
+    (lambda: ec.Adam(1e38, beta_1=0.999999, bias_correction=True), r"the learning rate of step 1 evaluated to"),
     (lambda: ec.SGD(1e30, weight_decay_factor=1e30, multiply_weight_decay_factor_by_learning_rate=True),
      r"weight_decay_factor \(times the learning rate\) evaluated to 1\.0*\d*e\+60"),
 ])
@@ -335,11 +335,22 @@ def test_ids_of_64_bits_are_range_checked_as_ints_not_floats(ids):
 
 
 @pytest.mark.parametrize("shape", [(2.9, 3), (2, 3.0), (True, 3), (2, np.bool_(True)), (-1, 3), (2, -3),
-                                   (2,), (1, 2, 3), 5, "ab", (2 ** 40, 1)], ids=repr)
+                                   (2,), (1, 2.0, 3), 5, "ab", (2 ** 40, 1), (2, 2 ** 40, 3)], ids=repr)
 def test_bad_dense_shapes_are_refused_naming_the_feature(shape):
     emb = _feature_engine()
     with pytest.raises(InputError, match=r"sparse ids of feature 'pooled' must have a 2-D dense_shape of ints"):
         emb({"pooled": ec.Sparse([[0, 0]], [1], shape), "seq": GOOD_SEQ})
+
+
+def test_a_high_dimensional_dense_shape_needs_indices_of_its_rank():
+    """A dense_shape of rank 3 is a high-dimensional batch (tests/test_tensorflow_inputs.py): its indices
+    have 3 columns; 2 are refused, naming the feature, as are samples beyond 2**40 in all."""
+    emb = _feature_engine()
+    with pytest.raises(InputError, match=r"feature 'pooled' need indices of shape \[N, 3\]"):
+        emb({"pooled": ec.Sparse([[0, 0]], [1], (1, 2, 3)), "seq": GOOD_SEQ})
+    with pytest.raises(InputError, match=r"feature 'pooled' with dense_shape \(1048576, 1048576, 1\) declare "
+                                         r"1,099,511,627,776 samples"):
+        emb({"pooled": ec.Sparse([[0, 0, 0]], [1], (2 ** 20, 2 ** 20, 1)), "seq": GOOD_SEQ})
 
 
 def test_a_dense_shape_beyond_memory_is_refused_before_allocating(monkeypatch):

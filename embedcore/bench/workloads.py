@@ -58,7 +58,7 @@ class OptimSpec:
       eps = 1e-8 (FBGEMM's ``EXACT_ROWWISE_ADAGRAD``; embedcore ``RowwiseAdagrad(0, epsilon=1e-8)``).
     * ``adam``: lazy Adam (touched rows only): ``m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2;
       w -= lr_t m / (sqrt(v) + eps)``, ``lr_t = lr sqrt(1 - b2^t) / (1 - b1^t)`` (torch ``SparseAdam``;
-      embedcore ``Adam(lazy_adam=True, sum_inside_sqrt=False)``).
+      embedcore ``Adam(lazy_adam=True, sum_inside_sqrt=False, bias_correction=True)``).
     """
 
     name: str

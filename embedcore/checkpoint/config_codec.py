@@ -17,6 +17,12 @@ naming the manifest entry.
 
 :func:`check_config` is the configuration's schema: every field's type and range, checked before anything
 is decoded, so a malformed configuration is always a :class:`CheckpointError`.
+
+Configurations written by an earlier embedcore are read as what they meant then (:func:`check_config` brings
+them up to date in place, so loading compares and decodes the same thing): an ``Adam`` stored without
+``bias_correction`` was trained with the bias-corrected learning rate, ``lr * sqrt(1 - b2^t) / (1 - b1^t)``,
+embedcore's only Adam until ``Adam(bias_correction=False)`` (TensorFlow's TPU Adam) became the default, so it
+is read as ``bias_correction=True``.
 """
 
 from __future__ import annotations
@@ -207,6 +213,28 @@ def _check_class(found, base: type, where: str, path: str, source: str) -> None:
                               f"classes, so it is not used")
 
 
+# Arguments added to an optimizer class after checkpoints were written without them, and the value such a
+# checkpoint meant (what the optimizer did before the argument existed).
+_ARGUMENTS_BEFORE = {_optimizers.Adam: {"bias_correction": True}}
+
+
+def _arguments_before(cls) -> dict:
+    """The arguments a stored ``cls`` lacking them was written with (see ``_ARGUMENTS_BEFORE``)."""
+    out = {}
+    for base, arguments in _ARGUMENTS_BEFORE.items():
+        if isinstance(cls, type) and issubclass(cls, base):
+            out.update(arguments)
+    return out
+
+
+def _upgrade_stored_optimizer(value) -> None:
+    """A stored built-in optimizer written before some of its arguments existed gets them, in place, with the
+    values that reproduce what it did then (an old ``Adam``: ``bias_correction=True``)."""
+    if isinstance(value, dict) and isinstance(value.get("optimizer"), str) and isinstance(value.get("args"), dict):
+        for name, default in _arguments_before(_OPTIMIZERS.get(value["optimizer"])).items():
+            value["args"].setdefault(name, default)
+
+
 def _decode(value, where: str, resolve: FunctionResolver):
     if isinstance(value, list):
         return [_decode(v, f"{where}[{i}]", resolve) for i, v in enumerate(value)]
@@ -235,6 +263,9 @@ def _decode(value, where: str, resolve: FunctionResolver):
                 raise CheckpointError(f"{where}: the stored {kind} {name} has arguments {unknown} that its "
                                       f"constructor does not take (it takes {accepted})")
             args = {k: _decode(v, f"{where}.{k}", resolve) for k, v in value["args"].items()}
+            for name_before, default in _arguments_before(cls).items():
+                if name_before in accepted:
+                    args.setdefault(name_before, default)
             try:
                 return cls(**args)
             except CheckpointError:
@@ -412,6 +443,8 @@ def _check_stored_object(value, kind: str, where: str) -> None:
     if not isinstance(value, dict) or kind not in value:
         raise _fail(where, f"null or a stored {kind}", value)
     _check_value(value, where)
+    if kind == "optimizer":
+        _upgrade_stored_optimizer(value)
 
 
 def _check_features(node, where: str, tables: set, depth: int = 0) -> None:
@@ -450,7 +483,8 @@ def _check_features(node, where: str, tables: set, depth: int = 0) -> None:
 
 def check_config(config) -> dict:
     """``config`` (a checkpoint's ``"config"``) if it is what :func:`encode_engine_config` writes: every field
-    present, of its type and in its range; else :class:`CheckpointError` naming the field and its value.
+    present, of its type and in its range; else :class:`CheckpointError` naming the field and its value. A
+    configuration written by an earlier embedcore is brought up to date in place (see the module docstring).
 
     Decoding may still refuse values that only a constructor can judge (a learning rate of NaN), also with
     :class:`CheckpointError`.

@@ -40,7 +40,7 @@ def embedcore_optimizer(o):
             ["accumulators"]
     if o.name == "adam":
         return ec.Adam(o.lr, beta_1=o.beta1, beta_2=o.beta2, epsilon=o.eps, lazy_adam=True,
-                       sum_inside_sqrt=False), ["momenta", "velocities"]
+                       sum_inside_sqrt=False, bias_correction=True), ["momenta", "velocities"]
     raise ValueError(o.name)
 
 
