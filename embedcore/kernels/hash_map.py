@@ -1,0 +1,509 @@
+"""The key -> row map of a dynamic (hash-keyed) table: open addressing in Numba, any 64-bit key.
+
+A :class:`KeyRowMap` maps 64-bit keys (all ``2**64`` bit patterns; int64 and uint64 views of the same bits are
+the same key) to row slots ``0 .. capacity - 1``; the rows themselves (values and slots) live in a storage
+elsewhere, indexed by these slots. It also keeps, per row, what the eviction policies read
+(:mod:`embedcore.tables.policies`): the last step the row was seen and how often it was seen.
+
+Layout
+------
+Per row slot (arrays of ``capacity`` entries, allocated once with ``np.empty``: the operating system commits
+their pages only as rows are first used, so a table holding ``n`` keys touches about ``16 n`` bytes of them):
+
+* ``row_keys`` uint64: the row's key; for a free row, the next free row (an intrusive free list: no array).
+* ``last_seen`` int32: the last step :meth:`KeyRowMap.touch` saw the row (steps must stay below ``2**31``).
+* ``counts`` int32: how many occurrences ``touch`` counted (saturating at ``2**31 - 1``); ``-1`` marks a
+  free row, so no key value is reserved to mean "empty" and liveness costs no extra array.
+
+The index is an array of uint32 buckets, linear probing. A bucket is 0 when empty, else
+``tag << row_bits | (row + 1)``, ``row_bits = capacity.bit_length()``; the tag is the low ``32 - row_bits``
+bits of the key's hash, so most probes that meet another key are rejected without reading ``row_keys``
+(a random access). The hash is the SplitMix64 finaliser (a bijection of 64-bit words, so keys colliding in
+their low bits spread like any others); a key's home bucket is ``(hash >> 32) * n_buckets >> 32``, which
+lets the index have any size, not only powers of two.
+
+Memory per key beyond the row and its slots, at the load factor used (at most ``MAX_LOAD = 0.75``; growth
+by ``GROWTH = 1.5`` leaves it at least 0.5 just after a growth):
+
+    key 8 + last_seen 4 + count 4 + bucket 4 / load  =  16 + 5.3 (load 0.75) .. 16 + 8 (load 0.5) bytes,
+
+so at most 24 bytes (beyond the first index's 64 buckets, 256 bytes, which a small map may fill sparsely); a
+full table (``capacity`` keys, the index at its final size ``ceil(capacity / 0.75)``)
+takes 21.3 bytes a key. While a growth is being migrated (below) the old index lives beside the new one:
+up to 13.3 bytes a key for the buckets instead of 8, for the few batches the migration takes.
+
+Deletion: backward shift, not tombstones. A dynamic table at capacity removes keys all the time (every
+eviction); tombstones would pile up and lengthen every probe until a rebuild (a stop-the-world pass).
+Backward-shift deletion leaves the index exactly as if the removed key had never been inserted, so probe
+lengths depend only on the load; it moves at most the rest of the removed key's cluster (a few buckets at
+load <= 0.75).
+
+Growth without stopping the world: when a batch would push the load past ``MAX_LOAD``, a new index of
+``GROWTH`` times the size (or the final size) starts empty and the old one is kept; lookups probe the new
+index, then the old; insertions go to the new one; removals remove from both. Each
+:meth:`~KeyRowMap.find_or_insert` then migrates a bounded number of rows (``MIGRATE_PER_KEY`` per key of its
+batch, at least ``MIGRATE_MIN``), scanning row slots in order, and the old index is dropped when the scan
+passes the highest row ever used. At that rate the migration ends long before the new index fills (it can
+take ``0.375 n`` more keys, the scan covers ``n`` rows four times faster), so no batch does more than a
+constant times its own size of rehash work. (If a single huge batch outruns it, that batch finishes the
+migration at once: a pass bounded by the capacity.)
+
+Row assignment is deterministic (the same for any thread count and on every rerun): a batch's new keys,
+in the order of their first occurrence, take the most recently freed rows first (a stack), then the never
+used rows in increasing order. A batch with more distinct new keys than free rows is refused before
+anything changes (its distinct new keys are counted, by a sort, only when its absent occurrences outnumber the
+free rows). :meth:`~KeyRowMap.find` runs in parallel (it only reads); insertions, removals
+and migration run serially in batch order, since linear probing's layout depends on insertion order.
+
+How a dynamic table uses it (the engine integration, not wired yet)
+-------------------------------------------------------------------
+A ``DynamicStorage`` (a :class:`~embedcore.tables.storage.Storage` of ``capacity`` rows plus a
+:class:`KeyRowMap`) plugs into :class:`~embedcore.tables.physical.PhysicalTable`. Lookup maps the batch's keys
+to rows *before* ``inputs.build_table_batch`` groups occurrences, so grouping, gathering and the update kernel
+see ordinary row ids:
+
+1. ``rows = map.find(keys)``; the keys still absent go through the table's admission
+   (:class:`embedcore.tables.policies.AdmissionSketch`); an unadmitted key's occurrences read the key's
+   initial value (deterministic from the seed, the table and the key, e.g. an initializer's stream keyed by
+   ``stream_key(seed, table)`` mixed with the key) and get no gradient;
+2. if the admitted new keys outnumber ``map.free_rows``, the eviction policy picks victims among the live
+   rows not in ``rows`` (:func:`embedcore.tables.policies.pick_victims`), ``map.remove`` frees them (TTL
+   removes expired rows first: :func:`embedcore.tables.policies.expired_rows`); still too many: refuse the
+   batch (:class:`TableFullError`, to be raised as ``InputError`` naming the table) before anything changed;
+3. ``rows, inserted = map.find_or_insert(admitted keys, step)``; the storage fills ``rows[inserted]`` with each
+   new key's initial value and fresh slots;
+4. after the batch's update, ``map.touch(unique rows, step, counts)`` with the grouping's unique rows.
+
+Checkpoints save ``map.items()`` (keys and rows, in row order) and the metadata of those rows.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit, prange
+
+from .random import _mix  # the SplitMix64 finaliser (the tree's one copy)
+
+__all__ = ["KeyRowMap", "TableFullError", "as_keys", "MAX_LOAD", "GROWTH", "MIGRATE_PER_KEY", "MIGRATE_MIN",
+           "MAX_CAPACITY", "MAX_STEP"]
+
+MAX_LOAD = 0.75        # keys per bucket at most
+GROWTH = 1.5           # index size factor per growth
+MIGRATE_PER_KEY = 4    # rows migrated per key of a find_or_insert batch during a growth
+MIGRATE_MIN = 4096     # ... and at least this many
+MAX_CAPACITY = 2 ** 31 - 1
+MAX_STEP = 2 ** 31 - 1
+_COUNT_MAX = 2 ** 31 - 1
+_INITIAL_BUCKETS = 64
+
+_U = np.uint64
+_LOW32 = np.uint64(0xFFFFFFFF)
+_S32 = np.uint64(32)
+_HASH_OFFSET = np.uint64(0x632BE59BD9B4E019)
+
+
+class TableFullError(ValueError):
+    """A batch brings more new keys than the table has free rows; nothing was changed."""
+
+
+# -- the index ------------------------------------------------------------------------------------------------
+@njit(cache=True, inline="always")
+def _hash(key):
+    return _mix(key + _HASH_OFFSET)
+
+
+@njit(cache=True, inline="always")
+def _home(h, n):
+    return ((h >> _S32) * n) >> _S32
+
+
+@njit(cache=True, inline="always")
+def _tag(h, row_bits):
+    return (h << row_bits) & _LOW32
+
+
+@njit(cache=True, inline="always")
+def _bucket_of(index, row_keys, key, h, row_bits):
+    """The bucket of ``index`` holding ``key`` (hash ``h``), or ``n_buckets`` when absent."""
+    n = _U(index.shape[0])
+    if n == _U(0):
+        return n
+    row_mask = (_U(1) << row_bits) - _U(1)
+    tag = _tag(h, row_bits)
+    b = _home(h, n)
+    while True:
+        e = _U(index[b])
+        if e == _U(0):
+            return n
+        if (e & ~row_mask) == tag and row_keys[(e & row_mask) - _U(1)] == key:
+            return b
+        b += _U(1)
+        if b == n:
+            b = _U(0)
+
+
+@njit(cache=True, inline="always")
+def _row_in(index, row_keys, key, h, row_bits):
+    b = _bucket_of(index, row_keys, key, h, row_bits)
+    if b == _U(index.shape[0]):
+        return np.int64(-1)
+    return np.int64((_U(index[b]) & ((_U(1) << row_bits) - _U(1))) - _U(1))
+
+
+@njit(cache=True, inline="always")
+def _place(index, h, row, row_bits):
+    """Write ``row`` into the first empty bucket from the home of hash ``h`` (the key is known absent)."""
+    n = _U(index.shape[0])
+    b = _home(h, n)
+    while index[b] != 0:
+        b += _U(1)
+        if b == n:
+            b = _U(0)
+    index[b] = np.uint32(_tag(h, row_bits) | (_U(row) + _U(1)))
+
+
+@njit(cache=True, inline="always")
+def _delete_at(index, row_keys, b, row_bits):
+    """Empty bucket ``b`` by backward shift: later entries of its cluster that may live at or before the hole
+    move into it, so the index is as if the removed entry had never been inserted."""
+    n = _U(index.shape[0])
+    row_mask = (_U(1) << row_bits) - _U(1)
+    hole = b
+    j = b
+    while True:
+        j += _U(1)
+        if j == n:
+            j = _U(0)
+        e = _U(index[j])
+        if e == _U(0):
+            break
+        home = _home(_hash(row_keys[(e & row_mask) - _U(1)]), n)
+        # The entry at j may move to the hole unless its home lies cyclically in (hole, j].
+        if hole <= j:
+            movable = home <= hole or home > j
+        else:
+            movable = home <= hole and home > j
+        if movable:
+            index[hole] = index[j]
+            hole = j
+    index[hole] = 0
+
+
+# -- batch kernels ------------------------------------------------------------------------------------------
+# state: [live, high_water, free_head, cursor]
+_LIVE, _HIGH, _FREE, _CURSOR = 0, 1, 2, 3
+
+
+@njit(cache=True, parallel=True)
+def _find(keys, row_keys, index, old, row_bits, out):
+    for i in prange(keys.shape[0]):
+        key = keys[i]
+        h = _hash(key)
+        r = _row_in(index, row_keys, key, h, row_bits)
+        if r < 0:
+            r = _row_in(old, row_keys, key, h, row_bits)
+        out[i] = r
+
+
+@njit(cache=True)
+def _insert_absent(keys, rows, inserted, row_keys, last_seen, counts, index, row_bits, state, step):
+    """Give each key of ``keys`` with ``rows[i] < 0`` a row (its batch duplicates the same row), marking the
+    first occurrence in ``inserted``; the caller has checked that enough rows are free."""
+    for i in range(keys.shape[0]):
+        if rows[i] >= 0:
+            continue
+        key = keys[i]
+        h = _hash(key)
+        r = _row_in(index, row_keys, key, h, row_bits)
+        if r < 0:
+            if state[_FREE] >= 0:
+                r = state[_FREE]
+                state[_FREE] = np.int64(row_keys[r])
+            else:
+                r = state[_HIGH]
+                state[_HIGH] += 1
+            row_keys[r] = key
+            counts[r] = 0
+            last_seen[r] = step
+            _place(index, h, r, row_bits)
+            inserted[i] = True
+            state[_LIVE] += 1
+        rows[i] = r
+
+
+@njit(cache=True)
+def _remove(keys, freed, row_keys, counts, index, old, row_bits, state):
+    for i in range(keys.shape[0]):
+        key = keys[i]
+        h = _hash(key)
+        r = np.int64(-1)
+        b = _bucket_of(index, row_keys, key, h, row_bits)
+        if b != _U(index.shape[0]):
+            r = np.int64((_U(index[b]) & ((_U(1) << row_bits) - _U(1))) - _U(1))
+            _delete_at(index, row_keys, b, row_bits)
+        b = _bucket_of(old, row_keys, key, h, row_bits)
+        if b != _U(old.shape[0]):
+            r = np.int64((_U(old[b]) & ((_U(1) << row_bits) - _U(1))) - _U(1))
+            _delete_at(old, row_keys, b, row_bits)
+        freed[i] = r
+        if r >= 0:
+            counts[r] = -1
+            row_keys[r] = _U(state[_FREE])
+            state[_FREE] = r
+            state[_LIVE] -= 1
+
+
+@njit(cache=True)
+def _migrate(n_rows, row_keys, counts, index, row_bits, state):
+    """Insert the live rows of slots ``cursor .. cursor + n_rows - 1`` that ``index`` lacks; True when the
+    scan has passed the highest row used (the migration is over)."""
+    end = min(state[_CURSOR] + n_rows, state[_HIGH])
+    for r in range(state[_CURSOR], end):
+        if counts[r] >= 0:
+            key = row_keys[r]
+            h = _hash(key)
+            if _row_in(index, row_keys, key, h, row_bits) < 0:
+                _place(index, h, r, row_bits)
+    state[_CURSOR] = max(end, state[_CURSOR])
+    return state[_CURSOR] >= state[_HIGH]
+
+
+@njit(cache=True)
+def _touch(rows, step, last_seen, counts):
+    for i in range(rows.shape[0]):
+        r = rows[i]
+        last_seen[r] = step
+        if counts[r] < _COUNT_MAX:
+            counts[r] += 1
+
+
+@njit(cache=True, parallel=True)
+def _touch_unique(rows, occurrences, step, last_seen, counts):
+    for i in prange(rows.shape[0]):
+        r = rows[i]
+        last_seen[r] = step
+        counts[r] = np.int32(min(np.int64(counts[r]) + occurrences[i], _COUNT_MAX))
+
+
+@njit(cache=True)
+def _rows_out_of_range(rows, high, counts):
+    """Position of the first row that is not a live row, or -1."""
+    for i in range(rows.shape[0]):
+        r = rows[i]
+        if r < 0 or r >= high or counts[r] < 0:
+            return i
+    return -1
+
+
+# -- the Python face ----------------------------------------------------------------------------------------
+def as_keys(keys, what: str = "keys") -> np.ndarray:
+    """``keys`` (any integer array-like) as a flat uint64 array of their 64-bit patterns: signed values are
+    taken as int64 (``-1`` is ``0xFFFF_FFFF_FFFF_FFFF``), unsigned ones as uint64. Anything else (floats,
+    bools, strings: hash strings with :func:`embedcore.keys.hash_keys`) raises ``ValueError`` naming
+    ``what``."""
+    array = np.asarray(keys)
+    if not isinstance(keys, np.ndarray) and array.dtype.kind not in "iu":  # [2**64 - 1, -1] is float64 there
+        array = np.asarray(keys, object)
+    if array.dtype == object:  # Python ints beyond one NumPy integer type (-1 beside 2**63, say)
+        values = array.ravel()
+        for k in values:
+            if isinstance(k, (bool, np.bool_)) or not isinstance(k, (int, np.integer)):
+                raise ValueError(f"{what} must be integers (64-bit keys), got {type(k).__name__} {k!r}")
+            if not -2 ** 63 <= int(k) < 2 ** 64:
+                raise ValueError(f"{what}: key {int(k)} does not fit in 64 bits")
+        return np.array([int(k) & 0xFFFF_FFFF_FFFF_FFFF for k in values], np.uint64)
+    if array.dtype == np.bool_ or array.dtype.kind not in "iu":
+        raise ValueError(f"{what} must be integers (64-bit keys), got dtype {array.dtype}")
+    if array.dtype.kind == "i":
+        return np.ascontiguousarray(array.astype(np.int64, copy=False).ravel()).view(np.uint64)
+    return np.ascontiguousarray(array.astype(np.uint64, copy=False).ravel())
+
+
+class KeyRowMap:
+    """A map from 64-bit keys to row slots ``0 .. capacity - 1``, with per-row ``last_seen`` and ``counts``
+    metadata; see the module docstring for the layout, the growth and the row assignment.
+
+    Args:
+        capacity: the most keys (rows) it holds, ``1 .. 2**31 - 1``.
+        name: the table's name, for error messages.
+        initial_buckets: the index's first size (default 64; it grows as keys arrive).
+    """
+
+    def __init__(self, capacity: int, name: str = "table", initial_buckets: int | None = None):
+        if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)) or \
+                not 1 <= capacity <= MAX_CAPACITY:
+            raise ValueError(f"table '{name}': capacity must be an int in 1 .. {MAX_CAPACITY}, got {capacity!r}")
+        self.capacity = int(capacity)
+        self.name = name
+        self.row_bits = np.uint64(self.capacity.bit_length())
+        self.row_keys = np.empty(self.capacity, np.uint64)
+        self.last_seen = np.empty(self.capacity, np.int32)
+        self.counts = np.empty(self.capacity, np.int32)
+        self.final_buckets = math.floor(self.capacity / MAX_LOAD) + 1
+        first = _INITIAL_BUCKETS if initial_buckets is None else int(initial_buckets)
+        self.index = np.zeros(min(max(first, 2), self.final_buckets), np.uint32)
+        self.old = np.zeros(0, np.uint32)
+        self._state = np.array([0, 0, -1, 0], np.int64)
+
+    # -- sizes --------------------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return int(self._state[_LIVE])
+
+    @property
+    def free_rows(self) -> int:
+        return self.capacity - len(self)
+
+    @property
+    def high_water(self) -> int:
+        """One more than the highest row slot ever used (rows at or beyond it were never touched)."""
+        return int(self._state[_HIGH])
+
+    @property
+    def migrating(self) -> bool:
+        """Whether a growth of the index is being migrated (an old index is still kept)."""
+        return self.old.shape[0] > 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes in use: the index (and the old one while migrating), and 16 a row slot up to ``high_water``
+        (key, last_seen, count; the pages beyond it are allocated but never touched)."""
+        return self.index.nbytes + self.old.nbytes + 16 * self.high_water
+
+    def __repr__(self):
+        return (f"KeyRowMap(name={self.name!r}, capacity={self.capacity}, keys={len(self)}, "
+                f"buckets={self.index.shape[0]}{', migrating' if self.migrating else ''})")
+
+    # -- lookups ------------------------------------------------------------------------------------------
+    def find(self, keys) -> np.ndarray:
+        """The row of each key (int64, shaped like ``keys``), -1 where absent. Changes nothing."""
+        shape = np.shape(keys)
+        k = as_keys(keys, f"table '{self.name}': keys")
+        out = np.empty(k.shape[0], np.int64)
+        _find(k, self.row_keys, self.index, self.old, self.row_bits, out)
+        return out.reshape(shape)
+
+    def __contains__(self, key) -> bool:
+        return np.ndim(key) == 0 and bool(self.find([key])[0] >= 0)
+
+    def find_or_insert(self, keys, step: int = 0):
+        """``(rows, inserted)``: each key's row, a new row for each distinct absent key (its ``last_seen`` set
+        to ``step``, its count to 0); ``inserted`` (bool, shaped like ``keys``) is True at the first
+        occurrence of each key given a row by this call, so ``rows[inserted]`` are the new rows in the order
+        they were assigned.
+
+        Raises:
+            TableFullError: the batch has more distinct new keys than :attr:`free_rows`; nothing changed.
+        """
+        shape = np.shape(keys)
+        k = as_keys(keys, f"table '{self.name}': keys")
+        step = self._checked_step(step)
+        rows = np.empty(k.shape[0], np.int64)
+        _find(k, self.row_keys, self.index, self.old, self.row_bits, rows)
+        inserted = np.zeros(k.shape[0], np.bool_)
+        absent = int(np.count_nonzero(rows < 0))
+        if absent > self.free_rows:  # only then can the batch be too big: count its distinct new keys
+            new = int(np.unique(k[rows < 0]).shape[0])
+            if new > self.free_rows:
+                raise TableFullError(
+                    f"table '{self.name}': the batch brings {new} new keys but only {self.free_rows} rows are free "
+                    f"(capacity {self.capacity}, {len(self)} keys held); nothing was changed")
+        if absent:
+            self._make_room(len(self) + min(absent, self.free_rows))
+            _insert_absent(k, rows, inserted, self.row_keys, self.last_seen, self.counts, self.index, self.row_bits,
+                           self._state, step)
+        if self.migrating:
+            self.migrate(max(MIGRATE_MIN, MIGRATE_PER_KEY * k.shape[0]))
+        return rows.reshape(shape), inserted.reshape(shape)
+
+    def _checked_step(self, step) -> np.int32:
+        if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or not 0 <= step <= MAX_STEP:
+            raise ValueError(f"table '{self.name}': step must be an int in 0 .. {MAX_STEP}, got {step!r}")
+        return np.int32(step)
+
+    # -- removal ------------------------------------------------------------------------------------------
+    def remove(self, keys) -> np.ndarray:
+        """Remove the keys (absent ones are ignored); returns the row each freed (int64, shaped like ``keys``,
+        -1 where absent or a repeat). Freed rows are reused first, the last freed first."""
+        shape = np.shape(keys)
+        k = as_keys(keys, f"table '{self.name}': keys")
+        freed = np.empty(k.shape[0], np.int64)
+        _remove(k, freed, self.row_keys, self.counts, self.index, self.old, self.row_bits, self._state)
+        return freed.reshape(shape)
+
+    def remove_rows(self, rows) -> np.ndarray:
+        """Remove the keys of live ``rows`` (as :meth:`remove`; ``ValueError`` naming a row that is not live,
+        before anything changed)."""
+        rows = self._live_rows(rows)
+        return self.remove(self.row_keys[rows])
+
+    # -- metadata -----------------------------------------------------------------------------------------
+    def touch(self, rows, step: int, occurrences=None) -> None:
+        """Record that ``rows`` were seen at ``step``: ``last_seen[r] = step``, ``counts[r] +=`` one per
+        occurrence of ``r`` in ``rows`` (saturating at ``2**31 - 1``). With ``occurrences`` (int64, one per
+        row), ``rows`` must be distinct (a grouping's unique rows) and ``counts[r] += occurrences[i]``, in
+        parallel. ``ValueError`` naming a row that is not live, before anything changed."""
+        step = self._checked_step(step)
+        rows = self._live_rows(rows)
+        if occurrences is None:
+            _touch(rows, step, self.last_seen, self.counts)
+        else:
+            occurrences = np.ascontiguousarray(occurrences, np.int64).ravel()
+            if occurrences.shape != rows.shape or (occurrences.size and occurrences.min() < 0):
+                raise ValueError(f"table '{self.name}': touch needs one occurrence count >= 0 per row")
+            _touch_unique(rows, occurrences, step, self.last_seen, self.counts)
+
+    def _live_rows(self, rows) -> np.ndarray:
+        rows = np.asarray(rows)
+        if rows.dtype == np.bool_ or rows.dtype.kind not in "iu":
+            raise ValueError(f"table '{self.name}': rows must be integers, got dtype {rows.dtype}")
+        rows = np.ascontiguousarray(rows.astype(np.int64).ravel())
+        bad = _rows_out_of_range(rows, self._state[_HIGH], self.counts)
+        if bad >= 0:
+            raise ValueError(f"table '{self.name}': row {int(rows[bad])} holds no key")
+        return rows
+
+    def live_rows(self) -> np.ndarray:
+        """The rows holding a key, increasing (int64)."""
+        return np.flatnonzero(self.counts[:self.high_water] >= 0).astype(np.int64)
+
+    def items(self):
+        """``(keys, rows)`` of every key held, in increasing row order: keys as int64 (their bits), rows int64."""
+        rows = self.live_rows()
+        return self.row_keys[rows].view(np.int64), rows
+
+    def keys(self) -> np.ndarray:
+        return self.items()[0]
+
+    # -- growth -------------------------------------------------------------------------------------------
+    def _make_room(self, n_keys: int) -> None:
+        """Make the index able to take ``n_keys`` keys within ``MAX_LOAD``."""
+        if n_keys <= MAX_LOAD * self.index.shape[0]:
+            return
+        if self.migrating:  # a batch that outran the migration: finish it now
+            self.migrate(self.capacity)
+        self.grow(max(math.ceil(GROWTH * self.index.shape[0]), math.floor(n_keys / MAX_LOAD) + 1))
+
+    def grow(self, n_buckets: int | None = None) -> None:
+        """Start a growth of the index to ``n_buckets`` (default ``GROWTH`` times its size; at most the final
+        size ``floor(capacity / MAX_LOAD) + 1``), migrated by later batches (or :meth:`migrate`). A growth
+        still being migrated is finished first. Lookups see no difference."""
+        if self.migrating:
+            self.migrate(self.capacity)
+        size = math.ceil(GROWTH * self.index.shape[0]) if n_buckets is None else int(n_buckets)
+        size = min(size, self.final_buckets)
+        if size <= self.index.shape[0]:
+            return
+        self.old, self.index = self.index, np.zeros(size, np.uint32)
+        self._state[_CURSOR] = 0
+        self.migrate(0)
+
+    def migrate(self, n_rows: int) -> bool:
+        """Migrate up to ``n_rows`` more row slots of a growth; True when no growth is left to migrate."""
+        if not self.migrating:
+            return True
+        if _migrate(int(n_rows), self.row_keys, self.counts, self.index, self.row_bits, self._state):
+            self.old = np.zeros(0, np.uint32)
+            return True
+        return False

@@ -1,0 +1,290 @@
+"""The key -> row map (embedcore.kernels.hash_map) against a plain Python model: a dict of key -> row, a stack
+of freed rows and the per-row metadata, with the documented row assignment."""
+
+import numba
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from embedcore.kernels.hash_map import MAX_LOAD, KeyRowMap, TableFullError, as_keys
+
+MASK = (1 << 64) - 1
+EXTREME = [0, -1, 1, 2 ** 63 - 1, -2 ** 63, 2 ** 32, 2 ** 33, 3 * 2 ** 32, -2 ** 32, 2 ** 62 + 7, 12345678901]
+
+
+class ModelMap:
+    """What a KeyRowMap promises, written for clarity: keys are their uint64 bit patterns."""
+
+    def __init__(self, capacity):
+        self.capacity = capacity
+        self.rows = {}          # key -> row
+        self.freed = []         # stack of freed rows, last freed on top
+        self.high_water = 0
+        self.last_seen = {}     # row -> step
+        self.counts = {}        # row -> occurrences
+
+    def find(self, keys):
+        return [self.rows.get(k & MASK, -1) for k in keys]
+
+    def find_or_insert(self, keys, step):
+        keys = [k & MASK for k in keys]
+        new = list(dict.fromkeys(k for k in keys if k not in self.rows))
+        if len(new) > self.capacity - len(self.rows):
+            raise TableFullError("full")
+        inserted, first = [], set()
+        for k in keys:
+            if k in self.rows:
+                inserted.append(False)
+                continue
+            if k in first:
+                inserted.append(False)
+                continue
+            row = self.freed.pop() if self.freed else self.high_water
+            if row == self.high_water:
+                self.high_water += 1
+            self.rows[k] = row
+            self.last_seen[row], self.counts[row] = step, 0
+            first.add(k)
+            inserted.append(True)
+        return [self.rows[k] for k in keys], inserted
+
+    def remove(self, keys):
+        freed = []
+        for k in keys:
+            row = self.rows.pop(k & MASK, -1)
+            if row >= 0:
+                self.freed.append(row)
+                del self.last_seen[row], self.counts[row]
+            freed.append(row)
+        return freed
+
+    def touch(self, rows, step):
+        for r in rows:
+            self.last_seen[r] = step
+            self.counts[r] = min(self.counts[r] + 1, 2 ** 31 - 1)
+
+    def items(self):
+        pairs = sorted((row, key) for key, row in self.rows.items())
+        return [k for _, k in pairs], [r for r, _ in pairs]
+
+
+def signed(keys):
+    return [k - (1 << 64) if k >= 1 << 63 else k for k in (k & MASK for k in keys)]
+
+
+def check_same(m, model, probe_keys):
+    assert len(m) == len(model.rows)
+    assert m.free_rows == model.capacity - len(model.rows)
+    assert m.find(np.array(signed(probe_keys), np.int64)).tolist() == model.find(probe_keys)
+    keys, rows = m.items()
+    expected_keys, expected_rows = model.items()
+    assert rows.tolist() == expected_rows
+    assert keys.view(np.uint64).tolist() == expected_keys
+    assert m.last_seen[rows].tolist() == [model.last_seen[r] for r in expected_rows]
+    assert m.counts[rows].tolist() == [model.counts[r] for r in expected_rows]
+    assert len(m) <= MAX_LOAD * m.index.shape[0]
+
+
+def snapshot(m):
+    keys, rows = m.items()
+    return (m.index.copy(), m.old.copy(), m._state.copy(), keys.copy(), rows.copy(), m.last_seen[rows].copy(),
+            m.counts[rows].copy(), m.row_keys[:m.high_water].copy())
+
+
+def assert_unchanged(before, after):
+    for a, b in zip(before, after):
+        np.testing.assert_array_equal(a, b)
+
+
+key_values = st.one_of(st.sampled_from(EXTREME), st.integers(-2 ** 63, 2 ** 64 - 1),
+                       st.integers(0, 40).map(lambda k: k << 40), st.integers(0, 30))
+batches = st.lists(key_values, min_size=0, max_size=30)
+operations = st.lists(st.one_of(
+    st.tuples(st.just("insert"), batches),
+    st.tuples(st.just("find"), batches),
+    st.tuples(st.just("remove"), batches),
+    st.tuples(st.just("touch"), st.lists(st.integers(0, 1000), max_size=20)),
+    st.tuples(st.just("grow"), st.integers(0, 3)),
+    st.tuples(st.just("migrate"), st.integers(0, 5)),
+), max_size=40)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(1, 40), st.integers(2, 8), operations)
+def test_matches_the_model(capacity, initial_buckets, ops):
+    m, model = KeyRowMap(capacity, "t", initial_buckets=initial_buckets), ModelMap(capacity)
+    seen = set(EXTREME)
+    step = 0
+    for op, arg in ops:
+        step += 1
+        if op == "insert":
+            seen.update(arg)
+            keys = np.array(signed(arg), np.int64)
+            try:
+                expected = model.find_or_insert(arg, step)
+            except TableFullError:
+                before = snapshot(m)
+                with pytest.raises(TableFullError, match="table 't'.*new keys.*nothing was changed"):
+                    m.find_or_insert(keys, step)
+                assert_unchanged(before, snapshot(m))
+            else:
+                rows, inserted = m.find_or_insert(keys, step)
+                assert rows.tolist() == expected[0]
+                assert inserted.tolist() == expected[1]
+        elif op == "find":
+            assert m.find(np.array(signed(arg), np.int64)).tolist() == model.find(arg)
+        elif op == "remove":
+            assert m.remove(np.array(signed(arg), np.int64)).tolist() == model.remove(arg)
+        elif op == "touch":
+            live = sorted(model.rows.values())
+            rows = [live[i % len(live)] for i in arg] if live else []
+            m.touch(np.array(rows, np.int64), step)
+            model.touch(rows, step)
+        elif op == "grow":
+            m.grow(m.index.shape[0] + arg if arg else None)
+        else:
+            m.migrate(arg)
+        check_same(m, model, sorted(seen))
+
+
+def test_growth_is_migrated_in_bounded_steps_and_lookups_never_miss():
+    rng = np.random.default_rng(1)
+    capacity = 200_000
+    m = KeyRowMap(capacity, "user")
+    model = {}
+    growths = 0
+    for batch in range(60):
+        keys = rng.integers(-2 ** 63, 2 ** 63 - 1, 3000, dtype=np.int64, endpoint=True)
+        keys[::7] = keys[::7] & ~np.int64(0xFFFFFFFF)  # many keys that agree in their low 32 bits
+        was_migrating = m.migrating
+        rows, inserted = m.find_or_insert(keys, batch)
+        growths += m.migrating and not was_migrating
+        for k, r in zip(keys.tolist(), rows.tolist()):
+            assert model.setdefault(k, r) == r
+        if batch % 5 == 0:
+            gone = keys[:500]
+            m.remove(gone)
+            for k in gone.tolist():
+                model.pop(k, None)
+        all_keys = np.array(list(model), np.int64)
+        np.testing.assert_array_equal(m.find(all_keys), [model[k] for k in all_keys.tolist()])
+    assert growths >= 3
+    assert len(m) == len(model)
+
+
+def test_memory_per_key_at_most_24_bytes_when_no_growth_is_migrating():
+    for capacity in (1, 100, 10_000, 150_001):
+        m = KeyRowMap(capacity, "t")
+        keys = np.arange(capacity, dtype=np.int64) * 1_000_003 - 2 ** 62
+        for part in np.array_split(keys, 25):
+            m.find_or_insert(part)
+            if not m.migrating:
+                assert m.nbytes <= 24 * len(m) + 4 * 64  # + the first index (64 buckets) of a small map
+        m.migrate(capacity)
+        assert m.index.shape[0] == m.final_buckets or len(m) < capacity
+        if capacity >= 100:
+            assert m.nbytes <= 16 * len(m) + 4 * (len(m) / MAX_LOAD + 1)  # a full table: 21.3 bytes a key
+
+
+def test_same_rows_and_index_for_any_thread_count():
+    rng = np.random.default_rng(7)
+    batches = [rng.integers(-2 ** 63, 2 ** 63 - 1, 40_000, dtype=np.int64, endpoint=True) % 2 ** 62 - 2 ** 61
+               for _ in range(6)]
+    results = []
+    threads = numba.get_num_threads()
+    try:
+        for n in sorted({1, threads}):
+            numba.set_num_threads(n)
+            m = KeyRowMap(300_000, "t")
+            out = []
+            for step, keys in enumerate(batches):
+                rows, inserted = m.find_or_insert(keys, step)
+                m.touch(rows[::3], step)
+                uniq, occurrences = np.unique(rows[1::3], return_counts=True)
+                m.touch(uniq, step, occurrences)
+                m.remove(keys[::11])
+                out.append((rows, inserted, m.find(keys)))
+            results.append((out, m.index.copy(), m.items(), m.counts[:m.high_water].copy()))
+    finally:
+        numba.set_num_threads(threads)
+    first = results[0]
+    for other in results[1:]:
+        for (a, b, c), (x, y, z) in zip(first[0], other[0]):
+            np.testing.assert_array_equal(a, x)
+            np.testing.assert_array_equal(b, y)
+            np.testing.assert_array_equal(c, z)
+        np.testing.assert_array_equal(first[1], other[1])
+        np.testing.assert_array_equal(first[2][0], other[2][0])
+        np.testing.assert_array_equal(first[3], other[3])
+
+
+def test_int64_and_uint64_views_are_the_same_key():
+    m = KeyRowMap(10, "t")
+    rows, _ = m.find_or_insert(np.array([-1, -2 ** 63, 5], np.int64))
+    same = np.array([2 ** 64 - 1, 2 ** 63, 5], np.uint64)
+    np.testing.assert_array_equal(m.find(same), rows)
+    np.testing.assert_array_equal(m.find([2 ** 64 - 1, -2 ** 63, 5]), rows)  # Python ints of both ranges
+    assert -1 in m and 2 ** 64 - 1 in m and 6 not in m
+    np.testing.assert_array_equal(m.find(np.array([5], np.int32)), rows[2:])
+    assert m.find(np.array([[5, -1]])).shape == (1, 2)
+
+
+def test_a_full_batch_is_refused_naming_the_table_and_counts():
+    m = KeyRowMap(5, "user")
+    m.find_or_insert([1, 2, 3])
+    before = snapshot(m)
+    with pytest.raises(TableFullError, match=r"table 'user'.* 4 new keys but only 2 rows are free"):
+        m.find_or_insert([1, 10, 11, 12, 10, 13])
+    assert_unchanged(before, snapshot(m))
+    rows, inserted = m.find_or_insert([10, 1, 11])
+    assert rows.tolist() == [3, 0, 4] and inserted.tolist() == [True, False, True]
+
+
+def test_refused_batch_after_removals_restores_the_free_stack():
+    m, model = KeyRowMap(6, "t", initial_buckets=2), ModelMap(6)
+    for keys in ([1, 2, 3, 4, 5, 6], ):
+        m.find_or_insert(keys)
+        model.find_or_insert(keys, 0)
+    m.remove([2, 5, 4])
+    model.remove([2, 5, 4])
+    with pytest.raises(TableFullError):
+        m.find_or_insert([7, 8, 9, 10])
+    rows, _ = m.find_or_insert([7, 8, 9])
+    assert rows.tolist() == model.find_or_insert([7, 8, 9], 0)[0] == [3, 4, 1]
+
+
+@pytest.mark.parametrize("bad, message", [
+    (np.array([1.5]), "dtype float64"), (np.array([True]), "dtype bool"), (["a"], "str 'a'"), (np.array(["a"]), "dtype <U1"), ([1.0], "float 1.0"),
+    ([2 ** 64], "does not fit in 64 bits"), ([-2 ** 63 - 1, 1], "does not fit"), ([1, "x", 2 ** 64 - 1], "str"),
+])
+def test_bad_keys_are_refused_naming_the_table(bad, message):
+    m = KeyRowMap(4, "user")
+    for op in (m.find, m.find_or_insert, m.remove):
+        with pytest.raises(ValueError, match=f"table 'user'.*{message}" if "fit" not in message else message):
+            op(bad)
+    assert len(m) == 0
+
+
+def test_bad_arguments():
+    for capacity in (0, -1, 2 ** 31, 1.5, True):
+        with pytest.raises(ValueError, match="capacity"):
+            KeyRowMap(capacity, "user")
+    m = KeyRowMap(4, "user")
+    rows, _ = m.find_or_insert([1, 2])
+    with pytest.raises(ValueError, match="row 3 holds no key"):
+        m.touch([0, 3], 1)
+    with pytest.raises(ValueError, match="step"):
+        m.touch([0], -1)
+    with pytest.raises(ValueError, match="step"):
+        m.find_or_insert([9], 2 ** 31)
+    with pytest.raises(ValueError, match="occurrence"):
+        m.touch([0, 1], 1, [1])
+    assert m.counts[rows].tolist() == [0, 0] and len(m) == 2
+    assert "capacity=4" in repr(m)
+
+
+def test_as_keys():
+    assert as_keys(np.array([-1], np.int8)).tolist() == [2 ** 64 - 1]
+    assert as_keys(np.array([255], np.uint8)).tolist() == [255]
+    assert as_keys([]).dtype == np.uint64
