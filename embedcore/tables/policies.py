@@ -1,0 +1,350 @@
+"""Admission and eviction policies of dynamic (hash-keyed) tables, and the kernels that apply them.
+
+Configuration (what a ``DynamicTableConfig`` takes; validated when made, equal by value, with a readable repr):
+
+* :class:`CountAdmission` ``(min_count=...)``: a new key gets a row once it has been seen ``min_count`` times;
+  until then it reads its initial value and is only counted, in an :class:`AdmissionSketch`.
+* eviction, when a batch brings more admitted new keys than free rows: the rows with the lowest score go
+  first, never a row the current batch uses; ties are broken by the key (its uint64 bit pattern, smaller
+  first), so the choice depends neither on the row slots nor on the thread count.
+
+  - :class:`LRU`: score = the last step the row was seen;
+  - :class:`LFU`: score = how many occurrences were counted (:meth:`KeyRowMap.touch`);
+  - :class:`TTL` ``(steps=...)``: a row unseen for more than ``steps`` steps (``step - last_seen > steps``)
+    expires (:func:`expired_rows`: removed before the step's lookup, so it is gone from lookups, views and
+    saves alike); when the table is full of unexpired rows, the least recently seen go first (as LRU);
+  - :class:`EvictByScore` ``(fn)``: ``fn(embedding_table, last_seen, count, step) -> float``, a user's score
+    of one row (its values, float32 ``[dim]``; its metadata and the current step, int64), compiled with
+    Numba (``njit``) the first time it scores; NaN refused. It sees the row's values, not its slots (the
+    integration passes float32 rows; slots and 16-bit rows are for it to add).
+
+How the integration uses them: at each step of a dynamic table, (1) ``TTL``: ``map.remove_rows(expired_rows(
+map, step, ttl.steps))``; (2) ``rows = map.find(keys)``; the absent keys' ``AdmissionSketch.observe`` says which
+are admitted; (3) if the distinct admitted new keys ``k`` exceed ``map.free_rows``: ``map.remove_rows(
+pick_victims(policy, map, k - map.free_rows, protected_rows=rows[rows >= 0], step=step, weights=...))``,
+which refuses (``TableFullError``, before anything changed) when too few rows are unprotected; (4)
+``map.find_or_insert(admitted keys, step)``. See :mod:`embedcore.kernels.hash_map`.
+
+Memory of admission: an :class:`AdmissionSketch` is a count-min sketch of ``sketch_depth`` rows of
+``sketch_width`` uint32 counters (default 4 x 2**20: 16 MiB, whatever the number of keys). Its counts never
+undercount a key; collisions may overcount it, so a key can be admitted early (the chance falls with the
+width; with conservative update, as here, a count is inflated only when all of a key's counters are). Counts
+do not decay: a key seen ``min_count`` times ever is admitted, and an evicted key that comes back is admitted
+at once (with a fresh row).
+"""
+
+from __future__ import annotations
+
+import inspect
+import numbers
+import types as pytypes
+
+import numba
+import numpy as np
+from numba import njit, prange, types
+
+from ..compiler import RowFunctionError, describe
+from ..initializers import stream_key
+from ..kernels.hash_map import KeyRowMap, TableFullError, as_keys
+from ..kernels.random import _mix  # the SplitMix64 finaliser (the tree's one copy)
+
+__all__ = ["CountAdmission", "AdmissionSketch", "EvictionPolicy", "LRU", "LFU", "TTL", "EvictByScore",
+           "pick_victims", "expired_rows", "lowest_scores"]
+
+_U = np.uint64
+_S32 = np.uint64(32)
+_COUNTER_MAX = np.uint32(2 ** 32 - 1)
+
+
+def _int_in(value, what: str, low: int, high: int) -> int:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral) or not low <= value <= high:
+        raise ValueError(f"{what} must be an int in {low} .. {high}, got {value!r}")
+    return int(value)
+
+
+class _Policy:
+    """Equality and hashing by value (callables by identity), and a repr of the parameters."""
+
+    def _params(self):
+        return tuple(vars(self).items())
+
+    def __eq__(self, other):
+        return type(self) is type(other) and self._params() == other._params()
+
+    def __hash__(self):
+        return hash((type(self), self._params()))
+
+    def __repr__(self):
+        return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in self._params())})"
+
+
+# -- admission ----------------------------------------------------------------------------------------------
+class CountAdmission(_Policy):
+    """Admit a key once it has been seen ``min_count`` times (1: at once), counted in a count-min sketch of
+    ``sketch_depth`` x ``sketch_width`` uint32 counters (``4 * depth * width`` bytes)."""
+
+    def __init__(self, min_count: int = 1, sketch_width: int = 2 ** 20, sketch_depth: int = 4):
+        self.min_count = _int_in(min_count, "CountAdmission: min_count", 1, 2 ** 32 - 1)
+        self.sketch_width = _int_in(sketch_width, "CountAdmission: sketch_width", 1, 2 ** 32 - 1)
+        self.sketch_depth = _int_in(sketch_depth, "CountAdmission: sketch_depth", 1, 16)
+
+    def sketch(self, seed: int = 0, table: str = "table") -> "AdmissionSketch":
+        """A fresh :class:`AdmissionSketch` for ``table`` (its hashes keyed by the engine's seed and the name)."""
+        return AdmissionSketch(self.min_count, self.sketch_width, self.sketch_depth, seed, table)
+
+
+@njit(cache=True, inline="always")
+def _column(key, salt, width):
+    return ((_mix(key ^ salt) >> _S32) * width) >> _S32
+
+
+@njit(cache=True)
+def _count_occurrences(keys, salts, counters):
+    """Conservative update, occurrence by occurrence in batch order: each of the key's counters becomes at
+    least (the smallest of them) + 1."""
+    depth, width = counters.shape
+    w = _U(width)
+    for i in range(keys.shape[0]):
+        smallest = _COUNTER_MAX
+        for d in range(depth):
+            smallest = min(smallest, counters[d, _column(keys[i], salts[d], w)])
+        if smallest == _COUNTER_MAX:
+            continue
+        new = np.uint32(smallest + np.uint32(1))
+        for d in range(depth):
+            c = _column(keys[i], salts[d], w)
+            if counters[d, c] < new:
+                counters[d, c] = new
+
+
+@njit(cache=True, parallel=True)
+def _estimates(keys, salts, counters, out):
+    depth, width = counters.shape
+    w = _U(width)
+    for i in prange(keys.shape[0]):
+        smallest = _COUNTER_MAX
+        for d in range(depth):
+            smallest = min(smallest, counters[d, _column(keys[i], salts[d], w)])
+        out[i] = smallest
+
+
+class AdmissionSketch:
+    """The counts of keys that have no row yet, in bounded memory (see the module docstring).
+
+    Key ``k``'s counter in sketch row ``d`` is column ``(mix(k ^ salt_d) >> 32) * width >> 32``, ``mix`` the
+    SplitMix64 finaliser and ``salt_d = stream_key(seed, table, "admission", str(d))``; its estimate is the
+    smallest of its ``depth`` counters.
+    """
+
+    def __init__(self, min_count: int, width: int, depth: int, seed: int = 0, table: str = "table"):
+        self.min_count, self.table = int(min_count), table
+        self.salts = np.array([stream_key(seed, table, "admission", str(d)) for d in range(depth)], np.uint64)
+        self.counters = np.zeros((depth, width), np.uint32)
+
+    @property
+    def nbytes(self) -> int:
+        return self.counters.nbytes
+
+    def observe(self, keys) -> np.ndarray:
+        """Count every occurrence of ``keys`` (keys without a row), then say which occurrences are admitted
+        (bool, shaped like ``keys``): those whose key's estimate reached ``min_count``."""
+        shape = np.shape(keys)
+        k = as_keys(keys, f"table '{self.table}': keys")
+        if self.min_count <= 1:
+            return np.ones(shape, np.bool_)
+        _count_occurrences(k, self.salts, self.counters)
+        return (self._estimate(k) >= self.min_count).reshape(shape)
+
+    def estimate(self, keys) -> np.ndarray:
+        """Each key's count estimate (int64, shaped like ``keys``; never below its true count)."""
+        return self._estimate(as_keys(keys, f"table '{self.table}': keys")).reshape(np.shape(keys))
+
+    def _estimate(self, k) -> np.ndarray:
+        out = np.empty(k.shape[0], np.uint32)
+        _estimates(k, self.salts, self.counters, out)
+        return out.astype(np.int64)
+
+
+# -- eviction -----------------------------------------------------------------------------------------------
+class EvictionPolicy(_Policy):
+    """The base of the eviction policies: :meth:`scores` of candidate rows, lowest evicted first."""
+
+    def scores(self, key_map: KeyRowMap, rows: np.ndarray, step: int, weights=None) -> np.ndarray:
+        """float64 score of each of ``rows`` (live rows of ``key_map``)."""
+        raise NotImplementedError
+
+
+class LRU(EvictionPolicy):
+    """Evict the least recently seen rows first (score: the last step seen)."""
+
+    def scores(self, key_map, rows, step, weights=None):
+        return key_map.last_seen[rows].astype(np.float64)
+
+
+class LFU(EvictionPolicy):
+    """Evict the least often seen rows first (score: occurrences counted)."""
+
+    def scores(self, key_map, rows, step, weights=None):
+        return key_map.counts[rows].astype(np.float64)
+
+
+class TTL(EvictionPolicy):
+    """Rows unseen for more than ``steps`` steps expire (:func:`expired_rows`); when the table is full of
+    unexpired rows, the least recently seen go first (as :class:`LRU`)."""
+
+    def __init__(self, steps: int):
+        self.steps = _int_in(steps, "TTL: steps", 1, 2 ** 31 - 1)
+
+    def scores(self, key_map, rows, step, weights=None):
+        return key_map.last_seen[rows].astype(np.float64)
+
+
+_SCORE_CONTRACT = "(embedding_table, last_seen, count, step)"
+_SCORE_SIGNATURE = (types.Array(types.float32, 1, "A"), types.int64, types.int64, types.int64)
+
+
+class EvictByScore(EvictionPolicy):
+    """Evict the rows with the lowest ``fn(embedding_table, last_seen, count, step)`` first: ``embedding_table``
+    the row's float32 values ``[dim]``, the others int64; ``fn`` returns a real number (NaN refused). ``fn``
+    is a Python function (def or lambda, or one decorated with ``numba.njit``), compiled with Numba the first
+    time it scores (:meth:`compiled`). Equal when ``fn`` is the same object."""
+
+    def __init__(self, fn):
+        target = fn.py_func if isinstance(fn, numba.core.registry.CPUDispatcher) else fn
+        if not isinstance(target, pytypes.FunctionType):
+            raise RowFunctionError(f"EvictByScore: {describe(fn)} is a {type(fn).__name__}, not a Python function "
+                                   f"(def or lambda, or one decorated with numba.njit)")
+        try:
+            inspect.signature(target).bind(*_SCORE_CONTRACT.strip("()").split(", "))
+        except TypeError as exc:
+            raise RowFunctionError(f"EvictByScore: {describe(fn)} cannot be called with the four arguments "
+                                   f"{_SCORE_CONTRACT}: {exc}") from None
+        self.fn = fn
+
+    def __hash__(self):
+        return hash((EvictByScore, id(self.fn)))
+
+    def __eq__(self, other):
+        return type(other) is EvictByScore and other.fn is self.fn
+
+    def __repr__(self):
+        return f"EvictByScore({describe(self.fn)})"
+
+    def compiled(self):
+        """The Numba dispatcher of ``fn``, compiled for the contract's argument types (``RowFunctionError``
+        naming ``fn`` when it does not compile or returns no real number)."""
+        dispatcher = self.__dict__.get("_dispatcher")
+        if dispatcher is not None:
+            return dispatcher
+        fn = self.fn
+        dispatcher = fn if isinstance(fn, numba.core.registry.CPUDispatcher) else numba.njit(fn)
+        try:
+            dispatcher.compile(_SCORE_SIGNATURE)
+            returned = dispatcher.overloads[_SCORE_SIGNATURE].signature.return_type
+        except Exception as exc:  # numba's typing and lowering errors
+            raise RowFunctionError(f"EvictByScore: {describe(fn)} {_SCORE_CONTRACT} cannot be compiled by Numba: "
+                                   f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+        if not isinstance(returned, (types.Integer, types.Float)) or isinstance(returned, types.Boolean):
+            raise RowFunctionError(f"EvictByScore: {describe(fn)} must return a real number, it returns {returned}")
+        self._dispatcher = dispatcher
+        return dispatcher
+
+    def _params(self):
+        return (("fn", self.fn),)
+
+    def scores(self, key_map, rows, step, weights=None):
+        if weights is None or np.ndim(weights) != 2 or weights.dtype != np.float32:
+            raise ValueError(f"table '{key_map.name}': {self!r} scores rows from their float32 values "
+                             f"(weights [rows, dim]), got {None if weights is None else weights.dtype}")
+        out = np.empty(rows.shape[0], np.float64)
+        _score_rows(self.compiled(), rows, weights, key_map.last_seen, key_map.counts, np.int64(step), out)
+        nan = np.flatnonzero(np.isnan(out))
+        if nan.size:
+            key = int(key_map.row_keys[rows[nan[0]]].view(np.int64))
+            raise ValueError(f"table '{key_map.name}': {self!r} scored key {key} (row {int(rows[nan[0]])}) NaN; "
+                             f"scores must be numbers")
+        return out
+
+
+@njit
+def _score_rows(fn, rows, weights, last_seen, counts, step, out):
+    for i in range(rows.shape[0]):
+        r = rows[i]
+        out[i] = fn(weights[r], np.int64(last_seen[r]), np.int64(counts[r]), step)
+
+
+@njit(cache=True)
+def _lowest(scores, keys, n):
+    m = scores.shape[0]
+    if n >= m:
+        chosen = np.arange(m)
+    else:
+        threshold = np.partition(scores, n - 1)[n - 1]
+        below = 0
+        tied = 0
+        for i in range(m):
+            if scores[i] < threshold:
+                below += 1
+            elif scores[i] == threshold:
+                tied += 1
+        need = n - below
+        tied_keys = np.empty(tied, np.uint64)
+        t = 0
+        for i in range(m):
+            if scores[i] == threshold:
+                tied_keys[t] = keys[i]
+                t += 1
+        last_key = np.partition(tied_keys, need - 1)[need - 1]
+        chosen = np.empty(n, np.int64)
+        c = 0
+        for i in range(m):
+            if scores[i] < threshold or (scores[i] == threshold and keys[i] <= last_key):
+                chosen[c] = i
+                c += 1
+    by_key = chosen[np.argsort(keys[chosen], kind="mergesort")]
+    return by_key[np.argsort(scores[by_key], kind="mergesort")]
+
+
+def lowest_scores(scores, keys, n: int) -> np.ndarray:
+    """Positions of the ``n`` entries with the lowest ``(score, key)`` (keys distinct, compared as uint64), in
+    increasing ``(score, key)`` order; all of them when ``n >= len(scores)``. ``O(len + n log n)``: a
+    selection of the threshold score, then a sort of the chosen. ``scores`` hold no NaN."""
+    scores = np.ascontiguousarray(scores, np.float64)
+    keys = as_keys(keys)
+    if scores.shape != keys.shape:
+        raise ValueError(f"lowest_scores: {scores.shape[0]} scores for {keys.shape[0]} keys")
+    if n <= 0:
+        return np.empty(0, np.int64)
+    return _lowest(scores, keys, int(n))
+
+
+def pick_victims(policy: EvictionPolicy, key_map: KeyRowMap, n: int, protected_rows=(), step: int = 0,
+                 weights=None) -> np.ndarray:
+    """The ``n`` live rows of ``key_map`` to evict under ``policy``: the lowest ``(score, key)`` among the rows
+    not in ``protected_rows`` (the current batch's rows; negative entries, absent keys, are ignored), in
+    that order. Changes nothing.
+
+    Raises:
+        TableFullError: fewer than ``n`` live rows are unprotected.
+    """
+    n = int(n)
+    if n <= 0:
+        return np.empty(0, np.int64)
+    live = key_map.live_rows()
+    protected = np.asarray(protected_rows, np.int64).ravel()
+    protected = protected[(protected >= 0) & (protected < key_map.high_water)]
+    mask = np.zeros(key_map.high_water, np.bool_)
+    mask[protected] = True
+    candidates = live[~mask[live]]
+    if candidates.shape[0] < n:
+        raise TableFullError(
+            f"table '{key_map.name}': cannot free {n} rows for the batch's new keys: only {candidates.shape[0]} of "
+            f"its {len(key_map)} keys are not used by the batch (capacity {key_map.capacity}); nothing was changed")
+    scores = policy.scores(key_map, candidates, step, weights)
+    return candidates[_lowest(np.ascontiguousarray(scores, np.float64), key_map.row_keys[candidates], n)]
+
+
+def expired_rows(key_map: KeyRowMap, step: int, steps: int) -> np.ndarray:
+    """The live rows unseen for more than ``steps`` steps at ``step`` (``step - last_seen > steps``), increasing."""
+    live = key_map.live_rows()
+    return live[np.int64(step) - key_map.last_seen[live].astype(np.int64) > steps]
