@@ -1,0 +1,228 @@
+"""A Keras layer holding an embedcore engine: ``model.fit`` trains the tables with their fused sparse optimizers.
+
+Keras 3 with the TensorFlow backend (what ``tf.keras`` is in TensorFlow 2.21). The layer follows keras-rs's
+``DistributedEmbedding`` (whose name it also answers to): built from a nest of feature configs, called as
+``layer(inputs, weights=None, training=False)``, returning activations mirroring ``inputs``.
+
+How it trains, step by step (the optimizer runs in the layer's gradient, as the PyTorch adapter runs it in
+``backward``):
+
+* ``acts = layer(features, weights, training=True)`` looks the batch up through :func:`.graph.lookup` (the
+  engine called directly when eager, one stateful ``tf.numpy_function`` inside ``tf.function``) and returns
+  float32 ``tf.Tensor`` activations shaped as :func:`.graph.activation_shape` says: ``[B, dim]`` for ``[B]``
+  ids, ragged ``[B, None]`` or sparse ``[B, k]`` bags; ``[B, L, dim]`` for a sequence feature
+  (``max_sequence_length = L``); ``output_shape + [dim]`` when the feature sets one.
+* The activations are differentiable with respect to one variable of the layer, ``update_trigger``: a
+  trainable Keras variable of shape ``[0]`` (no values, no parameters in ``model.summary()``), which puts
+  the lookup on the tape. When the tape computes the gradient of a loss that depends on the activations
+  (Keras's ``train_step`` does, once per batch), the layer's gradient function calls
+  :func:`.graph.apply_gradients`, that is :meth:`embedcore.Embedding.apply_gradients` with
+  ``d loss / d activations``: the rows the batch touched (and their slots) are updated in place by their
+  tables' own optimizers and ``layer.embedding.step`` advances by one. The trigger's gradient is empty (the
+  Keras optimizer has nothing to do for it) and is produced after the update. The tables are not Keras
+  variables: the Keras optimizer of ``model.compile`` trains the dense model only.
+* Hence ``model.fit`` makes exactly one update per training batch (one per call of the layer in the model);
+  ``model.evaluate`` and ``model.predict`` (``training=False``) only look up, and so does a layer made
+  non-trainable (``layer.trainable = False``). In a custom loop, note that TensorFlow runs every gradient
+  function on the way back from the loss, eagerly and inside ``tf.function`` (where the update is a stateful
+  op): ``tape.gradient(loss, some_dense_variables)`` updates the tables too. A lookup is applied at most
+  once (a second gradient of a persistent tape raises); a training call whose gradient never runs updates
+  nothing (its lookup is released later, see :mod:`.graph`). An output the loss does not use counts as a
+  zero gradient.
+* Errors: eagerly (``run_eagerly=True``, or a direct call outside ``tf.function``) a bad batch raises the
+  engine's :class:`embedcore.InputError` naming the feature; inside ``tf.function`` (``model.fit``'s
+  default) the same message arrives in a ``tf.errors.OpError``, as TensorFlow reports Python errors raised
+  in a ``tf.numpy_function``; structure and type errors (missing features, float ids, ragged tensors of
+  rank 3) are raised while tracing (``TypeError``/``ValueError`` naming the feature). Either way tables,
+  slots and ``step`` are unchanged.
+* XLA cannot compile the lookup: the layer sets ``supports_jit = False``, so ``compile(jit_compile="auto")``
+  (the default) resolves to no XLA; ``jit_compile=True`` is not supported.
+
+Inputs, per feature, as :mod:`.tensors` reads them: a dense integer ``tf.Tensor`` (or NumPy array), a
+``tf.RaggedTensor`` ``[B, None]`` or a ``tf.SparseTensor``; dense ids follow TensorFlow's engines (each id its
+own activation row: use ragged or sparse ids for bags, or ``output_shape``). Weights, when given, mirror the
+ids (same class, same row splits or indices); ``None`` for a feature means no weights.
+
+Configs: :class:`embedcore.FeatureConfig` nests with embedcore optimizers, or TensorFlow's own
+``tf.tpu.experimental.embedding`` configs and optimizers (converted by :mod:`embedcore.tensorflow.convert`).
+
+Saving: ``model.save_weights(path)`` (``.weights.h5``) and ``model.load_weights(path)`` store and restore the
+layer's tables, slots and ``step`` beside the dense weights (:meth:`EmbeddingLayer.save_own_variables`).
+Loading checks every table and slot (shape, dtype, finite) before anything changes. A whole-model
+``model.save(".keras")`` would also need the layer's configuration as JSON, which optimizers with Python
+callables do not have: rebuild the model in code and ``load_weights``. For large tables use the engine's own
+atomic, checksummed checkpoints, ``layer.embedding.save(path)`` / ``layer.embedding.load(path)``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+try:
+    import keras
+    import tensorflow as tf
+except ImportError as exc:  # pragma: no cover - exercised only without TensorFlow
+    raise ImportError("embedcore.tensorflow needs TensorFlow, an optional extra of embedcore: install it with "
+                      "`pip install embedcore[tensorflow]` (or `pip install tensorflow-cpu==2.21.0`)") from exc
+
+from .. import inputs as ec_inputs
+from ..config import FeatureConfig
+from ..engine import Embedding
+from ..optimizers import Optimizer
+from . import graph, tensors
+
+__all__ = ["EmbeddingLayer", "DistributedEmbedding"]
+
+_TABLE_STACKING = ("auto", None)
+
+
+# -- configs -------------------------------------------------------------------------------------------------
+
+def _embedcore_configs(feature_configs, optimizer):
+    """``feature_configs`` and ``optimizer`` as embedcore's: passed through when they are already, else
+    converted from TensorFlow's ``tf.tpu.experimental.embedding`` classes by :mod:`.convert`."""
+    leaves = ec_inputs.flatten(feature_configs)
+    if not leaves:
+        raise ValueError("feature_configs holds no feature config")
+    if not all(isinstance(f, FeatureConfig) for _, f in leaves):
+        from . import convert  # TensorFlow's configs: imported only when they are given
+        feature_configs = convert.features(feature_configs).features
+    if optimizer is not None and not isinstance(optimizer, Optimizer):
+        from . import convert
+        optimizer = convert.optimizer(optimizer)
+    return feature_configs, optimizer
+
+
+# -- the layer -------------------------------------------------------------------------------------------------
+
+class EmbeddingLayer(keras.layers.Layer):
+    """Embedding tables of an :class:`embedcore.Embedding` as a Keras layer (see the module docstring).
+
+    Args:
+        feature_configs: a nest (dicts, lists, tuples) of :class:`embedcore.FeatureConfig`, or of TensorFlow's
+            ``tf.tpu.experimental.embedding.FeatureConfig``; inputs and outputs mirror it. Ignored (pass None)
+            when ``embedding`` is given.
+        optimizer: the optimizer of every table that does not set its own: an embedcore optimizer or
+            TensorFlow's (``tf.tpu.experimental.embedding.Adagrad``, ...). Not the Keras optimizer of
+            ``model.compile``, which trains the dense model.
+        table_stacking: ``"auto"`` (keras-rs's default) stacks tables with equal optimizers and ``dim`` into
+            one physical table, ``None`` keeps one per table; results are identical.
+        seed: seed of the tables' initial values.
+        embedding: an existing :class:`embedcore.Embedding` to hold instead of building one.
+        **kwargs: Keras layer arguments (``name``, ...).
+
+    Attributes:
+        embedding: the engine (its ``step`` counts the updates; ``save``/``load`` checkpoint it).
+        update_trigger: the empty trainable variable whose gradient applies the update.
+    """
+
+    def __init__(self, feature_configs=None, optimizer=None, *, table_stacking="auto", seed=0, embedding=None,
+                 **kwargs):
+        super().__init__(**kwargs)
+        if embedding is not None:
+            if not isinstance(embedding, Embedding):
+                raise TypeError(f"embedding must be an embedcore.Embedding, got {type(embedding).__name__}")
+            if feature_configs is not None or optimizer is not None:
+                raise ValueError("pass either embedding or feature_configs (and optimizer), not both")
+        else:
+            if table_stacking not in _TABLE_STACKING:
+                raise ValueError(f"table_stacking must be 'auto' or None, got {table_stacking!r}")
+            features, optimizer = _embedcore_configs(feature_configs, optimizer)
+            embedding = Embedding(features, optimizer, seed=seed, stack_tables=table_stacking == "auto")
+        self._engine = embedding
+        self.supports_jit = False  # a tf.numpy_function: XLA cannot compile the lookup
+        self.update_trigger = self.add_weight(name="update_trigger", shape=(0,), initializer="zeros",
+                                              trainable=True)
+        self.built = True
+
+    @property
+    def embedding(self) -> Embedding:
+        return self._engine
+
+    def get_embedding_tables(self) -> dict:
+        """Table name -> a copy of its ``[vocabulary_size, dim]`` rows as NumPy (keras-rs's accessor; the
+        engine's own arrays are ``layer.embedding.embedding_tables``)."""
+        return {name: np.array(rows) for name, rows in self._engine.embedding_tables.items()}
+
+    # -- call ----------------------------------------------------------------------------------------------
+    def call(self, inputs, weights=None, training=False):
+        """Activations of ``inputs`` (and ``weights``), nests mirroring the feature configs; when ``training``
+        (and the layer is trainable) the gradient with respect to ``update_trigger`` applies the update."""
+        engine = self._engine
+        if not (training and self.trainable):
+            activations, _ = graph.lookup(engine, inputs, weights, training=False)
+            return activations
+
+        @tf.custom_gradient
+        def looked_up(trigger):
+            activations, handle = graph.lookup(engine, inputs, weights, training=True)
+            flat = tf.nest.flatten(activations)
+
+            def gradient(*grads):  # an output the loss does not use: a zero gradient, as PyTorch's adapter
+                grads = [tf.zeros_like(a) if g is None else g for g, a in zip(grads, flat)]
+                step = graph.apply_gradients(engine, tf.nest.pack_sequence_as(engine.feature_config, grads),
+                                             handle)
+                with tf.control_dependencies([step]):  # the trigger's empty gradient comes after the update
+                    return tf.zeros((0,), tf.float32)
+
+            return flat, gradient
+
+        flat = looked_up(tf.convert_to_tensor(self.update_trigger))
+        return tf.nest.pack_sequence_as(engine.feature_config, list(flat))
+
+    def compute_output_spec(self, inputs, weights=None, training=False):
+        """Symbolic outputs for Keras's functional API: float32, shaped as :meth:`call` returns them."""
+        config = self._engine.feature_config
+        specs = []
+        for (path, feature), x in zip(graph.feature_paths(config), tf.nest.flatten(inputs)):
+            kind = (tensors.SPARSE if getattr(x, "sparse", False) else
+                    tensors.RAGGED if getattr(x, "ragged", False) else tensors.DENSE)
+            shape = graph.activation_shape(feature, tensors.Leaf(kind, tuple(x.shape), ()))
+            specs.append(keras.KerasTensor(shape.as_list() if shape.rank is not None else None, dtype="float32"))
+        return tf.nest.pack_sequence_as(config, specs)
+
+    # -- saving ----------------------------------------------------------------------------------------------
+    def save_own_variables(self, store):
+        """Keras weights saving: the trigger as Keras stores it (``"0"``), then ``step`` and each table and
+        slot under ``table:<table>`` / ``slot:<table>:<slot>`` (16-bit brain-float rows as their uint16 bits,
+        which HDF5 can hold)."""
+        super().save_own_variables(store)
+        store["step"] = np.array(self._engine.step, np.int64)
+        for name, rows in self._engine.embedding_tables.items():
+            store[f"table:{name}"] = _storable(rows)
+        for name, slots in self._engine.slot_variables.items():
+            for slot, rows in slots.items():
+                store[f"slot:{name}:{slot}"] = _storable(rows)
+
+    def load_own_variables(self, store):
+        """Keras weights loading: tables, slots and ``step`` set by :meth:`embedcore.Embedding.set_state`
+        (everything checked first: a missing entry, a wrong shape or dtype, a NaN/Inf changes nothing)."""
+        engine = self._engine
+        keys = set(store.keys())
+
+        def read(key, like):
+            if key not in keys:
+                raise ValueError(f"layer '{self.name}': the weights file has no '{key}' (saved from another "
+                                 f"embedding layer, or before its tables were saved); nothing was loaded")
+            return _restored(store[key], like)
+
+        tables = {name: read(f"table:{name}", rows) for name, rows in engine.embedding_tables.items()}
+        slots = {name: {slot: read(f"slot:{name}:{slot}", rows) for slot, rows in table_slots.items()}
+                 for name, table_slots in engine.slot_variables.items()}
+        step = int(np.asarray(read("step", None)))
+        engine.set_state(tables=tables, slots=slots, step=step)
+
+
+def _storable(rows) -> np.ndarray:
+    array = np.asarray(rows)
+    return array.view(np.uint16) if array.dtype.name == "bfloat16" else np.array(array)
+
+
+def _restored(value, like) -> np.ndarray:
+    array = np.asarray(value)
+    if like is not None and np.asarray(like).dtype.name == "bfloat16" and array.dtype == np.uint16:
+        return array.view(np.asarray(like).dtype)
+    return array
+
+
+DistributedEmbedding = EmbeddingLayer  # keras-rs's name for such a layer
