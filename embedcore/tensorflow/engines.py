@@ -546,6 +546,12 @@ class TPUEmbeddingForServing(_Front):
         if weights is not None:
             nest.assert_same_structure(features, weights)
         _leaf_types(self._paths, features, weights, "serving")
+        flat_ids, flat_w = nest.flatten(features), [None] * len(self._paths) if weights is None else nest.flatten(weights)
+        for k, ((_, feature), inp, w) in enumerate(zip(self._paths, flat_ids, flat_w)):
+            if isinstance(inp, tf.SparseTensor):
+                flat_ids[k], flat_w[k] = _serving_prune(inp, w, feature)
+        features = nest.pack_sequence_as(self._feature_config, flat_ids)
+        weights = None if weights is None else nest.pack_sequence_as(self._feature_config, flat_w)
         reshapes = []
         for (path, feature), inp in zip(self._paths, nest.flatten(features)):
             target = None
@@ -563,3 +569,19 @@ class TPUEmbeddingForServing(_Front):
         flat = nest.flatten(activations)
         flat = [a if t is None else tf.reshape(a, t + [a.shape[-1]]) for a, t in zip(flat, reshapes)]
         return nest.pack_sequence_as(self._feature_config, flat)
+
+
+def _serving_prune(ids: tf.SparseTensor, weights, feature):
+    """TensorFlow's serving lookup of sparse ids drops ids < 0 and, unless the combiner is ``sum``, entries
+    whose weight is <= 0 (``safe_embedding_lookup_sparse``), except where it takes another path: a rank-2
+    sequence feature without ``output_shape``, or ``validate_weights_and_indices=False`` at rank <= 2."""
+    rank = ids.shape.rank
+    if not _output_shape(feature) and _max_sequence_length(feature) > 0 and rank in (None, 2):
+        return ids, weights
+    if not feature.validate_weights_and_indices and rank is not None and rank <= 2:
+        return ids, weights
+    keep = ids.values >= 0
+    if weights is not None and feature.table.combiner != "sum":
+        keep = tf.logical_and(keep, weights.values > 0)
+    ids = tf.sparse.retain(ids, keep)
+    return ids, None if weights is None else tf.sparse.retain(weights, keep)
