@@ -64,8 +64,13 @@ see ordinary row ids:
 
 1. ``rows = map.find(keys)``; the keys still absent go through the table's admission
    (:class:`embedcore.tables.policies.AdmissionSketch`); an unadmitted key's occurrences read the key's
-   initial value (deterministic from the seed, the table and the key, e.g. an initializer's stream keyed by
-   ``stream_key(seed, table)`` mixed with the key) and get no gradient;
+   initial value and get no gradient. That value depends only on the seed, the table and the key: the
+   table's initializer evaluated as if the key were row ``mix(key) >> b`` of the conceptual table
+   (``Initializer.fill(out, first_row=that row, key=stream_key(seed, table))``, with ``b`` large enough that
+   the generators' counters ``(row * dim + column) << 8`` of :mod:`embedcore.kernels.random` stay below
+   ``2**64``; better, a fill there keyed by the key itself), never on the row slot, the arrival order or the
+   sharding; a new key's row is filled the same way, and its slots from the slot initializers, so an evicted
+   key that comes back starts as it first did;
 2. if the admitted new keys outnumber ``map.free_rows``, the eviction policy picks victims among the live
    rows not in ``rows`` (:func:`embedcore.tables.policies.pick_victims`), ``map.remove`` frees them (TTL
    removes expired rows first: :func:`embedcore.tables.policies.expired_rows`); still too many: refuse the
