@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from embedcore.kernels.hash_map import MAX_LOAD, KeyRowMap, TableFullError, as_keys
+from embedcore.tables.policies import LFU, LRU, pick_victims
 
 MASK = (1 << 64) - 1
 EXTREME = [0, -1, 1, 2 ** 63 - 1, -2 ** 63, 2 ** 32, 2 ** 33, 3 * 2 ** 32, -2 ** 32, 2 ** 62 + 7, 12345678901]
@@ -107,6 +108,7 @@ operations = st.lists(st.one_of(
     st.tuples(st.just("touch"), st.lists(st.integers(0, 1000), max_size=20)),
     st.tuples(st.just("grow"), st.integers(0, 3)),
     st.tuples(st.just("migrate"), st.integers(0, 5)),
+    st.tuples(st.just("evict"), st.tuples(st.booleans(), st.integers(0, 6), st.lists(st.integers(0, 40), max_size=6))),
 ), max_size=40)
 
 
@@ -141,6 +143,19 @@ def test_matches_the_model(capacity, initial_buckets, ops):
             rows = [live[i % len(live)] for i in arg] if live else []
             m.touch(np.array(rows, np.int64), step)
             model.touch(rows, step)
+        elif op == "evict":  # LRU or LFU victims, protected rows spared, removed by row
+            lru, n, protect = arg
+            score = model.last_seen if lru else model.counts
+            candidates = sorted((r for r in model.rows.values() if r not in protect),
+                                key=lambda r: (score[r], next(k for k, v in model.rows.items() if v == r)))
+            if len(candidates) < n:
+                with pytest.raises(TableFullError):
+                    pick_victims(LRU() if lru else LFU(), m, n, protect, step)
+            else:
+                victims = pick_victims(LRU() if lru else LFU(), m, n, protect, step)
+                assert victims.tolist() == candidates[:n]
+                by_row = {r: k for k, r in model.rows.items()}
+                assert m.remove_rows(victims).tolist() == model.remove([by_row[r] for r in candidates[:n]])
         elif op == "grow":
             m.grow(m.index.shape[0] + arg if arg else None)
         else:

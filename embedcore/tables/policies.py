@@ -322,7 +322,9 @@ def pick_victims(policy: EvictionPolicy, key_map: KeyRowMap, n: int, protected_r
                  weights=None) -> np.ndarray:
     """The ``n`` live rows of ``key_map`` to evict under ``policy``: the lowest ``(score, key)`` among the rows
     not in ``protected_rows`` (the current batch's rows; negative entries, absent keys, are ignored), in
-    that order. Changes nothing.
+    that order. Changes nothing. Cost: one pass over the live rows' metadata (a selection, not a sort: ``O(live
+    + n log n)``); an integration that evicts every step may free more rows than it needs at once to pay it
+    less often.
 
     Raises:
         TableFullError: fewer than ``n`` live rows are unprotected.
