@@ -120,6 +120,8 @@ def test_reads_every_table_and_slot_tensorflow_wrote(tmp_path, engine_class):
     assert_same(tf_values(tf_engine), ec_values(emb))
     assert set(emb.slot_variables["user"]) == {"momenta", "velocities"}
     assert emb.step == 3  # TensorFlow does not store it
+    load_tf_checkpoint(emb, prefix, step=11)
+    assert emb.step == 11
 
 
 @pytest.mark.parametrize("hosts", [2, 3, 9])
@@ -189,6 +191,13 @@ def test_16_bit_tables_take_rounded_values_only_when_asked(tmp_path):
                                       expected[name]["parameters"].astype(emb.embedding_tables[name].dtype))
         np.testing.assert_array_equal(emb.slot_variables[name].get("accumulators", 0),
                                       expected[name].get("accumulators", 0))
+    # written back as float32, exactly the 16-bit values
+    back = E.TPUEmbeddingForServing(tf_features(), E.SGD(0.1))
+    back.build()
+    tf.train.Checkpoint(embedding=back).read(save_tf_checkpoint(emb, tmp_path / "ec")).assert_consumed()
+    for name in TABLES:
+        np.testing.assert_array_equal(back.variables[name]["parameters"].numpy(),
+                                      emb.embedding_tables[name].astype(np.float32))
 
 
 # -- embedcore -> TensorFlow -------------------------------------------------------------------------------
@@ -445,3 +454,19 @@ def test_a_tensorflow_program_moves_by_swapping_the_class(tmp_path, class_name):
     back.build()
     tf.train.Checkpoint(embedding=back).read(save_tf_checkpoint(ours, tmp_path / "ec")).assert_consumed()
     assert_same(tf_values(tf_engine), tf_values(back))
+
+
+def test_sparse_core_tables_resaved_by_tensorflow_serving(tmp_path):
+    """TensorFlow's serving class, having read a SparseCore checkpoint, saves its tables one by one beside
+    the layouts: those per-table variables are read (the stacked one is only a placeholder there)."""
+    tables = {"a": (7, 3), "b": (5, 8)}
+    prefix, rows = sparse_core_checkpoint(tmp_path, tables, 4)
+    serving = E.TPUEmbeddingForServing({n: E.FeatureConfig(E.TableConfig(vocabulary_size=v, dim=d, name=n))
+                                        for n, (v, d) in tables.items()}, None)
+    tf.train.Checkpoint(embedding=serving).restore(prefix)
+    serving.build()
+    resaved = tf.train.Checkpoint(embedding=serving).write(str(tmp_path / "resaved"))
+    emb = ec.Embedding({n: ec.FeatureConfig(ec.TableConfig(v, d, name=n)) for n, (v, d) in tables.items()})
+    load_tf_checkpoint(emb, resaved)
+    for name in tables:
+        np.testing.assert_array_equal(emb.embedding_tables[name], rows[name]["parameters"])

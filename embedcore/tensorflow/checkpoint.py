@@ -192,20 +192,27 @@ def _stored_variables(reader, nodes, obj, prefix, where) -> dict:
     return _unstacked(serialized, variables, prefix) if serialized else variables
 
 
-def _unstacked(serialized, stacked, prefix) -> dict:
-    """The tables (and their slots) of the stacked SparseCore variables ``stacked``, by the layouts proto."""
+def _unstacked(serialized, variables, prefix) -> dict:
+    """``variables`` with the tables of their stacked SparseCore variables taken out, by the layouts proto
+    (a table the object also holds on its own, as TensorFlow's serving class does after reading such a
+    checkpoint, is read from its own variable)."""
     from tensorflow.core.tpu.kernels import sparse_core_layout_pb2
     layouts = sparse_core_layout_pb2.SparseCoreTableLayouts()
     layouts.ParseFromString(serialized)
-    tables, cache = {}, {}
+    tables, cache, stacked_names = dict(variables), {}, set()
     for layout in layouts.tables:
-        if layout.stacked_table_name not in stacked:
+        if layout.table_name in variables:
+            continue
+        if layout.stacked_table_name not in variables:
             raise CheckpointError(f"{prefix!r}: table '{layout.table_name}' lies in the stacked table "
                                   f"'{layout.stacked_table_name}', which the checkpoint does not hold")
+        stacked_names.add(layout.stacked_table_name)
         tables[layout.table_name] = {
             slot: _Stored(tuple(layout.unsharded_shape), source.dtype,
                           _unshuffler(layout, source, cache, prefix, slot), f"{source.where} ({layout.table_name})")
-            for slot, source in stacked[layout.stacked_table_name].items()}
+            for slot, source in variables[layout.stacked_table_name].items()}
+    for name in stacked_names - {layout.table_name for layout in layouts.tables}:
+        del tables[name]
     return tables
 
 
@@ -298,7 +305,8 @@ def load_tf_checkpoint(engine, path, feature_config=None, *, object_path=None, t
                                 f"reads the tables alone)")
             for slot in sorted(present - wanted):
                 problems.append(f"{label} has a slot '{slot}' that the engine's optimizer does not have (its slots "
-                                f"are {sorted(wanted)}); build the engine with the checkpoint's optimizer")
+                                f"are {sorted(wanted)}); build the engine with the checkpoint's optimizer, or pass "
+                                f"tables_only=True")
             targets += [(s, f"{label} slot '{s}'", slots[own][s]) for s in slots[own] if s in present]
         for key, what, target in targets:
             source = found[key]
