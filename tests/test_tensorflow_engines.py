@@ -697,3 +697,80 @@ def test_embedcore_configs_pass_through():
     embedding.apply_gradients({"f": tf.ones_like(acts["f"])})
     expected = sgd_oracle(before, [[1, 1], [2]], None, "sum", np.ones((2, DIM)), 0.5)
     np.testing.assert_allclose(embedding.embedding_tables[table].numpy(), expected, rtol=1e-6)
+
+
+def test_high_rank_ids_dense_and_sparse_in_tf_function():
+    table = E.TableConfig(vocabulary_size=V_USER, dim=DIM, name="user", combiner="sum")
+    feature_config = {"dense": E.FeatureConfig(table=table), "sparse": E.FeatureConfig(table=table)}
+    embedding = TPUEmbedding(feature_config, E.SGD(0.25))
+    rows = embedding.engine.embedding_tables["user"].copy()
+    dense = np.asarray([[[1], [2], [6]], [[0], [0], [3]]])          # [B=2, L=3, 1]: TPU reduces the last 1
+    bags = {(0, 0): [1, 5], (0, 2): [4], (1, 1): [2, 2, 3]}         # sparse [2, 3, 3]
+    indices = [[b, l, k] for (b, l), ids in sorted(bags.items()) for k in range(len(ids))]
+    values = [i for _, ids in sorted(bags.items()) for i in ids]
+    sparse = tf.SparseTensor(indices, tf.constant(values, tf.int64), [2, 3, 3])
+    d_act = RNG.standard_normal((2, 3, DIM)).astype(np.float32)
+
+    @tf.function
+    def step(features):
+        embedding.enqueue(features, training=True)
+        with tf.GradientTape() as tape:
+            acts = embedding.dequeue()
+            tape.watch(acts)
+            loss = tf.reduce_sum(acts["dense"] * d_act) + tf.reduce_sum(acts["sparse"] * d_act)
+        embedding.apply_gradients(tape.gradient(loss, acts))
+        return acts
+
+    acts = step({"dense": tf.constant(dense), "sparse": sparse})
+    assert acts["dense"].shape == [2, 3, DIM] and acts["sparse"].shape == [2, 3, DIM]
+    np.testing.assert_allclose(acts["dense"].numpy(), rows[dense[..., 0]], rtol=1e-6)
+    samples = [bags.get((b, l), []) for b in range(2) for l in range(3)]
+    np.testing.assert_allclose(acts["sparse"].numpy().reshape(6, DIM), bag_oracle(rows, samples, None, "sum"),
+                               rtol=1e-5, atol=1e-6)
+    flat_d = d_act.reshape(6, DIM)
+    expected = sgd_oracle(rows, [[i] for i in dense.reshape(-1)], None, "sum", flat_d, 0.25)
+    expected = expected - (rows - sgd_oracle(rows, samples, None, "sum", flat_d, 0.25))
+    np.testing.assert_allclose(embedding.embedding_tables[table].numpy(), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_tpu_embedding_v2_indexed_slices_gradients_and_sequence_features():
+    table = E.TableConfig(vocabulary_size=V_USER, dim=DIM, name="user", combiner="mean")
+    feature_config = {"bag": E.FeatureConfig(table=table), "seq": E.FeatureConfig(table=table, max_sequence_length=2)}
+    embedding = TPUEmbeddingV2(feature_config, E.SGD(0.5))
+    oracle = copy.deepcopy(embedding.engine)
+    bags = [[1, 2, 3], [4], [], [5, 5]]
+    features = {"bag": tf.ragged.constant(bags, dtype=tf.int64), "seq": sparse_from_samples(bags, 3)[0]}
+
+    @tf.function
+    def step(features):
+        with tf.GradientTape() as tape:
+            activations, preserved_outputs = embedding(features)
+            tape.watch(activations)
+            # a gather makes the bag's gradient tf.IndexedSlices
+            loss = tf.reduce_sum(tf.gather(activations["bag"], [0, 3, 3])) + tf.reduce_sum(activations["seq"] * 2.0)
+        gradients = tape.gradient(loss, activations)
+        embedding.apply_gradients(gradients, preserved_outputs)
+        return activations
+
+    acts = step(features)
+    assert acts["seq"].shape == [B, 2, DIM]
+    d_bag = np.zeros((B, DIM), np.float32)
+    d_bag[0], d_bag[3] = 1, 2
+    expected, ctx = oracle.lookup({"bag": ec.Ragged.from_lists(bags), "seq": ec.Ragged.from_lists(bags)})
+    np.testing.assert_allclose(acts["seq"].numpy(), expected["seq"], rtol=1e-6)
+    oracle.apply_gradients({"bag": d_bag, "seq": np.full((B, 2, DIM), 2.0, np.float32)}, ctx)
+    np.testing.assert_allclose(embedding.engine.embedding_tables["user"], oracle.embedding_tables["user"], rtol=1e-6)
+
+
+def test_tpu_embedding_build_shapes_are_checked():
+    feature_config, _, _ = tf_feature_config()
+    embedding = TPUEmbedding(feature_config, E.SGD(0.1))
+    embedding.build(per_replica_input_shapes={"watched": tf.TensorShape([B]), "favorited": tf.TensorShape([B, None]),
+                                              "friends": tf.TensorShape([B, 3])})
+    features, weights = tf_features()
+    embedding.enqueue(features, weights)
+    embedding.dequeue()
+    short = {"watched": features["watched"][:2], "favorited": features["favorited"][:2],
+             "friends": tf.sparse.slice(features["friends"], [0, 0], [2, 3])}
+    with pytest.raises(ValueError, match="Inconsistent shape founded for input feature"):
+        embedding.enqueue(short)
