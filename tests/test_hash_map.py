@@ -270,7 +270,8 @@ def test_refused_batch_after_removals_restores_the_free_stack():
 
 
 @pytest.mark.parametrize("bad, message", [
-    (np.array([1.5]), "dtype float64"), (np.array([True]), "dtype bool"), (["a"], "str 'a'"), (np.array(["a"]), "dtype <U1"), ([1.0], "float 1.0"),
+    (np.array([1.5]), "dtype float64"), (np.array([True]), "dtype bool"), (["a"], "str 'a'"),
+    (np.array(["a"]), "dtype <U1"), ([1.0], "float 1.0"),
     ([2 ** 64], "does not fit in 64 bits"), ([-2 ** 63 - 1, 1], "does not fit"), ([1, "x", 2 ** 64 - 1], "str"),
 ])
 def test_bad_keys_are_refused_naming_the_table(bad, message):
