@@ -26,7 +26,7 @@ from .config import FeatureConfig, TableConfig
 from .engine import Embedding, LookupContext, NonFiniteError, UpdateReport
 from .export import export_for_serving
 from .initializers import Constant, Initializer, RandomUniform, RowId, TruncatedNormal, Zeros
-from .inputs import InputError, Ragged, Sparse
+from .inputs import InputError, InputTypeError, Ragged, Sparse
 from .optimizers import (FTRL, SGD, Adagrad, AdagradMomentum, Adam, CustomOptimizer, ExactAdagrad, ExactRowwiseAdagrad,
                          Optimizer, RowwiseAdagrad)
 from .serving import ServingEmbedding
@@ -39,6 +39,6 @@ __all__ = [
     "Optimizer", "CustomOptimizer", "SGD", "Adagrad", "AdagradMomentum", "Adam", "FTRL", "RowwiseAdagrad",
     "ExactAdagrad", "ExactRowwiseAdagrad",
     "Initializer", "Constant", "Zeros", "TruncatedNormal", "RandomUniform", "RowId",
-    "Ragged", "Sparse", "InputError", "RowFunctionError", "CheckpointError", "ServingEmbedding", "Tuning",
-    "export_for_serving",
+    "Ragged", "Sparse", "InputError", "InputTypeError", "RowFunctionError", "CheckpointError", "ServingEmbedding",
+    "Tuning", "export_for_serving",
 ]

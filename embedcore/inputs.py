@@ -2,17 +2,34 @@
 
 Accepted forms of one feature's ids (weights, when given, take the same form and structure):
 
-* a NumPy integer array ``[B]`` (one id per sample) or ``[B, k]`` (k ids per sample);
-* :class:`Ragged` ``(values, row_splits)``, or a list of lists of ints;
-* :class:`Sparse` ``(indices [N, 2], values [N], dense_shape (B, k))`` in COO form (any order).
+* a NumPy integer array ``[B]`` (one id per sample), ``[B, k]`` (k ids per sample) or, high-dimensional,
+  ``[d1, ..., dn, k]`` (k ids in each of the ``d1 x ... x dn`` samples; see below);
+* :class:`Ragged` ``(values, row_splits)`` (one ragged dimension, as TensorFlow's rank-2 ``RaggedTensor``),
+  or a list of lists of ints;
+* :class:`Sparse` ``(indices [N, r], values [N], dense_shape (d1, ..., d(r-1), k))`` in COO form (any order),
+  ``r >= 2``.
 
-Each feature becomes a :class:`FeatureBatch` (CSR: ids, ``row_splits``, weights, position of each id in its
-sample); the features of one physical table then become one :class:`TableBatch` of occurrences, each with
-its physical row, its gain (combiner weight) and the activation row it feeds.
+High-dimensional ids follow TensorFlow's TPU embedding (``tpu_embedding_v2``: an input's output shape is
+its shape without the last dimension, which is combined): the samples ("bags") are the entries of the
+leading shape ``(d1, ..., dn)`` in C order, each combining the ids along the last dimension, and the
+activations are ``(d1, ..., dn, dim)``. A ``max_sequence_length`` applies to rank-2 ids only and is ignored,
+with a warning, for higher ranks (as TensorFlow does). Ids of rank 0 are refused; a Ragged with more than one
+ragged dimension is refused (TensorFlow supports rank-2 ragged ids only; give such ids as :class:`Sparse`).
+
+Each feature becomes a :class:`FeatureBatch` (CSR over its samples: ids, ``row_splits``, weights, position of
+each id in its sample, and the samples' ``leading_shape``); the features of one physical table then become
+one :class:`TableBatch` of occurrences, each with its physical row, its gain (combiner weight) and the
+activation row it feeds.
+
+Errors follow TensorFlow's classes: a value that is wrong raises :class:`InputError` (a ``ValueError``); a
+value of the wrong type or structure (a dict where a feature's ids belong, a list where the feature config
+has a dict, weights of another form than their ids) raises :class:`InputTypeError`, which is both an
+:class:`InputError` and a ``TypeError``. Every message names the feature (or the path in the structure).
 """
 
 from __future__ import annotations
 
+import math
 import numbers
 from dataclasses import dataclass
 
@@ -23,12 +40,19 @@ from .kernels.occurrences import (COMBINERS, activation_rows, fill_occurrences, 
 from .memory_budget import check_fits
 from .tuning import DEFAULT_TUNING, Tuning
 
-__all__ = ["Ragged", "Sparse", "FeatureBatch", "TableBatch", "InputError", "to_feature_batch",
-           "build_table_batch", "flatten", "flatten_like", "unflatten"]
+__all__ = ["Ragged", "Sparse", "FeatureBatch", "TableBatch", "InputError", "InputTypeError", "to_feature_batch",
+           "build_table_batch", "flatten", "flatten_like", "unflatten", "restrict"]
 
 
 class InputError(ValueError):
     """A batch of features, weights or gradients that the engine refuses; nothing was changed."""
+
+
+class InputTypeError(InputError, TypeError):
+    """An :class:`InputError` about a type or a structure: a container where the feature config has another
+    (a list for a dict, a dict where a feature's ids belong), ids or weights of an unknown type, weights of
+    another form than their ids. It is a ``TypeError`` as TensorFlow's (``nest.assert_same_structure``)
+    and still an :class:`InputError` (a ``ValueError``), so ``except InputError`` code catches it."""
 
 
 def _as_array(value) -> np.ndarray:
@@ -58,10 +82,12 @@ class Ragged:
 
     ``values`` and ``row_splits``: arrays, or anything NumPy reads, CPU torch tensors included (of any float
     dtype, with ``requires_grad`` or not: detached, bfloat16 widened to float32), without importing torch.
+    One ragged dimension only (TensorFlow's rank-2 ``RaggedTensor``): ``values`` that are themselves a
+    ``Ragged`` (several ragged dimensions) are kept as given and refused, naming the feature, when looked up.
     """
 
     def __init__(self, values, row_splits):
-        self.values = _as_array(values)
+        self.values = values if isinstance(values, Ragged) else _as_array(values)
         self.row_splits = _as_array(row_splits)
 
     @classmethod
@@ -79,8 +105,10 @@ class Ragged:
 class Sparse:
     """A COO batch like ``tf.SparseTensor``: ``values[i]`` sits at ``indices[i] = (sample, position)``.
 
-    ``dense_shape`` is ``(batch_size, width)``, two ints >= 0; anything else (a float such as 2.9, a bool, a
-    negative size) is kept as given and refused, naming the feature, when the batch is looked up. A sequence
+    ``dense_shape`` is ``(batch_size, width)``, two ints >= 0, or high-dimensional ``(d1, ..., dn, width)``
+    with ``indices[i] = (i1, ..., in, position)``: the samples are the entries of ``(d1, ..., dn)`` and the
+    activations ``(d1, ..., dn, dim)``; anything else (a float such as 2.9, a bool, a negative size, one
+    dimension) is kept as given and refused, naming the feature, when the batch is looked up. A sequence
     feature's position holds one id: two entries at one index are refused there too.
     """
 
@@ -122,11 +150,14 @@ def flatten(structure, path=""):
 
 
 def flatten_like(reference, value, what, path=""):
-    """The leaves of ``value`` in the order of ``flatten(reference)``; ``value`` must mirror ``reference``."""
+    """The leaves of ``value`` in the order of ``flatten(reference)``; ``value`` must mirror ``reference``
+    (lists and tuples stand for each other). A container of another type than ``reference``'s raises
+    :class:`InputTypeError`; missing or unexpected keys, or another length, :class:`InputError`."""
     where = path or "<root>"
     if isinstance(reference, dict):
         if not isinstance(value, dict):
-            raise InputError(f"{what} at '{where}' must be a dict like the feature config, got {type(value).__name__}")
+            raise InputTypeError(f"{what} at '{where}' must be a dict like the feature config, got "
+                                 f"{type(value).__name__}")
         if set(value) != set(reference):
             missing = sorted(map(str, set(reference) - set(value)))
             extra = sorted(map(str, set(value) - set(reference)))
@@ -140,13 +171,27 @@ def flatten_like(reference, value, what, path=""):
         if not isinstance(value, (list, tuple)) or len(value) != len(reference):
             got = f"{type(value).__name__} of length {len(value)}" if isinstance(value, (list, tuple)) \
                 else type(value).__name__
-            raise InputError(f"{what} at '{where}' must be a list/tuple of {len(reference)} entries like the "
-                             f"feature config, got {got}")
+            # A container of another type is a TypeError (as TensorFlow's nest); another length a ValueError.
+            error = InputError if isinstance(value, (list, tuple)) else InputTypeError
+            raise error(f"{what} at '{where}' must be a list/tuple of {len(reference)} entries like the "
+                        f"feature config, got {got}")
         out = []
         for i, (r, v) in enumerate(zip(reference, value)):
             out += flatten_like(r, v, what, f"{path}/{i}" if path else str(i))
         return out
     return [value]
+
+
+def restrict(reference, value):
+    """``reference`` with each dict cut to the keys that ``value`` holds at the same place (TensorFlow's
+    serving lookup takes any subset of a feature config's dict); lists, tuples and leaves are kept whole,
+    and keys that ``reference`` lacks are left for :func:`flatten_like` to refuse."""
+    if isinstance(reference, dict) and isinstance(value, dict):
+        return {key: restrict(reference[key], value[key]) for key in reference if key in value}
+    if isinstance(reference, (list, tuple)) and isinstance(value, (list, tuple)) and len(reference) == len(value):
+        items = [restrict(r, v) for r, v in zip(reference, value)]
+        return type(reference)(*items) if hasattr(reference, "_fields") else type(reference)(items)
+    return reference
 
 
 def unflatten(reference, leaves):
@@ -173,7 +218,12 @@ def _build(node, leaves):
 
 @dataclass
 class FeatureBatch:
-    """A feature's ids in CSR form: sample ``b`` owns ``ids[row_splits[b]:row_splits[b + 1]]``."""
+    """A feature's ids in CSR form: sample ``b`` owns ``ids[row_splits[b]:row_splits[b + 1]]``.
+
+    The samples are the entries of ``leading_shape`` in C order: ``(B,)`` for ``[B]``/``[B, k]`` arrays,
+    Ragged and 2-D Sparse ids, ``(d1, ..., dn)`` for high-dimensional ones; ``kind`` says which form the ids
+    came in (``"dense"``, ``"ragged"`` or ``"sparse"``; Python lists of samples are ``"ragged"``).
+    """
 
     ids: np.ndarray          # int64 [N]
     row_splits: np.ndarray   # int64 [B + 1]
@@ -182,10 +232,18 @@ class FeatureBatch:
     name: str = ""           # the feature, for error messages
     given_ids: np.ndarray | None = None  # the ids as the caller gave them (their dtype), for error messages
     repeated: tuple | None = None  # (sample, position, id, id) of the first index given twice (Sparse), or None
+    leading_shape: tuple | None = None  # the samples' shape; None: (batch_size,)
+    kind: str = ""
 
     @property
     def batch_size(self) -> int:
+        """The number of samples (bags): the size of ``leading_shape``."""
         return self.row_splits.shape[0] - 1
+
+    @property
+    def samples_shape(self) -> tuple:
+        """``leading_shape``, or ``(batch_size,)`` when it was not given."""
+        return (self.batch_size,) if self.leading_shape is None else self.leading_shape
 
 
 def _int_array(values, name, what):
@@ -325,6 +383,7 @@ def to_feature_batch(ids, weights, name: str, vocabulary_size: int, check_weight
     False, by :func:`build_table_batch`, in the pass that lays them out (one read of the ids instead of two:
     the lookup's way); weights must mirror the ids exactly and, when ``check_weights``, be finite.
     """
+    _check_weights_type(weights, name)
     if isinstance(ids, list):
         try:
             ids, weights = _from_python_lists(ids, weights)
@@ -332,49 +391,55 @@ def to_feature_batch(ids, weights, name: str, vocabulary_size: int, check_weight
             raise InputError(f"ids or weights of feature '{name}' given as Python lists do not form a batch "
                              f"(a list of samples, each a list of ids, weights mirroring them): {e}") from None
     if isinstance(ids, Ragged):
+        if isinstance(ids.values, Ragged):
+            raise InputError(f"ragged ids of feature '{name}' have more than one ragged dimension; only one is "
+                             f"supported (TensorFlow's rank-2 ragged ids): give them as a Sparse with a dense_shape "
+                             f"of rank 3 or more")
         values = _int_array(ids.values, name, "ids")
         if values.ndim != 1:
-            raise InputError(f"ragged ids of feature '{name}' must have 1-D values, got shape {values.shape}")
+            raise InputError(f"ragged ids of feature '{name}' must have 1-D values (one ragged dimension, as "
+                             f"TensorFlow's rank-2 ragged ids), got shape {values.shape}")
         splits = _check_splits(ids.row_splits, values.shape[0], name, "ids")
         w = None
         if weights is not None:
             if not isinstance(weights, Ragged):
-                raise InputError(f"weights of feature '{name}' must be ragged like its ids, got "
-                                 f"{type(weights).__name__}")
+                raise InputTypeError(f"weights of feature '{name}' must be ragged like its ids, got "
+                                     f"{type(weights).__name__}")
             wsplits = np.asarray(weights.row_splits)
             if wsplits.shape != splits.shape or np.any(wsplits != splits):
                 raise InputError(f"weights of feature '{name}' have row_splits that differ from its ids")
             w = _float_array(weights.values, name)
             if w.shape != values.shape:
                 raise InputError(f"weights of feature '{name}' have {w.shape} values, ids have {values.shape}")
-        batch = FeatureBatch(values.astype(np.int64, copy=False), splits, w, None)
+        batch = FeatureBatch(values.astype(np.int64, copy=False), splits, w, None, kind="ragged")
     elif isinstance(ids, Sparse):
         batch = _sparse_batch(ids, weights, name)
-    elif isinstance(ids, np.ndarray) or np.isscalar(ids):
+    elif isinstance(ids, np.ndarray) or (np.isscalar(ids) and not isinstance(ids, (str, bytes))):
         values = _int_array(ids, name, "ids")
-        if values.ndim == 1:
-            values = values[:, None]
-        if values.ndim != 2:
-            raise InputError(f"dense ids of feature '{name}' must have rank 1 ([B]) or 2 ([B, k]), got shape "
-                             f"{values.shape}")
+        if values.ndim == 0:
+            raise InputError(f"dense ids of feature '{name}' must have rank 1 ([B]) or 2 ([B, k]), or more "
+                             f"([d1, ..., dn, k]); got a scalar, shape {values.shape}")
+        leading = values.shape[:-1] if values.ndim > 1 else values.shape
+        k = values.shape[-1] if values.ndim > 1 else 1
         w = None
         if weights is not None:
             if isinstance(weights, (Ragged, Sparse)) or (isinstance(weights, list) and
                                                          any(isinstance(x, (list, tuple)) for x in weights)
                                                          and len({len(x) for x in weights if
                                                                   isinstance(x, (list, tuple))}) > 1):
-                raise InputError(f"weights of feature '{name}' must be an array like its dense ids, got "
-                                 f"{type(weights).__name__}")
+                raise InputTypeError(f"weights of feature '{name}' must be an array like its dense ids, got "
+                                     f"{type(weights).__name__}")
             w = _float_array(weights, name)
             if w.shape != np.shape(ids):
                 raise InputError(f"weights of feature '{name}' have shape {w.shape}, ids have shape {np.shape(ids)}")
             w = w.reshape(-1)
-        b, k = values.shape
+        b = math.prod(leading)
         splits = np.arange(0, b * k + 1, max(k, 1), dtype=np.int64) if k else np.zeros(b + 1, np.int64)
-        batch = FeatureBatch(values.reshape(-1).astype(np.int64, copy=False), splits, w, None)
+        batch = FeatureBatch(values.reshape(-1).astype(np.int64, copy=False), splits, w, None,
+                             leading_shape=tuple(int(d) for d in leading), kind="dense")
     else:
-        raise InputError(f"ids of feature '{name}' must be a NumPy integer array, a Ragged, a Sparse or a list "
-                         f"of lists; got {type(ids).__name__}")
+        raise InputTypeError(f"ids of feature '{name}' must be a NumPy integer array, a Ragged, a Sparse or a "
+                             f"list of lists; got {type(ids).__name__}")
     batch.name = name
     batch.given_ids = ids.values if isinstance(ids, (Ragged, Sparse)) else ids
     if check_range:
@@ -386,39 +451,58 @@ def to_feature_batch(ids, weights, name: str, vocabulary_size: int, check_weight
     return batch
 
 
+_MAX_SAMPLES = 2 ** 40  # a declared dimension, and the samples of a high-dimensional dense_shape, stay below it
+
+
+def _check_weights_type(weights, name) -> None:
+    """Weights of a type no form of ids takes (a dict, a string, a set) raise :class:`InputTypeError`."""
+    if isinstance(weights, (dict, set, frozenset, str, bytes)):
+        raise InputTypeError(f"weights of feature '{name}' must be None or mirror its ids (an array, a Ragged, a "
+                             f"Sparse or lists), got {type(weights).__name__}")
+
+
 def _sparse_batch(sp: Sparse, weights, name) -> FeatureBatch:
     indices = _int_array(sp.indices, name, "sparse indices")
     values = _int_array(sp.values, name, "ids")
     shape = sp.dense_shape
-    if not isinstance(shape, tuple) or len(shape) != 2 or not all(type(d) is int and 0 <= d < 2 ** 40
-                                                                   for d in shape):
+    if not isinstance(shape, tuple) or len(shape) < 2 or not all(type(d) is int and 0 <= d < _MAX_SAMPLES
+                                                                  for d in shape):
         raise InputError(f"sparse ids of feature '{name}' must have a 2-D dense_shape of ints in [0, 2**40), "
-                         f"got {shape!r:.80}")
+                         f"(B, k), or a higher-dimensional one, (d1, ..., dn, k); got {shape!r:.80}")
+    leading = shape[:-1]
+    b = math.prod(leading)
+    if b >= _MAX_SAMPLES:
+        raise InputError(f"sparse ids of feature '{name}' with dense_shape {shape} declare {b:,} samples "
+                         f"(d1 x ... x dn), more than 2**40")
     # The batch size is declared, not counted: its row_splits (and their counts) must fit before they exist.
-    check_fits(16 * shape[0] + 8, f"sparse ids of feature '{name}' with dense_shape {shape} (the row splits of "
-               f"{shape[0]:,} samples)", error=InputError)
+    check_fits(16 * b + 8, f"sparse ids of feature '{name}' with dense_shape {shape} (the row splits of "
+               f"{b:,} samples)", error=InputError)
     if values.ndim != 1:
         raise InputError(f"sparse ids of feature '{name}' need values of shape [N]; got {values.shape}")
     n = values.shape[0]
-    if indices.shape != (n, 2):
-        raise InputError(f"sparse ids of feature '{name}' need indices of shape [N, 2] and values [N]; got "
-                         f"{indices.shape} and {values.shape}")
-    b, k = sp.dense_shape
-    if n and (indices.min(axis=0) < 0).any() or n and (indices[:, 0].max() >= b or indices[:, 1].max() >= k):
+    rank = len(shape)
+    if indices.shape != (n, rank):
+        raise InputError(f"sparse ids of feature '{name}' need indices of shape [N, {rank}] (dense_shape {shape} "
+                         f"has {rank} dimensions) and values [N]; got {indices.shape} and {values.shape}")
+    if n and ((indices.min(axis=0) < 0).any() or (indices.max(axis=0) >= np.array(shape, np.int64)).any()):
         raise InputError(f"sparse indices of feature '{name}' fall outside dense_shape {sp.dense_shape}")
     w = None
     if weights is not None:
         if not isinstance(weights, Sparse):
-            raise InputError(f"weights of feature '{name}' must be Sparse like its ids, got {type(weights).__name__}")
+            raise InputTypeError(f"weights of feature '{name}' must be Sparse like its ids, got "
+                                 f"{type(weights).__name__}")
         if weights.dense_shape != sp.dense_shape or np.shape(weights.indices) != indices.shape or \
                 np.any(np.asarray(weights.indices) != indices):
             raise InputError(f"weights of feature '{name}' have indices or dense_shape that differ from its ids")
         w = _float_array(weights.values, name)
         if w.shape != values.shape:
             raise InputError(f"weights of feature '{name}' have {w.shape} values, ids have {values.shape}")
-    order = np.lexsort((indices[:, 1], indices[:, 0])) if n else np.zeros(0, np.int64)
-    rows = indices[order, 0].astype(np.int64)
-    positions = indices[order, 1].astype(np.int64)
+    sample = indices[:, 0].astype(np.int64) if rank == 2 else \
+        np.ravel_multi_index(tuple(indices[:, :-1].astype(np.int64).T), leading).astype(np.int64)
+    position = indices[:, -1].astype(np.int64)
+    order = np.lexsort((position, sample)) if n else np.zeros(0, np.int64)
+    rows = sample[order]
+    positions = position[order]
     splits = np.zeros(b + 1, np.int64)
     np.cumsum(np.bincount(rows, minlength=b), out=splits[1:])
     ids = values[order].astype(np.int64)
@@ -428,7 +512,8 @@ def _sparse_batch(sp: Sparse, weights, name) -> FeatureBatch:
         if again.size:
             k = int(again[0])
             repeated = (int(rows[k]), int(positions[k]), values[order[k]], values[order[k + 1]])
-    return FeatureBatch(ids, splits, None if w is None else w[order], positions, repeated=repeated)
+    return FeatureBatch(ids, splits, None if w is None else w[order], positions, repeated=repeated,
+                        leading_shape=leading, kind="sparse")
 
 
 def _check_range(ids, name, vocabulary_size, original):

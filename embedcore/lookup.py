@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
+import warnings
 import weakref
 from dataclasses import dataclass, field
 
@@ -18,10 +20,10 @@ import numpy as np
 
 from . import inputs
 from .config import FeatureConfig
-from .inputs import InputError
+from .inputs import InputError, InputTypeError
 from .memory_budget import check_fits
 
-__all__ = ["TableLookup", "LookupContext"]
+__all__ = ["TableLookup", "LookupContext", "activation_layout"]
 
 _CHECKED_ACTIVATION_BYTES = 1 << 26  # activations larger than this are checked against the machine's memory
 _MAX_ACTIVATION_ROWS = 2 ** 31  # an occurrence carries its activation row in 32 bits (kernels/occurrences.py)
@@ -93,7 +95,14 @@ class TableLookup:
 
     Subclasses call :meth:`_index_tables` with what lookups lay batches out over: physical tables (anything
     with ``tables``, ``offsets`` and ``dim``: each table's rows at an offset in one id space).
+
+    ``serving`` chooses the lookup's rules. False (training engines): every feature of the config is given
+    and a batch that does not fit a feature's ``output_shape`` is refused. True: TensorFlow's serving lookup
+    (``TPUEmbeddingForServing``): any batch size (``output_shape`` as :func:`activation_layout` says), and a
+    dict of features may hold a subset of the config's keys (the activations mirror the features given).
     """
+
+    serving = False
 
     def _init_features(self, feature_config):
         self._feature_config = feature_config
@@ -128,7 +137,7 @@ class TableLookup:
         lookup against its current tables, or that was applied (or released) already; nothing changes."""
         kind = LookupContext if kind is None else kind
         if not isinstance(ctx, kind):
-            raise InputError(f"ctx must be the context returned by this engine's lookup, got "
+            raise InputTypeError(f"ctx must be the context returned by this engine's lookup, got "
                              f"{type(ctx).__name__} (nothing was updated)")
         if ctx.engine_token is not self._token:
             owner = ctx.engine_token.engine() if isinstance(ctx.engine_token, _EngineToken) else None
@@ -192,29 +201,29 @@ class TableLookup:
         """Look up activations: returns ``(activations, ctx)``, activations mirroring ``features``."""
         return self.lookup(features, weights)
 
-    def _prepare(self, features, weights):
+    def _structure_of(self, features):
+        """The part of the feature config that ``features`` looks up: all of it, or (``serving``) the dict
+        keys that ``features`` holds."""
+        return inputs.restrict(self._feature_config, features) if self.serving else self._feature_config
+
+    def _prepare(self, features, weights, structure=None):
         """Validate the batch; returns the features' activation slots and, per physical table, its parts (their
-        ids are range-checked when the parts are laid out, by ``inputs.build_table_batch``)."""
-        id_leaves = inputs.flatten_like(self._feature_config, features, "features")
+        ids are range-checked when the parts are laid out, by ``inputs.build_table_batch``). ``structure``: the
+        part of the feature config looked up (:meth:`_structure_of`; default: all of it)."""
+        structure = self._feature_config if structure is None else structure
+        id_leaves = inputs.flatten_like(structure, features, "features")
         weight_leaves = ([None] * len(id_leaves) if weights is None
-                         else inputs.flatten_like(self._feature_config, weights, "weights"))
+                         else inputs.flatten_like(structure, weights, "weights"))
+        looked_up = self._features if structure is self._feature_config else inputs.flatten(structure)
         parts = [[] for _ in self._spaces]
         out_rows = [0] * len(self._spaces)
         slots = []
-        for (path, feature), ids, w in zip(self._features, id_leaves, weight_leaves):
+        for (path, feature), ids, w in zip(looked_up, id_leaves, weight_leaves):
             name = feature.name or path
             g, row_offset = self._space_of[id(feature.table)]
             batch = inputs.to_feature_batch(ids, w, name, feature.table.vocabulary_size,
                                             feature.validate_weights_and_indices, check_range=False)
-            seq_len = feature.max_sequence_length
-            n = batch.batch_size * max(seq_len, 1)
-            shape = (batch.batch_size, seq_len, feature.table.dim) if seq_len else \
-                (batch.batch_size, feature.table.dim)
-            if feature.output_shape is not None:
-                if int(np.prod(feature.output_shape)) != n:
-                    raise InputError(f"feature '{name}': output_shape {feature.output_shape} holds "
-                                     f"{int(np.prod(feature.output_shape))} activation rows, the batch gives {n}")
-                shape = feature.output_shape + (feature.table.dim,)
+            seq_len, n, shape = activation_layout(feature, batch, name, self.serving)
             parts[g].append((batch, feature.table.combiner, seq_len, row_offset, out_rows[g],
                              feature.table.vocabulary_size))
             slots.append(_FeatureSlot(path, feature, g, out_rows[g], n, shape))
@@ -229,7 +238,8 @@ class TableLookup:
 
     def lookup(self, features, weights=None):
         token, generation = self._token, self._generation  # before the tables are read: a load meanwhile
-        slots, parts = self._prepare(features, weights)   # makes this context stale, never current
+        structure = self._structure_of(features)          # makes this context stale, never current
+        slots, parts = self._prepare(features, weights, structure)
         table_batches, acts, leases = [], [], []
         for table, table_parts in zip(self._spaces, parts):
             tb = None
@@ -244,7 +254,61 @@ class TableLookup:
             table_batches.append(tb)
         activations = [acts[s.group][s.out_offset:s.out_offset + s.n_rows].reshape(s.shape) for s in slots]
         ctx = LookupContext(token, generation, table_batches, slots, leases=leases)
-        return inputs.unflatten(self._feature_config, activations), ctx
+        return inputs.unflatten(structure, activations), ctx
+
+
+def activation_layout(feature: FeatureConfig, batch, name: str, serving: bool = False):
+    """``(sequence length, activation rows, activation shape)`` of ``feature``'s activations for ``batch``
+    (an :class:`embedcore.inputs.FeatureBatch`), or :class:`InputError` naming the feature.
+
+    The batch's samples have the shape ``S = batch.samples_shape`` (``(B,)``, or ``(d1, ..., dn)`` for
+    high-dimensional ids). Without ``output_shape`` (None or empty, which TensorFlow treats alike) the
+    activations are ``S + (dim,)``, or ``(B, L, dim)`` for a sequence feature (``max_sequence_length = L``)
+    given rank-2 ids; for ids of higher rank ``L`` is ignored with a warning, as TensorFlow does.
+
+    Training (``serving`` False): ``output_shape`` must hold exactly the activation rows the batch gives
+    (``prod(output_shape) == prod(S) * L``); the activations are ``output_shape + (dim,)``. Dense ids of
+    rank 3 or more are taken only when ``output_shape`` is their leading shape ``S`` (a stray axis, as in
+    ``[1, B, k]``, is refused, not read as a batch of one row of ``B`` samples).
+
+    Serving (``serving`` True, TensorFlow's ``cpu_embedding_lookup``, at any batch size): ``output_shape``
+    shapes the activations when it fits the batch (as in training); otherwise a pooled ragged batch of ``B``
+    samples reads it as ``[B, sequence length]`` when its size is a multiple ``B * k`` of ``B`` (looked up as
+    a sequence of length ``k``, truncated or zero padded, shaped ``output_shape + (dim,)``) and is refused
+    when it is not; dense, sparse and sequence features ignore it (activations as without ``output_shape``).
+    """
+    dim = feature.table.dim
+    samples = batch.samples_shape
+    wanted = feature.output_shape or None
+    if batch.kind == "dense" and len(samples) > 1 and not serving and wanted != samples:
+        raise InputError(f"dense ids of feature '{name}' must have rank 1 ([B]) or 2 ([B, k]); ids of rank 3 or "
+                         f"more ([d1, ..., dn, k]) need the feature's output_shape to be their leading shape "
+                         f"(d1, ..., dn); got shape {tuple(np.shape(batch.given_ids))} with output_shape "
+                         f"{feature.output_shape}")
+    seq_len = feature.max_sequence_length
+    if seq_len and len(samples) > 1:
+        warnings.warn(f"feature '{name}': max_sequence_length {seq_len} is ignored for ids of rank "
+                      f"{len(samples) + 1}, whose last dimension is combined (as TensorFlow's TPU embedding does)",
+                      stacklevel=4)
+        seq_len = 0
+    natural = samples + ((seq_len,) if seq_len else ())
+    n = math.prod(natural)
+    if wanted is None:
+        return seq_len, n, natural + (dim,)
+    size = math.prod(wanted)
+    if size == n:
+        return seq_len, n, wanted + (dim,)
+    if not serving:
+        raise InputError(f"feature '{name}': output_shape {feature.output_shape} holds {size} activation rows, "
+                         f"the batch gives {n}")
+    b = batch.batch_size
+    if batch.kind == "ragged" and not seq_len and b:
+        if size % b:
+            raise InputError(f"feature '{name}': output_shape {feature.output_shape} ({size} activation rows) is "
+                             f"neither the batch size {b} nor a multiple of it, so it cannot shape a ragged batch "
+                             f"(served as [batch, sequence length])")
+        return size // b, size, wanted + (dim,)
+    return seq_len, n, natural + (dim,)
 
 
 class TrainingEngine(TableLookup):

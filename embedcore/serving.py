@@ -10,6 +10,10 @@ summed as float32 (as the training engine sums 16-bit tables), its int8 rows deq
 (``scale * code + bias``, :mod:`embedcore.kernels.quantized`), never copied to float32, each activation
 within half a quantization step per occurrence (``sum of |gain| * scale / 2``) of the float32 one.
 
+Batches of any size are served, as TensorFlow's serving lookup (``TPUEmbeddingForServing``,
+``tf.tpu.experimental.embedding.serving_embedding_lookup``) serves them: a feature's ``output_shape``, fixed
+for training, shapes the activations only where it fits the batch (see :class:`ServingEmbedding`).
+
 Opening checks the manifest whole (:func:`embedcore.checkpoint.store.check_manifest`), each table's SHA-256
 and that it holds no NaN or Inf (unless ``verify=False``, which reads no table data at all). A server
 opening a checkpoint while another process saves to it opens the new checkpoint instead of reporting the
@@ -44,9 +48,35 @@ class ServingEmbedding(TableLookup):
             (``"mixed"``: a training checkpoint whose tables are stored in different dtypes).
         embedding_tables: each table's rows as stored; for int8, the fused rows ``uint8 [V, dim + 8]``.
 
+    Shapes. Features take every input form the training engine takes, at any batch size, and a batch that
+    training accepts is served exactly as training looks it up (same activations, same shape). As in
+    TensorFlow, a dict of features may hold any subset of the config's keys (a list or tuple is given
+    whole); the activations mirror the features given. A feature's
+    ``output_shape`` is handled as TensorFlow's serving lookup handles it (``cpu_embedding_lookup``):
+
+    * it shapes the activations, ``output_shape + (dim,)``, when it holds the activation rows the batch gives
+      (``B``, ``B * L`` for a sequence feature, ``d1 * ... * dn`` for high-dimensional ids), as in training;
+    * otherwise, for a pooled feature given ragged ids (a :class:`~embedcore.Ragged` or lists of samples)
+      of ``B`` samples, it is read as ``[B, sequence length]``: when its size is ``B * k`` the ids are looked
+      up as a sequence of length ``k`` (one activation row per position, truncated or zero padded; weights,
+      if given, scale the rows as for any sequence feature) shaped ``output_shape + (dim,)``; a size that is
+      not a multiple of ``B`` raises :class:`~embedcore.InputError` (TensorFlow: "Output shape set in the
+      FeatureConfig should be the factor of the input data batch size");
+    * otherwise (dense and sparse ids, sequence features) it is ignored: ``(B, dim)``, ``(B, L, dim)``,
+      ``(d1, ..., dn, dim)`` as without ``output_shape``.
+
+    Dense ids of rank 3 or more need no ``output_shape`` here (training takes them when ``output_shape`` is
+    their leading shape). Where this differs from TensorFlow: TensorFlow's serving lookup ignores
+    ``output_shape`` for dense and sparse ids even when it fits (embedcore keeps the training shape), looks
+    dense ``[B, k]`` ids up one per id (``[B, k, dim]``; embedcore combines the ``k`` ids as training does),
+    refuses weights for dense ids and for sequence features (embedcore applies them as training does), and
+    pools a sparse sequence feature that has an ``output_shape`` (embedcore keeps it a sequence).
+
     Raises:
         CheckpointError: the checkpoint is missing, corrupt, malformed, holds NaN/Inf or does not fit.
     """
+
+    serving = True
 
     def __init__(self, path, verify: bool = True, tuning=None):
         def read(snap):
