@@ -267,6 +267,24 @@ def test_graph_update_is_not_pruned_and_runs_in_order(ec_engine):
     assert graph.pending_count(engine) == 0
 
 
+def test_graph_a_lookup_after_an_update_in_one_function_sees_the_new_rows(ec_engine):
+    engine = copy.deepcopy(ec_engine)
+    tf_batch, np_batch = graph_batch(seed=5)
+
+    @tf.function
+    def update_then_look(batch):
+        acts, handle = graph.lookup(engine, batch)
+        graph.apply_gradients(engine, tf.nest.map_structure(tf.ones_like, acts), handle)
+        return graph.lookup(engine, batch, training=False)[0]  # no data dependency on the update: ordered anyway
+
+    after = update_then_look(tf_batch)
+    expected, ctx = engine.lookup(np_batch)
+    ctx.release()
+    assert engine.step == ec_engine.step + 1
+    for k in expected:
+        np.testing.assert_array_equal(after[k].numpy(), expected[k])
+
+
 def test_graph_tracing_changes_nothing_and_retracing_is_harmless(ec_engine):
     engine = copy.deepcopy(ec_engine)
     before = {k: v.copy() for k, v in engine.embedding_tables.items()}

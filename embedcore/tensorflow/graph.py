@@ -131,6 +131,16 @@ def feature_paths(feature_config) -> list:
     return nest.flatten_with_joined_string_paths(feature_config)
 
 
+_PATHS = weakref.WeakKeyDictionary()  # engine -> feature_paths(engine.feature_config): read once per engine
+
+
+def _engine_paths(engine) -> list:
+    paths = _PATHS.get(engine)
+    if paths is None:
+        paths = _PATHS[engine] = feature_paths(engine.feature_config)
+    return paths
+
+
 def activation_shape(feature, leaf: tensors.Leaf, keep_dense_last_dim: bool = False) -> tf.TensorShape:
     """The static shape of one feature's activations (``None`` where unknown) for a batch whose ids are
     ``leaf``: ``output_shape + [dim]`` when the feature sets one; dense ids ``S + [dim]`` or
@@ -171,7 +181,7 @@ def lookup(engine, features, weights=None, *, training: bool = True, keep_dense_
     building (``TypeError``/``ValueError``); value errors (ids out of range, ...) when the lookup runs.
     """
     config = engine.feature_config
-    paths = feature_paths(config)
+    paths = _engine_paths(engine)
     tf.nest.assert_same_structure(config, features)
     id_leaves = [tensors.leaf(x, path) for (path, _), x in zip(paths, tf.nest.flatten(features))]
     if weights is None:
@@ -233,7 +243,7 @@ def _lookup_arrays(engine, config, kinds, arrays, training, keep_dense_last_dim)
         activations, ctx = result, None
     flat = tf.nest.flatten(activations)
     engine_shapes = [a.shape for a in flat]
-    features = [f for _, f in feature_paths(config)]
+    features = [f for _, f in _engine_paths(engine)]
     shaped = []
     for a, rows, feature in zip(flat, dense_rows, features):
         if rows is not None and not feature.output_shape:
@@ -257,7 +267,7 @@ def apply_gradients(engine, gradients, handle, *, name: str | None = None) -> tf
     after the update (int64 scalar tensor). Eagerly it runs now; in a graph it is a stateful op after the
     lookup (see the module docstring)."""
     config = engine.feature_config
-    paths = feature_paths(config)
+    paths = _engine_paths(engine)
     tf.nest.assert_same_structure(config, gradients)
     flat = tf.nest.flatten(gradients)
     present = [g is not None for g in flat]
