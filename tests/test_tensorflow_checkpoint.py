@@ -470,3 +470,14 @@ def test_sparse_core_tables_resaved_by_tensorflow_serving(tmp_path):
     load_tf_checkpoint(emb, resaved)
     for name in tables:
         np.testing.assert_array_equal(emb.embedding_tables[name], rows[name]["parameters"])
+
+
+def test_a_load_that_would_not_fit_in_memory_is_refused_before_reading(tmp_path, monkeypatch):
+    import embedcore.memory_budget as memory_budget
+    _, prefix = tf_written(tmp_path)
+    emb = trained_engine()
+    before = snapshot(emb)
+    monkeypatch.setattr(memory_budget, "available_bytes", lambda: 100)
+    with pytest.raises(ec.CheckpointError, match="the tables and slots read from .* more than the 100 bytes of memory"):
+        load_tf_checkpoint(emb, prefix)
+    assert_unchanged(emb, before)

@@ -42,6 +42,7 @@ import os
 import numpy as np
 
 from ..checkpoint import CheckpointError
+from ..memory_budget import check_fits
 
 __all__ = ["load_tf_checkpoint", "save_tf_checkpoint", "as_trackable", "tf_table_names", "PARAMETERS"]
 
@@ -274,7 +275,9 @@ def load_tf_checkpoint(engine, path, feature_config=None, *, object_path=None, t
 
     Everything is checked before anything changes: the checkpoint must hold every table of the engine and
     no other, each of the engine's shape, and (unless ``tables_only``) exactly the engine's slots of each
-    table, of the table's shape; values must be finite. Returns the checkpoint prefix read.
+    table, of the table's shape; values must be finite. Every value is read before the engine changes, so
+    a load needs as much free memory as the tables and slots it reads (refused up front otherwise). Returns
+    the checkpoint prefix read.
     """
     emb = _engine_of(engine)
     names = _name_map(emb, feature_config)
@@ -323,6 +326,9 @@ def load_tf_checkpoint(engine, path, feature_config=None, *, object_path=None, t
         raise CheckpointError(f"TensorFlow checkpoint {prefix!r} ({where}) does not match the engine: "
                               + "; ".join(problems) + " (nothing was changed)")
 
+    # every value is read before the engine changes: as much memory again as the engine's tables and slots
+    check_fits(sum(int(np.prod(source.shape)) * np.dtype(dtype).itemsize for *_, source, dtype in plan),
+               f"the tables and slots read from {prefix!r}", CheckpointError)
     new_tables, new_slots = {}, {}
     for own, key, what, source, dtype in plan:
         try:
