@@ -34,7 +34,7 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-from .random import _mix
+from .random import mix64
 
 __all__ = ["FORMATS", "stored_dtype", "format_of", "bits_of", "is_16_bit", "f16_to_f32", "bf16_to_f32",
            "f32_to_f16", "f32_to_bf16", "f32_to_f16_stochastic", "f32_to_bf16_stochastic", "rounding_bits",
@@ -216,7 +216,7 @@ _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 def rounding_bits(key, counter):
     """64 random bits, a pure function of ``(key, counter)``: output ``counter`` of SplitMix64 seeded with
     ``key`` (its finaliser, as the initialisers', of ``key + (counter + 1) * golden``)."""
-    return _mix(np.uint64(key) + (np.uint64(counter) + np.uint64(1)) * _GOLDEN)
+    return mix64(np.uint64(key) + (np.uint64(counter) + np.uint64(1)) * _GOLDEN)
 
 
 @njit(inline="always")
@@ -274,7 +274,7 @@ _SLOT_SALT = np.uint64(0xD1B54A32D192ED03)
 @njit(inline="always")
 def slot_key(key, slot):
     """The rounding key of slot number ``slot`` from its table's key."""
-    return _mix(key ^ (_SLOT_SALT * np.uint64(slot + 1)))
+    return mix64(key ^ (_SLOT_SALT * np.uint64(slot + 1)))
 
 
 _MASK = (1 << 64) - 1

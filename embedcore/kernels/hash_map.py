@@ -89,7 +89,7 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from .random import _mix  # the SplitMix64 finaliser (the tree's one copy)
+from .random import mix64  # the SplitMix64 finaliser (the tree's one copy)
 
 __all__ = ["KeyRowMap", "TableFullError", "as_keys", "MAX_LOAD", "GROWTH", "MIGRATE_PER_KEY", "MIGRATE_MIN",
            "MAX_CAPACITY", "MAX_STEP"]
@@ -116,7 +116,7 @@ class TableFullError(ValueError):
 # -- the index ------------------------------------------------------------------------------------------------
 @njit(cache=True, inline="always")
 def _hash(key):
-    return _mix(key + _HASH_OFFSET)
+    return mix64(key + _HASH_OFFSET)
 
 
 @njit(cache=True, inline="always")

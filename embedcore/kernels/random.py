@@ -16,7 +16,8 @@ _TWO_PI = 2.0 * np.pi
 
 
 @njit(cache=True, inline="always")
-def _mix(z):
+def mix64(z):
+    """The SplitMix64 finaliser: a bijective 64-bit mix with full avalanche (uint64 -> uint64)."""
     z = (z ^ (z >> _S30)) * _M1
     z = (z ^ (z >> _S27)) * _M2
     return z ^ (z >> _S31)
@@ -25,7 +26,7 @@ def _mix(z):
 @njit(cache=True, inline="always")
 def _uniform(key, counter):
     """A float64 in [0, 1) from ``(key, counter)``."""
-    bits = _mix(key ^ _mix(counter * _GOLDEN + _GOLDEN))
+    bits = mix64(key ^ mix64(counter * _GOLDEN + _GOLDEN))
     return np.float64(bits >> _S11) * (1.0 / 9007199254740992.0)
 
 

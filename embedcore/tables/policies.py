@@ -46,7 +46,7 @@ from numba import njit, prange, types
 from ..compiler import RowFunctionError, describe
 from ..initializers import stream_key
 from ..kernels.hash_map import KeyRowMap, TableFullError, as_keys
-from ..kernels.random import _mix  # the SplitMix64 finaliser (the tree's one copy)
+from ..kernels.random import mix64  # the SplitMix64 finaliser (the tree's one copy)
 
 __all__ = ["CountAdmission", "AdmissionSketch", "EvictionPolicy", "LRU", "LFU", "TTL", "EvictByScore",
            "pick_victims", "expired_rows", "lowest_scores"]
@@ -95,7 +95,7 @@ class CountAdmission(_Policy):
 
 @njit(cache=True, inline="always")
 def _column(key, salt, width):
-    return ((_mix(key ^ salt) >> _S32) * width) >> _S32
+    return ((mix64(key ^ salt) >> _S32) * width) >> _S32
 
 
 @njit(cache=True)
