@@ -31,7 +31,8 @@ E = tf.tpu.experimental.embedding
 # Tables and feature nests.
 
 def test_table_carries_every_argument():
-    tf_table = E.TableConfig(vocabulary_size=7, dim=3, initializer=tf.constant_initializer(0.25, support_partition=True),
+    tf_table = E.TableConfig(vocabulary_size=7, dim=3,
+                             initializer=tf.constant_initializer(0.25, support_partition=True),
                              optimizer=E.SGD(0.5), combiner="sqrtn", name="users")
     table = convert.table(tf_table)
     assert (table.vocabulary_size, table.dim, table.combiner, table.name) == (7, 3, "sqrtn", "users")
@@ -245,7 +246,8 @@ def _oracle_parameters(opt):
         p.update(beta_1=opt.beta_1, beta_2=opt.beta_2, epsilon=opt.epsilon, sum_inside_sqrt=opt.sum_inside_sqrt)
     if isinstance(opt, E.FTRL):
         p.update(learning_rate_power=opt.learning_rate_power, l1=opt.l1_regularization_strength,
-                 l2=opt.l2_regularization_strength, beta=opt.beta, multiply_linear_by_lr=opt.multiply_linear_by_learning_rate)
+                 l2=opt.l2_regularization_strength, beta=opt.beta,
+                 multiply_linear_by_lr=opt.multiply_linear_by_learning_rate)
     return p
 
 
@@ -351,6 +353,28 @@ def test_learning_rate_callable_returning_a_tensor():
     rates = [0.4 / (1.0 + k) for k in range(3)]
     _train_and_check(E.FTRL(schedule, initial_accumulator_value=0.2), learning_rates=rates,
                      on_step=lambda k: step.assign(float(k - 1)))
+
+
+def test_learning_rate_callable_inside_tf_function():
+    """Called where embedcore runs it (inside ``tf.numpy_function``, eager there) the callable sees the
+    variable's value assigned before it in the graph; called on graph tensors it says why it cannot work."""
+    rate = tf.Variable(0.1)
+    converted = convert.optimizer(E.SGD(lambda: rate * 2.0))
+
+    @tf.function
+    def step(value):
+        rate.assign(value)
+        return tf.numpy_function(lambda: np.float32(converted.step_values(1)[0]), [], tf.float32, stateful=True)
+
+    assert step(tf.constant(0.25)).numpy() == np.float32(0.5)
+    assert step(tf.constant(0.75)).numpy() == np.float32(1.5)
+
+    @tf.function
+    def in_graph():
+        return converted.step_values(1)[0]
+
+    with pytest.raises(ValueError, match="returned a symbolic tensor"):
+        in_graph()
 
 
 def test_learning_rate_callable_with_a_step_argument_is_refused_naming_the_table():
