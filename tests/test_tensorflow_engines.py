@@ -79,9 +79,9 @@ B = len(VIDEO_IDS)
 
 
 def tf_feature_config(combiner="sum"):
+    initial = np.linspace(-1, 1, V_VIDEO * DIM).reshape(V_VIDEO, DIM)
     table_video = E.TableConfig(vocabulary_size=V_VIDEO, dim=DIM, name="video",
-                                initializer=tf.constant_initializer(np.linspace(-1, 1, V_VIDEO * DIM).reshape(V_VIDEO, DIM),
-                                                                    support_partition=True))
+                                initializer=tf.constant_initializer(initial, support_partition=True))
     table_user = E.TableConfig(vocabulary_size=V_USER, dim=DIM, name="user", combiner=combiner)
     feature_config = {
         "watched": E.FeatureConfig(table=table_video, name="watched"),
@@ -438,8 +438,8 @@ def test_tpu_embedding_docstring_training_loop_in_tf_function():
         _, ctx = oracle.lookup(np_features, np_weights)
         oracle.apply_gradients({k: D_ACT[k] for k in D_ACT}, ctx)
     assert embedding.engine.step == 3
-    for given, name in ((table_video, "video"), (table_user, "user")):
-        np.testing.assert_allclose(embedding.embedding_tables[given].numpy(), oracle.embedding_tables[name],
+    for table, name in ((table_video, "video"), (table_user, "user")):
+        np.testing.assert_allclose(embedding.embedding_tables[table].numpy(), oracle.embedding_tables[name],
                                    rtol=1e-6, atol=1e-7)
     loss = evaluation_step(dataset_iterator, tf.constant(2))
     acts, ctx = oracle.lookup(np_features, np_weights)
@@ -654,6 +654,21 @@ def test_serving_any_batch_size_and_sequence_features():
         for k in expected:
             assert got[k].shape == expected[k].shape
             np.testing.assert_allclose(got[k].numpy(), expected[k].numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_serving_looks_up_a_subset_of_the_features_by_path():
+    feature_config, _, _ = tf_feature_config("mean")
+    embedding = TPUEmbeddingForServing(feature_config, E.SGD(0.1))
+    features, weights = tf_features()
+    subset = {"friends": features["friends"], "watched": features["watched"]}
+    subset_weights = {"friends": weights["friends"], "watched": None}
+    expected = tf_serving_reference(subset, subset_weights, embedding, feature_config)
+    got = tf.function(embedding.embedding_lookup)(subset, subset_weights)
+    assert set(got) == {"friends", "watched"}
+    for k in expected:
+        np.testing.assert_allclose(got[k].numpy(), expected[k].numpy(), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="Inputs are not a subset of feature_config"):
+        embedding({"elsewhere": features["watched"]})
 
 
 def test_serving_errors_are_tensorflows():

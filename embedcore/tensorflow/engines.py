@@ -44,7 +44,7 @@ from tensorflow.python.util import nest
 
 import embedcore as ec
 
-from . import graph, tensors
+from . import graph
 
 __all__ = ["TPUEmbeddingV2", "TPUEmbedding", "TPUEmbeddingForServing"]
 
@@ -163,13 +163,14 @@ class _Front:
         return graph.apply_gradients(self._engine, self._ec_nest(nest.flatten(gradients)), handle, name=name)
 
 
-def _leaf_types(paths, features, weights, dense_weights: str):
-    """TensorFlow's checks of each feature's input type and its weights' type.
+def _leaf_types(paths, flat_ids, flat_weights, dense_weights: str):
+    """TensorFlow's checks of each feature's input type and its weights' type (flat lists in ``paths``
+    order; ``flat_weights`` may be None).
 
     ``dense_weights``: ``"refuse"`` (the v2 API), ``"tensor"`` (v3: dense weights must be tensors) or
     ``"serving"`` (TensorFlow's serving lookup's messages)."""
-    flat_w = [None] * len(paths) if weights is None else nest.flatten(weights)
-    for (path, feature), inp, w in zip(paths, nest.flatten(features), flat_w):
+    flat_weights = [None] * len(paths) if flat_weights is None else flat_weights
+    for (path, feature), inp, w in zip(paths, flat_ids, flat_weights):
         if isinstance(inp, (tf.SparseTensor, tf.RaggedTensor)):
             kind = type(inp)
             if w is not None and not isinstance(w, kind):
@@ -262,7 +263,8 @@ class TPUEmbeddingV2(_Front):
         self._check_structure(features)
         if weights is not None:
             self._check_structure(weights)
-        _leaf_types(self._paths, features, weights, "tensor")
+        _leaf_types(self._paths, nest.flatten(features), None if weights is None else nest.flatten(weights),
+                    "tensor")
         activations, handle, shapes = self._lookup(features, weights, training=True)
         return activations, {"embedcore_lookup": handle, "embedcore_shapes": _ShapeRecord(shapes)}
 
@@ -436,7 +438,8 @@ class TPUEmbedding(_Front):
         self._check_structure(features)
         if weights is not None:
             self._check_structure(weights)
-        _leaf_types(self._paths, features, weights, "refuse")
+        _leaf_types(self._paths, nest.flatten(features), None if weights is None else nest.flatten(weights),
+                    "refuse")
         incoming = self._outputs_from_inputs(self._input_shapes(features))
         if not self._built:
             self._check_output_shapes(incoming)
@@ -505,7 +508,8 @@ class TPUEmbeddingForServing(_Front):
     """``tf.tpu.experimental.embedding.TPUEmbeddingForServing`` on embedcore: TensorFlow's CPU serving lookup.
 
     ``embedding_lookup(features, weights=None)`` (and ``__call__``) returns activations mirroring
-    ``features`` at any batch size, shaped as TensorFlow's ``serving_embedding_lookup`` shapes them: a dense
+    ``features`` (all of the feature config's features, or some) at any batch size, shaped as TensorFlow's
+    ``serving_embedding_lookup`` shapes them: a dense
     id tensor of shape ``S`` gives ``S + [dim]`` (one row per id, ``tf.nn.embedding_lookup``); a rank-2 sparse
     or ragged tensor ``[B, dim]`` combined with the table's combiner (``[B, max_sequence_length, dim]`` for a
     sequence feature with no ``output_shape``); a sparse tensor of higher rank ``S[:-1] + [dim]``; a ragged
@@ -533,29 +537,39 @@ class TPUEmbeddingForServing(_Front):
         return self.embedding_lookup(features, weights)
 
     def embedding_lookup(self, features, weights=None):
-        """Apply the serving lookup (see the class docstring).
+        """Apply the serving lookup (see the class docstring) to ``features``: a nest of some or all of the
+        feature config's features (matched by path, as TensorFlow's ``serving_embedding_lookup`` matches
+        them); the activations mirror ``features``. ``weights``, if not None, mirrors ``features`` (entries
+        may be None).
 
         Raises:
-            TypeError / ValueError: structure unlike the feature config.
-            ValueError: TensorFlow's serving errors (weights for a dense input or of another kind than the
-                input or for a sequence feature, a dense input for a sequence feature, an unknown input type,
-                a ragged tensor of rank other than 2, an ``output_shape`` that does not fit a ragged batch).
+            ValueError: ``features`` holds a path the feature config lacks, or ``weights`` another structure;
+                TensorFlow's serving errors (weights for a dense input or of another kind than the input or
+                for a sequence feature, a dense input for a sequence feature, an unknown input type, a ragged
+                tensor of rank other than 2, an ``output_shape`` that does not fit a ragged batch).
         """
         self._maybe_build()
-        self._check_structure(features)
+        given = nest.flatten_with_joined_string_paths(features)
+        config = dict(self._paths)
+        keys = {path for path, _ in given}
+        if not keys.issubset(config):
+            raise ValueError(f"Inputs are not a subset of feature_config. Inputs keys are {keys}, but feature_config "
+                             f"keys are {config.keys()}")
+        given_w = [None] * len(given)
         if weights is not None:
             nest.assert_same_structure(features, weights)
-        _leaf_types(self._paths, features, weights, "serving")
-        flat_ids, flat_w = nest.flatten(features), [None] * len(self._paths) if weights is None else nest.flatten(weights)
-        for k, ((_, feature), inp, w) in enumerate(zip(self._paths, flat_ids, flat_w)):
+            given_w = nest.flatten(weights)
+        by_path = {path: (inp, w) for (path, inp), w in zip(given, given_w)}
+        # A feature the caller left out is looked up as an empty batch (no rows read) and its output dropped.
+        flat_ids = [by_path[path][0] if path in by_path else _empty_batch() for path, _ in self._paths]
+        flat_w = [by_path[path][1] if path in by_path else None for path, _ in self._paths]
+        _leaf_types(self._paths, flat_ids, flat_w, "serving")
+        reshapes = []
+        for k, ((path, feature), inp, w) in enumerate(zip(self._paths, flat_ids, flat_w)):
             if isinstance(inp, tf.SparseTensor):
                 flat_ids[k], flat_w[k] = _serving_prune(inp, w, feature)
-        features = nest.pack_sequence_as(self._feature_config, flat_ids)
-        weights = None if weights is None else nest.pack_sequence_as(self._feature_config, flat_w)
-        reshapes = []
-        for (path, feature), inp in zip(self._paths, nest.flatten(features)):
             target = None
-            if isinstance(inp, tf.RaggedTensor) and _output_shape(feature):
+            if isinstance(inp, tf.RaggedTensor) and _output_shape(feature) and path in by_path:
                 rows = int(np.prod(feature.output_shape))
                 batch = inp.shape[0]
                 if batch is not None and rows != batch:
@@ -565,10 +579,19 @@ class TPUEmbeddingForServing(_Front):
                                      f"size only) for feature {path}")
                 target = list(feature.output_shape)
             reshapes.append(target)
-        activations, _, _ = self._lookup(features, weights, training=False)
+        any_weights = any(w is not None for w in flat_w)
+        activations, _, _ = self._lookup(nest.pack_sequence_as(self._feature_config, flat_ids),
+                                         nest.pack_sequence_as(self._feature_config, flat_w) if any_weights else None,
+                                         training=False)
         flat = nest.flatten(activations)
         flat = [a if t is None else tf.reshape(a, t + [a.shape[-1]]) for a, t in zip(flat, reshapes)]
-        return nest.pack_sequence_as(self._feature_config, flat)
+        out = dict(zip([path for path, _ in self._paths], flat))
+        return nest.pack_sequence_as(features, [out[path] for path, _ in given])
+
+
+def _empty_batch():
+    """A batch of no samples, standing in for a feature the serving caller did not pass."""
+    return tf.RaggedTensor.from_row_splits(tf.zeros([0], tf.int64), tf.zeros([1], tf.int64))
 
 
 def _serving_prune(ids: tf.SparseTensor, weights, feature):

@@ -13,8 +13,8 @@ graph, what ``tf.numpy_function`` hands over). Ids keep their integer dtype (emb
 alike); weights that are not float32 are cast to float32 by TensorFlow first, as TensorFlow's engines do.
 
 Going back, :func:`to_tensor` makes a float32 NumPy array a ``tf.Tensor`` without a copy where DLPack allows
-(C-contiguous, 64-byte aligned float32 or float16), else with one; :func:`gradient_to_numpy` reads a gradient (``tf.Tensor``,
-``tf.IndexedSlices``, NumPy or ``None``) as a NumPy array, densifying ``IndexedSlices`` (what
+(C-contiguous, 64-byte aligned float32 or float16), else with one; :func:`gradient_to_numpy` reads a gradient
+(``tf.Tensor``, ``tf.IndexedSlices``, NumPy or ``None``) as a NumPy array, densifying ``IndexedSlices`` (what
 ``tf.GradientTape`` gives for a ``tf.gather`` of activations).
 """
 
@@ -27,7 +27,8 @@ import tensorflow as tf
 
 from ..inputs import Ragged, Sparse
 
-__all__ = ["Leaf", "leaf", "compose", "to_numpy", "to_tensor", "gradient_to_numpy", "dense_gradient", "DENSE", "RAGGED", "SPARSE"]
+__all__ = ["Leaf", "leaf", "compose", "to_numpy", "to_tensor", "gradient_to_numpy", "dense_gradient", "DENSE", "RAGGED",
+           "SPARSE"]
 
 DENSE, RAGGED, SPARSE = "dense", "ragged", "sparse"
 
