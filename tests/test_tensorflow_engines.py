@@ -595,6 +595,36 @@ def test_tpu_embedding_v2_equals_an_embedcore_engine_eagerly_and_in_tf_function(
     assert set(embedding.variables[stacked]) == {"parameters", *oracle.physical_tables[0].optimizer.slot_names}
 
 
+def test_tpu_embedding_v2_lookup_and_update_in_separate_tf_functions_trace_once():
+    feature_config, _, _ = tf_feature_config()
+    embedding = TPUEmbeddingV2(feature_config, E.SGD(0.3))
+    oracle = copy.deepcopy(embedding.engine)
+    features, weights = tf_features()
+
+    @tf.function
+    def forward(features, weights):
+        with tf.GradientTape() as tape:
+            activations, preserved_outputs = embedding(features, weights)
+            tape.watch(activations)
+            loss = model_loss(activations)
+        return tape.gradient(loss, activations), preserved_outputs
+
+    @tf.function
+    def backward(gradients, preserved_outputs):
+        embedding.apply_gradients(gradients, preserved_outputs)
+
+    for _ in range(3):
+        backward(*forward(features, weights))
+    assert forward.experimental_get_tracing_count() == backward.experimental_get_tracing_count() == 1
+    np_features, np_weights = numpy_features()
+    for _ in range(3):
+        _, ctx = oracle.lookup(np_features, np_weights)
+        oracle.apply_gradients({k: D_ACT[k] for k in D_ACT}, ctx)
+    for name in oracle.embedding_tables:
+        np.testing.assert_allclose(embedding.engine.embedding_tables[name], oracle.embedding_tables[name],
+                                   rtol=1e-6, atol=1e-7)
+
+
 def test_tpu_embedding_v2_dense_weights_and_errors():
     feature_config, table_video, _ = tf_feature_config()
     embedding = TPUEmbeddingV2(feature_config, E.SGD(0.1))

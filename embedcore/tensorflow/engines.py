@@ -227,6 +227,7 @@ class TPUEmbeddingV2(_Front):
                  sparse_core_embedding_config=None):
         super().__init__(feature_config, optimizer)
         self._pipelining = pipeline_execution_with_tensor_core
+        self._last_shapes = [tf.TensorShape(None)] * len(self._paths)
 
     @property
     def embedding_tables(self) -> dict:
@@ -266,7 +267,8 @@ class TPUEmbeddingV2(_Front):
         _leaf_types(self._paths, nest.flatten(features), None if weights is None else nest.flatten(weights),
                     "tensor")
         activations, handle, shapes = self._lookup(features, weights, training=True)
-        return activations, {"embedcore_lookup": handle, "embedcore_shapes": _ShapeRecord(shapes)}
+        self._last_shapes = shapes
+        return activations, {"embedcore_lookup": handle}
 
     def apply_gradients(self, gradients, preserved_outputs):
         """Apply ``gradients`` (mirroring the feature config; ``None`` entries update nothing) to the lookup
@@ -284,22 +286,10 @@ class TPUEmbeddingV2(_Front):
         if not isinstance(preserved_outputs, dict) or "embedcore_lookup" not in preserved_outputs:
             raise ValueError(f"preserved_outputs must be the second output of this object's embedding_lookup, got "
                              f"{type(preserved_outputs).__name__}")
-        record = preserved_outputs.get("embedcore_shapes")
-        shapes = record.shapes if isinstance(record, _ShapeRecord) else [None] * len(self._paths)
-        self._check_gradients(gradients, [tf.TensorShape(s) if s is not None else tf.TensorShape(None)
-                                          for s in shapes])
+        # Statically, against the shapes of the latest lookup (TensorFlow checks its configured output shapes);
+        # when the update runs, against the shapes of the very lookup it applies to.
+        self._check_gradients(gradients, self._last_shapes)
         return self._apply(gradients, preserved_outputs["embedcore_lookup"])
-
-
-class _ShapeRecord:
-    """The static shapes of one lookup's activations, carried in ``preserved_outputs`` (``tf.nest`` sees no
-    tensors in it, so ``preserved_outputs`` passes through ``tf.function`` boundaries as a Python value)."""
-
-    def __init__(self, shapes):
-        self.shapes = list(shapes)
-
-    def __repr__(self):
-        return f"_ShapeRecord({self.shapes})"
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -321,7 +311,8 @@ class TPUEmbedding(_Front):
     ``TPUStrategy`` for these three; here none is needed). ``embedding_tables`` is keyed by the
     ``TableConfig`` objects given.
 
-    Order of calls, per ``tf.function`` (or eagerly): ``enqueue`` -> ``dequeue`` -> ``apply_gradients``; a
+    Order of calls, per graph (a ``tf.function``, or the body of a ``tf.range`` loop in one; or eagerly):
+    ``enqueue`` -> ``dequeue`` -> ``apply_gradients``, all three in the same graph; a
     second ``enqueue`` before ``dequeue``, a ``dequeue`` without ``enqueue``, an ``apply_gradients`` without a
     dequeued batch (or twice for one batch, or for a batch enqueued with ``training=False``) raise
     ``RuntimeError``.
