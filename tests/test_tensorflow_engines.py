@@ -837,3 +837,45 @@ def test_tpu_embedding_build_shapes_are_checked():
              "friends": tf.sparse.slice(features["friends"], [0, 0], [2, 3])}
     with pytest.raises(ValueError, match="Inconsistent shape founded for input feature"):
         embedding.enqueue(short)
+
+
+_TRAINING = {}
+
+
+def _tiny_training_engine(combiner):
+    """One TPUEmbedding per combiner over a 3-row table (built once; each example checks one step's change)."""
+    if combiner not in _TRAINING:
+        table = E.TableConfig(vocabulary_size=3, dim=2, name="tiny", combiner=combiner)
+        _TRAINING[combiner] = TPUEmbedding({"s": E.FeatureConfig(table=table), "r": E.FeatureConfig(table=table)},
+                                           E.SGD(0.5))
+    return _TRAINING[combiner]
+
+
+@settings(max_examples=25, deadline=None)
+@given(bags=st.lists(st.lists(st.integers(0, 2), max_size=4), min_size=1, max_size=5),
+       data=st.data(), combiner=st.sampled_from(["sum", "mean", "sqrtn"]))
+def test_tpu_embedding_one_sgd_step_on_random_bags(bags, data, combiner):
+    embedding = _tiny_training_engine(combiner)
+    weights = [[data.draw(st.floats(0.25, 4.0)) for _ in ids] for ids in bags]
+    d_s = np.asarray(data.draw(st.lists(st.floats(-2, 2), min_size=2 * len(bags), max_size=2 * len(bags))),
+                     np.float32).reshape(-1, 2)
+    d_r = -0.5 * d_s[::-1].copy()
+    width = max(1, max(len(ids) for ids in bags))
+    sparse, sparse_w = sparse_from_samples(bags, width, weights)
+    ragged = tf.RaggedTensor.from_row_lengths(tf.constant([i for ids in bags for i in ids], tf.int64),
+                                              [len(ids) for ids in bags])
+    rows = embedding.engine.embedding_tables["tiny"].copy()
+    embedding.enqueue({"s": sparse, "r": ragged}, {"s": sparse_w, "r": None})
+    acts = embedding.dequeue()
+    np.testing.assert_allclose(acts["s"].numpy(), bag_oracle(rows, bags, weights, combiner), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(acts["r"].numpy(), bag_oracle(rows, bags, None, combiner), rtol=1e-5, atol=1e-6)
+    embedding.apply_gradients({"s": tf.constant(d_s), "r": tf.constant(d_r)})
+    expected = sgd_oracle(rows, bags, weights, combiner, d_s, 0.5)
+    expected = expected - (rows - sgd_oracle(rows, bags, None, combiner, d_r, 0.5))
+    np.testing.assert_allclose(embedding.embedding_tables[embedding_table(embedding)].numpy(), expected,
+                               rtol=1e-4, atol=1e-5)
+
+
+def embedding_table(embedding):
+    (table,) = embedding.embedding_tables
+    return table
