@@ -24,7 +24,10 @@ gradients that are not tensors or of the wrong shape (``ValueError``), and the o
 (TensorFlow sends a zero gradient, which differs for optimizers that decay); the tables are not
 ``tf.Variable`` s (see ``embedding_tables``); ``TPUEmbedding``'s queue holds one batch (a second ``enqueue``
 before its ``dequeue`` raises ``RuntimeError``), and ``enqueue`` / ``dequeue`` / ``apply_gradients`` of one
-step must be called in the same ``tf.function`` (or all eagerly), as TensorFlow's examples do.
+step must be called in the same ``tf.function`` (or all eagerly), as TensorFlow's examples do; a dense id
+tensor for a sequence feature is refused (``ValueError``, as TensorFlow's serving lookup refuses it: give the
+sequence as ragged or sparse ids). These objects are not TensorFlow trackables: to read or write a
+``tf.train.Checkpoint`` of TensorFlow's engines, use :mod:`embedcore.tensorflow.checkpoint` with ``.engine``.
 
 ``embedding_tables``: each table as a ``tf.Tensor`` snapshot: a copy of the rows, in the table's dtype,
 taken when the property is read (TensorFlow returns ``tf.Variable`` s; embedcore's rows live in NumPy and are
