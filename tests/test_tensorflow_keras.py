@@ -1,8 +1,11 @@
 """embedcore.tensorflow.keras: ``model.fit`` trains the tables in the layer's gradient, exactly as a plain NumPy
 oracle (lookup, dense step, Adagrad on the touched rows) does; evaluate/predict never update; errors name the
-feature; ``save_weights``/``load_weights`` carry the tables."""
+feature; ``save_weights``/``load_weights`` carry the tables; and the worked example runs."""
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,6 +18,7 @@ import embedcore as ec  # noqa: E402
 from embedcore.tensorflow import graph  # noqa: E402
 from embedcore.tensorflow.keras import DistributedEmbedding, EmbeddingLayer  # noqa: E402
 
+ROOT = Path(__file__).resolve().parents[1]
 DIM, N_USERS, N_ITEMS, TAG_SLOTS = 3, 7, 5, 3
 EMB_LR, DENSE_LR, ACC0 = 0.3, 0.1, 0.1
 
@@ -197,6 +201,16 @@ def test_evaluate_and_predict_do_not_update(run_eagerly):
     assert graph.pending_count(layer.embedding) == 0
 
 
+@pytest.mark.parametrize("optimizer", ["adam", "adagrad", "rmsprop", "adamw"])
+def test_one_update_per_batch_whatever_the_keras_optimizer(optimizer):
+    batches = _batches(9, n_batches=3)
+    layer = _layer()
+    model = TinyRanker(layer)
+    model.compile(optimizer=optimizer, loss="mse")  # built by fit itself (symbolically), not by a first call
+    model.fit(_dataset(batches), epochs=2, verbose=0)
+    assert layer.embedding.step == 6
+
+
 def test_predictions_are_the_lookup_through_the_dense_unit():
     batches = _batches(3, n_batches=1)
     layer = _layer()
@@ -371,3 +385,17 @@ def test_bfloat16_tables_round_trip_through_the_store():
     assert store["table:users"].dtype == np.uint16  # the bits: HDF5 has no bfloat16
     fresh.load_own_variables(store)
     _assert_state_equal(_state(fresh), _state(saved))
+
+
+# -- the worked example ----------------------------------------------------------------------------------------
+
+def test_keras_ranking_example_runs(tmp_path):
+    plot = tmp_path / "curve.png"
+    out = subprocess.run([sys.executable, str(ROOT / "examples" / "keras_ranking.py"), str(plot), "--train", "4096",
+                          "--eval", "1024", "--batch-size", "512", "--epochs", "1"],
+                         capture_output=True, text=True, timeout=600, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "embedding updates 8 (one per training step, 8)" in out.stdout  # 4096 samples / 512 a batch
+    auc = float(out.stdout.split("eval AUC")[-1].split()[0])
+    assert 0.0 <= auc <= 1.0
+    assert plot.stat().st_size > 1000

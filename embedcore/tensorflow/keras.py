@@ -162,8 +162,9 @@ class EmbeddingLayer(keras.layers.Layer):
                 grads = [tf.zeros_like(a) if g is None else g for g, a in zip(grads, flat)]
                 step = graph.apply_gradients(engine, tf.nest.pack_sequence_as(engine.feature_config, grads),
                                              handle)
-                with tf.control_dependencies([step]):  # the trigger's empty gradient comes after the update
-                    return tf.zeros((0,), tf.float32)
+                # The trigger's empty gradient is computed from the update's result (a data dependency: a
+                # control dependency alone does not keep the update in every Keras optimizer's graph).
+                return tf.zeros((0,), tf.float32) * tf.cast(step, tf.float32)
 
             return flat, gradient
 
