@@ -245,16 +245,15 @@ def test_gradient_tape_loops_update_once_per_lookup():
     x, y = _tf_batch(batches[0])
 
     @tf.function
-    def gradient(x, y, dense_only):
+    def gradient(x, y):
         with tf.GradientTape() as tape:
             loss = tf.reduce_mean((model(x, training=True) - y) ** 2)
-        return tape.gradient(loss, model.head.trainable_variables if dense_only else model.trainable_variables)
+        return tape.gradient(loss, model.trainable_variables)
 
-    gradient(x, y, dense_only=False)
-    assert layer.embedding.step == 1
-    gradient(x, y, dense_only=True)  # a tape's gradient runs every gradient function back from the loss
+    gradient(x, y)
+    gradient(x, y)
     assert layer.embedding.step == 2
-    with tf.GradientTape(persistent=True) as tape:  # eagerly too
+    with tf.GradientTape(persistent=True) as tape:  # eagerly, every gradient function back from the loss runs
         loss = tf.reduce_mean((model(x, training=True) - y) ** 2)
     tape.gradient(loss, model.head.trainable_variables)
     assert layer.embedding.step == 3
@@ -282,6 +281,31 @@ def test_functional_api_with_dense_ids():
     x = np.arange(12) % N_USERS
     model.fit(x, np.ones((12, 1), np.float32), batch_size=4, epochs=2, shuffle=False, verbose=0)
     assert layer.embedding.step == 6
+
+
+def test_functional_api_with_sparse_and_ragged_inputs():
+    layer = _layer()
+    ids = {"user": keras.Input(shape=(), dtype="int64"),
+           "hist": keras.Input(shape=(None,), ragged=True, dtype="int64"),
+           "tags": keras.Input(shape=(TAG_SLOTS,), sparse=True, dtype="int64")}
+    hist_weights = keras.Input(shape=(None,), ragged=True, dtype="float32")
+    acts = layer(ids, {"user": None, "hist": hist_weights, "tags": None})
+    assert all(tuple(a.shape) == (None, DIM) for a in acts.values())
+    head = keras.layers.Dense(1)
+    out = head(keras.layers.Concatenate()([acts["user"], acts["hist"], acts["tags"]]))
+    model = keras.Model({"ids": ids, "hist_weights": hist_weights}, out)
+    model.compile(optimizer="adam", loss="mse")
+    batches = _batches(10, n_batches=3)
+    model.fit(_dataset(batches), verbose=0)
+    assert layer.embedding.step == 3
+    tables = layer.get_embedding_tables()
+    kernel, bias = head.get_weights()
+    expected = np.zeros((4, 3 * DIM))
+    for table, row, i, gain, feature in _occurrences(batches[0]):
+        k = {"user": 0, "hist": 1, "tags": 2}[feature] * DIM
+        expected[i, k:k + DIM] += gain * tables[table][row]
+    np.testing.assert_allclose(model.predict(_dataset(batches[:1]), verbose=0), expected @ kernel + bias,
+                               rtol=1e-5, atol=1e-6)
 
 
 # -- errors ------------------------------------------------------------------------------------------------

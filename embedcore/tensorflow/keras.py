@@ -23,12 +23,13 @@ How it trains, step by step (the optimizer runs in the layer's gradient, as the 
   variables: the Keras optimizer of ``model.compile`` trains the dense model only.
 * Hence ``model.fit`` makes exactly one update per training batch (one per call of the layer in the model);
   ``model.evaluate`` and ``model.predict`` (``training=False``) only look up, and so does a layer made
-  non-trainable (``layer.trainable = False``). In a custom loop, note that TensorFlow runs every gradient
-  function on the way back from the loss, eagerly and inside ``tf.function`` (where the update is a stateful
-  op): ``tape.gradient(loss, some_dense_variables)`` updates the tables too. A lookup is applied at most
-  once (a second gradient of a persistent tape raises); a training call whose gradient never runs updates
-  nothing (its lookup is released later, see :mod:`.graph`). An output the loss does not use counts as a
-  zero gradient.
+  non-trainable (``layer.trainable = False``). A custom loop differentiates with respect to
+  ``model.trainable_variables`` (which hold the trigger). Differentiating with respect to other variables
+  only is not a way to skip the update: eagerly TensorFlow's tape runs every gradient function back from
+  the loss, so the tables are updated all the same, and inside ``tf.function`` whether the update runs is
+  up to TensorFlow's pruning. A lookup is applied at most once (a second gradient of a persistent tape
+  raises); a training call whose gradient never runs updates nothing (its lookup is released later, see
+  :mod:`.graph`). An output the loss does not use counts as a zero gradient.
 * Errors: eagerly (``run_eagerly=True``, or a direct call outside ``tf.function``) a bad batch raises the
   engine's :class:`embedcore.InputError` naming the feature; inside ``tf.function`` (``model.fit``'s
   default) the same message arrives in a ``tf.errors.OpError``, as TensorFlow reports Python errors raised
