@@ -686,6 +686,25 @@ def test_serving_any_batch_size_and_sequence_features():
             np.testing.assert_allclose(got[k].numpy(), expected[k].numpy(), rtol=1e-5, atol=1e-6)
 
 
+def test_serving_shapes_ragged_batches_to_an_output_shape_as_tensorflow_does():
+    table = E.TableConfig(vocabulary_size=V_USER, dim=DIM, name="user")
+    feature_config = {"bag": E.FeatureConfig(table=table, output_shape=[2, 2])}
+    embedding = TPUEmbeddingForServing(feature_config, E.SGD(0.1))
+    features = {"bag": tf.ragged.constant([[1, 2], [3], [], [4, 5, 6]], dtype=tf.int64)}
+    expected = tf_serving_reference(features, None, embedding, feature_config)
+    got = embedding(features)
+    assert got["bag"].shape == expected["bag"].shape == [2, 2, DIM]
+    np.testing.assert_allclose(got["bag"].numpy(), expected["bag"].numpy(), rtol=1e-5, atol=1e-6)
+    sequences = {"bag": tf.ragged.constant([[1, 2, 3], [], [6]], dtype=tf.int64)}  # 4 rows = no multiple of 3
+    with pytest.raises(ValueError, match="Output shape set in the FeatureConfig should be the factor"):
+        embedding(sequences)
+    sequences = {"bag": tf.ragged.constant([[1, 2, 3], [6]], dtype=tf.int64)}  # 4 rows of 2 samples: sequences of 2
+    expected = tf_serving_reference(sequences, None, embedding, feature_config)
+    got = tf.function(embedding.embedding_lookup)(sequences)
+    assert got["bag"].shape == [2, 2, DIM]
+    np.testing.assert_allclose(got["bag"].numpy(), expected["bag"].numpy(), rtol=1e-6)
+
+
 def test_serving_looks_up_a_subset_of_the_features_by_path():
     feature_config, _, _ = tf_feature_config("mean")
     embedding = TPUEmbeddingForServing(feature_config, E.SGD(0.1))

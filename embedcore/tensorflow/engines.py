@@ -185,6 +185,8 @@ def _leaf_types(paths, flat_ids, flat_weights, dense_weights: str):
                 raise ValueError(f"Weight for {path} is type {type(w)} which does not match type input which is "
                                  f"{kind.__name__}.")
         elif isinstance(inp, (tf.Tensor, np.ndarray)):
+            if dense_weights == "serving" and _max_sequence_length(feature) > 0:
+                raise ValueError(f"Feature {path} is a sequence feature but a dense tensor was passed.")
             if w is not None:
                 if dense_weights == "refuse":
                     raise ValueError(f"Weight specified for dense input {path}, which is not allowed. Weight will "
@@ -503,12 +505,20 @@ class TPUEmbeddingForServing(_Front):
 
     ``embedding_lookup(features, weights=None)`` (and ``__call__``) returns activations mirroring
     ``features`` (all of the feature config's features, or some) at any batch size, shaped as TensorFlow's
-    ``serving_embedding_lookup`` shapes them: a dense
-    id tensor of shape ``S`` gives ``S + [dim]`` (one row per id, ``tf.nn.embedding_lookup``); a rank-2 sparse
-    or ragged tensor ``[B, dim]`` combined with the table's combiner (``[B, max_sequence_length, dim]`` for a
-    sequence feature with no ``output_shape``); a sparse tensor of higher rank ``S[:-1] + [dim]``; a ragged
-    tensor with an ``output_shape`` of ``B`` rows is reshaped to it. A feature's training ``output_shape``
-    is otherwise not used. The optimizer may be ``None`` (no slots; needs embedcore's lookup-only engine).
+    ``serving_embedding_lookup`` shapes them:
+
+    * a dense id tensor of shape ``S``: ``S + [dim]`` (one row per id, ``tf.nn.embedding_lookup``);
+    * a rank-2 sparse or ragged tensor: ``[B, dim]``, combined with the table's combiner
+      (``[B, max_sequence_length, dim]`` for a sequence feature with no ``output_shape``);
+    * a sparse tensor of higher rank: ``S[:-1] + [dim]``;
+    * a ragged tensor with an ``output_shape`` of ``B`` rows: combined and reshaped to it; of ``L x B`` rows:
+      a sequence of ``L`` ids a sample (not combined, zero padded, truncated), reshaped to it.
+
+    A feature's training ``output_shape`` is otherwise not used (and where it is set, ``max_sequence_length``
+    is not). As TensorFlow's ``safe_embedding_lookup_sparse`` (its path for sparse inputs unless
+    ``validate_weights_and_indices=False`` at rank 2, or a rank-2 sequence feature), sparse entries with
+    negative ids are dropped, and so are entries of weight <= 0 for the ``mean`` and ``sqrtn`` combiners. The
+    optimizer may be ``None`` (no slots).
     ``embedding_tables`` is keyed by the given ``TableConfig`` s.
     """
 
@@ -521,8 +531,9 @@ class TPUEmbeddingForServing(_Front):
 
     def _engine_features(self):
         # Serving shapes activations from the batch (above), so the engine looks up without output shapes.
+        # A sequence feature with an output_shape is no sequence to TensorFlow's serving lookup.
         plain = [f if f.output_shape is None else
-                 ec.FeatureConfig(f.table, f.max_sequence_length, f.validate_weights_and_indices, None, f.name)
+                 ec.FeatureConfig(f.table, 0, f.validate_weights_and_indices, None, f.name)
                  for f in tf.nest.flatten(self._ec_features)]
         self._ec_features = tf.nest.pack_sequence_as(self._ec_features, plain)
         return self._ec_features
@@ -558,29 +569,53 @@ class TPUEmbeddingForServing(_Front):
         flat_ids = [by_path[path][0] if path in by_path else _empty_batch() for path, _ in self._paths]
         flat_w = [by_path[path][1] if path in by_path else None for path, _ in self._paths]
         _leaf_types(self._paths, flat_ids, flat_w, "serving")
-        reshapes = []
+        shapers = []
         for k, ((path, feature), inp, w) in enumerate(zip(self._paths, flat_ids, flat_w)):
             if isinstance(inp, tf.SparseTensor):
                 flat_ids[k], flat_w[k] = _serving_prune(inp, w, feature)
-            target = None
+            shaper = None
             if isinstance(inp, tf.RaggedTensor) and _output_shape(feature) and path in by_path:
-                rows = int(np.prod(feature.output_shape))
-                batch = inp.shape[0]
-                if batch is not None and rows != batch:
-                    raise ValueError(f"Output shape set in the FeatureConfig should be the factor of the input data "
-                                     f"batch size. But instead got output shape {list(feature.output_shape)}, input "
-                                     f"data batch size {batch} (embedcore serves ragged output shapes of the batch's "
-                                     f"size only) for feature {path}")
-                target = list(feature.output_shape)
-            reshapes.append(target)
+                shaper = _RaggedOutputShape(inp, feature, path)
+                if shaper.sequence:  # every id its own row, then padded or truncated per sample
+                    flat_ids[k] = tf.RaggedTensor.from_row_splits(
+                        inp.values, tf.range(tf.size(inp.values, out_type=inp.row_splits.dtype) + 1))
+                    flat_w[k] = None
+            shapers.append(shaper)
         any_weights = any(w is not None for w in flat_w)
         activations, _, _ = self._lookup(nest.pack_sequence_as(self._feature_config, flat_ids),
                                          nest.pack_sequence_as(self._feature_config, flat_w) if any_weights else None,
                                          training=False)
         flat = nest.flatten(activations)
-        flat = [a if t is None else tf.reshape(a, t + [a.shape[-1]]) for a, t in zip(flat, reshapes)]
+        flat = [a if shaper is None else shaper(a) for a, shaper in zip(flat, shapers)]
         out = dict(zip([path for path, _ in self._paths], flat))
         return nest.pack_sequence_as(features, [out[path] for path, _ in given])
+
+
+class _RaggedOutputShape:
+    """TensorFlow's serving rule for a rank-2 ragged batch of ``B`` samples and an ``output_shape`` of ``R``
+    rows: ``R == B``: the combined rows reshaped to ``output_shape``; ``R`` a multiple of ``B``: a sequence
+    of ``R / B`` ids a sample (weights and combiner ignored; padded with zeros, truncated), reshaped; else
+    ``ValueError``."""
+
+    def __init__(self, ragged, feature, path):
+        self.target = [int(d) for d in feature.output_shape]
+        rows = int(np.prod(self.target))
+        batch = ragged.shape[0]
+        if batch is None:
+            raise ValueError(f"Feature {path} sets output_shape {self.target}: serving its ragged input needs the "
+                             f"batch size in the input's static shape")
+        self.sequence = rows != batch
+        if self.sequence and (rows < batch or rows % batch):
+            raise ValueError(f"Output shape set in the FeatureConfig should be the factor of the input data batch "
+                             f"size. But instead got output shape {self.target}, input data batch size {batch}")
+        self.batch, self.length, self.row_splits = batch, rows // batch, ragged.row_splits
+
+    def __call__(self, activations):
+        dim = activations.shape[-1]
+        if self.sequence:
+            per_sample = tf.RaggedTensor.from_row_splits(activations, self.row_splits)
+            activations = per_sample.to_tensor(shape=[self.batch, self.length, dim])
+        return tf.reshape(activations, self.target + [dim])
 
 
 def _empty_batch():
