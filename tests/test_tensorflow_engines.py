@@ -705,6 +705,30 @@ def test_serving_shapes_ragged_batches_to_an_output_shape_as_tensorflow_does():
     np.testing.assert_allclose(got["bag"].numpy(), expected["bag"].numpy(), rtol=1e-6)
 
 
+def test_serving_function_with_an_input_signature_serves_any_batch_size():
+    feature_config, _, _ = tf_feature_config("sqrtn")
+    embedding = TPUEmbeddingForServing(feature_config, E.SGD(0.1))
+    signature = {"watched": tf.TensorSpec([None], tf.int32),
+                 "favorited": tf.RaggedTensorSpec([None, None], tf.int64, row_splits_dtype=tf.int64),
+                 "friends": tf.SparseTensorSpec([None, 3], tf.int64)}
+
+    @tf.function(input_signature=[signature])
+    def serve_tensors(embedding_features):  # TensorFlow's serving example, with the class swapped
+        return embedding(embedding_features)
+
+    assert {k: v.shape.as_list() for k, v in serve_tensors.get_concrete_function().structured_outputs.items()} == \
+        {k: [None, DIM] for k in signature}
+    features, _ = tf_features()
+    for batch in (1, B):
+        part = {"watched": features["watched"][:batch], "favorited": features["favorited"][:batch],
+                "friends": tf.sparse.slice(features["friends"], [0, 0], [batch, 3])}
+        part["friends"] = tf.SparseTensor(part["friends"].indices, part["friends"].values, [batch, 3])
+        expected = tf_serving_reference(part, None, embedding, feature_config)
+        got = serve_tensors(part)
+        for k in expected:
+            np.testing.assert_allclose(got[k].numpy(), expected[k].numpy(), rtol=1e-5, atol=1e-6)
+
+
 def test_serving_looks_up_a_subset_of_the_features_by_path():
     feature_config, _, _ = tf_feature_config("mean")
     embedding = TPUEmbeddingForServing(feature_config, E.SGD(0.1))

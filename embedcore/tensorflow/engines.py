@@ -26,7 +26,9 @@ gradients that are not tensors or of the wrong shape (``ValueError``), and the o
 before its ``dequeue`` raises ``RuntimeError``), and ``enqueue`` / ``dequeue`` / ``apply_gradients`` of one
 step must be called in the same ``tf.function`` (or all eagerly), as TensorFlow's examples do; a dense id
 tensor for a sequence feature is refused (``ValueError``, as TensorFlow's serving lookup refuses it: give the
-sequence as ragged or sparse ids). These objects are not TensorFlow trackables: to read or write a
+sequence as ragged or sparse ids). A ``tf.function`` that looks up cannot be exported with ``tf.saved_model.save`` and loaded elsewhere
+(``tf.numpy_function`` runs Python, which a SavedModel does not carry): serve from Python. These objects are
+not TensorFlow trackables: to read or write a
 ``tf.train.Checkpoint`` of TensorFlow's engines, use :mod:`embedcore.tensorflow.checkpoint` with ``.engine``.
 
 ``embedding_tables``: each table as a ``tf.Tensor`` snapshot: a copy of the rows, in the table's dtype,
