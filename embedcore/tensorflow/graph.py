@@ -21,9 +21,9 @@ Semantics.
   control dependencies), so an update is never pruned from a function that returns nothing from it, and a
   lookup written after an update in the same function sees the updated tables.
 * Release: a context is released (its workspaces go back to the engine) when it is applied; when an eager
-  handle tensor is garbage-collected unapplied; and, for handles made inside graphs (whose lifetime Python
-  cannot see), when an engine holds more than :data:`MAX_PENDING` unapplied contexts: the oldest is released
-  and its apply refused. Lookups with ``training=False`` register nothing.
+  handle tensor is garbage-collected unapplied; and, since the lifetime of a handle made inside a graph is
+  invisible to Python, whenever an engine holds more than :data:`MAX_PENDING` unapplied contexts (eager or
+  not): the oldest is released and its apply refused. Lookups with ``training=False`` register nothing.
 * Retracing: tracing runs no lookup and no update (``tf.numpy_function`` calls Python only when the graph
   runs); each trace makes new ops over the same engine, each run of them a new handle. Nothing is cached per
   trace, so retracing for a new batch shape changes no state.
