@@ -366,6 +366,23 @@ def test_save_weights_round_trip(tmp_path):
     _assert_state_equal(_state(fresh_layer), _state(layer))
 
 
+def test_whole_model_saving_is_refused_with_the_way_out(tmp_path):
+    layer = EmbeddingLayer({"user": ec.FeatureConfig(ec.TableConfig(N_USERS, DIM, name="users"))}, ec.SGD(0.1))
+    ids = keras.Input(shape=(), dtype="int64")
+    model = keras.Model(ids, layer({"user": ids})["user"])
+    with pytest.raises(NotImplementedError, match="save_weights"):
+        model.save(str(tmp_path / "model.keras"))
+
+
+def test_fit_with_steps_per_execution():
+    batches = _batches(11, n_batches=4)
+    layer = _layer()
+    model = TinyRanker(layer)
+    model.compile(optimizer="adam", loss="mse", steps_per_execution=2)  # two steps per tf.function call
+    model.fit(_dataset(batches), verbose=0)
+    assert layer.embedding.step == 4
+
+
 def test_loading_other_tables_changes_nothing():
     other = EmbeddingLayer({"user": ec.FeatureConfig(ec.TableConfig(N_USERS, DIM, name="users"))}, ec.SGD(0.1))
     store = {}

@@ -50,8 +50,9 @@ Configs: :class:`embedcore.FeatureConfig` nests with embedcore optimizers, or Te
 Saving: ``model.save_weights(path)`` (``.weights.h5``) and ``model.load_weights(path)`` store and restore the
 layer's tables, slots and ``step`` beside the dense weights (:meth:`EmbeddingLayer.save_own_variables`).
 Loading checks every table and slot (shape, dtype, finite) before anything changes. A whole-model
-``model.save(".keras")`` would also need the layer's configuration as JSON, which optimizers with Python
-callables do not have: rebuild the model in code and ``load_weights``. For large tables use the engine's own
+``model.save("model.keras")`` would also need the layer's configuration as JSON, which feature configs and
+optimizers with Python callables do not have: ``get_config`` refuses it, naming this way out (rebuild the model
+in code and ``load_weights``). For large tables use the engine's own
 atomic, checksummed checkpoints, ``layer.embedding.save(path)`` / ``layer.embedding.load(path)``.
 """
 
@@ -184,6 +185,14 @@ class EmbeddingLayer(keras.layers.Layer):
         return tf.nest.pack_sequence_as(config, specs)
 
     # -- saving ----------------------------------------------------------------------------------------------
+    def get_config(self):
+        """Not available: the feature configs and optimizers (with their Python callables) have no JSON form,
+        so ``model.save("model.keras")`` is refused with this explanation."""
+        raise NotImplementedError(f"layer '{self.name}' (embedcore EmbeddingLayer) has no Keras config: its feature "
+                                  f"configs and optimizers are Python objects. Rebuild the model in code and use "
+                                  f"model.save_weights(path) / model.load_weights(path), which carry the tables, "
+                                  f"or checkpoint the engine with layer.embedding.save(path)")
+
     def save_own_variables(self, store):
         """Keras weights saving: the trigger as Keras stores it (``"0"``), then ``step`` and each table and
         slot under ``table:<table>`` / ``slot:<table>:<slot>`` (16-bit brain-float rows as their uint16 bits,
