@@ -20,6 +20,7 @@ from .kernels.rows import count_non_finite
 from .lookup import LookupContext, TrainingEngine, _FeatureSlot
 from .optimizers import Optimizer
 from .tables import physical_tables
+from .tables.factory import lookup_only
 from .tuning import DEFAULT_TUNING, Tuning
 
 __all__ = ["Embedding", "LookupContext", "UpdateReport", "NonFiniteError", "NON_FINITE_POLICIES"]
@@ -94,7 +95,10 @@ class Embedding(TrainingEngine):
 
     Args:
         feature_config: a :class:`FeatureConfig`, or any nest of dicts/lists/tuples of them.
-        optimizer: the optimizer of every table that does not set its own.
+        optimizer: the optimizer of every table that does not set its own. ``None`` with no table setting
+            one makes a lookup-only engine, as TensorFlow's ``TPUEmbedding(optimizer=None)``: lookups,
+            ``save``/``load`` and ``restore`` work, tables have no slots, and :meth:`apply_gradients` raises
+            ``RuntimeError``. (Some tables with an optimizer and some without is a ``ValueError``.)
         seed: seed of the tables' initial values (a table's own initializer seed wins).
         stack_tables: stack tables with equal optimizers and ``dim`` into one physical array.
         non_finite: ``"raise"`` or ``"skip"``: what :meth:`apply_gradients` does about NaN/Inf (see there).
@@ -117,7 +121,8 @@ class Embedding(TrainingEngine):
     def __init__(self, feature_config, optimizer=None, *, seed=0, stack_tables=True, non_finite="raise",
                  tuning: Tuning | None = None, fill: bool = True):
         if optimizer is not None and not isinstance(optimizer, Optimizer):
-            raise ValueError(f"optimizer must be an embedcore optimizer or None, got {optimizer!r}")
+            raise ValueError(f"optimizer must be an embedcore optimizer or None (SGD, Adagrad, ..., CustomOptimizer): "
+                             f"{type(optimizer)} is an unsupported optimizer class. Received: {optimizer!r:.80}")
         if non_finite not in NON_FINITE_POLICIES:
             raise ValueError(f"non_finite must be one of {NON_FINITE_POLICIES}, got {non_finite!r}")
         if tuning is not None and not isinstance(tuning, Tuning):
@@ -130,6 +135,7 @@ class Embedding(TrainingEngine):
         self.seed = int(seed)
         self.step = 0
         self._lock = threading.Lock()
+        self.lookup_only = lookup_only(tables, optimizer)
         self._physical = physical_tables(tables, optimizer, stack_tables=stack_tables, seed=self.seed,
                                          tuning=self.tuning, fill=fill, unit_gains=self._unit_gains)
         self._index_tables(self._physical)
@@ -147,7 +153,8 @@ class Embedding(TrainingEngine):
         return len(self._physical)
 
     def __repr__(self):
-        tables = "; ".join("+".join(t.table_names) + f" [{t.n_rows} x {t.dim}, {type(t.optimizer).__name__}]"
+        tables = "; ".join("+".join(t.table_names) + f" [{t.n_rows} x {t.dim}, "
+                           f"{'lookup-only' if t.optimizer is None else type(t.optimizer).__name__}]"
                            for t in self._physical)
         return f"Embedding({len(self._features)} features; {tables}; step={self.step})"
 
@@ -310,10 +317,23 @@ class Embedding(TrainingEngine):
     def apply_gradients(self, gradients, ctx: LookupContext):
         """Apply ``d loss / d activations`` (mirroring the activations) with each table's fused optimizer.
 
+        A feature's gradient may be ``None``: no gradient for that feature. Its occurrences are left out of
+        the update, so a row only that feature looked up is not touched at all (not even by a zero gradient:
+        a lazy Adam's moments stay as they are), while other features of the same table update their rows
+        as usual; a non-lazy optimizer still updates every row of its tables, as it does each step. When
+        every gradient is None nothing is updated, non-lazy tables included. (TensorFlow sends a zero
+        gradient instead, which is the same for SGD and Adagrad and not for Adam: its docstring warns of
+        exactly that.) ``step`` advances on every call, whichever gradients are None, all of them included:
+        it counts ``apply_gradients`` calls, the optimizer's iterations (as TensorFlow's TPU embedding, which
+        runs its optimizer once per call whatever the gradients, and as a step that touches no row of some
+        table always did here); callables (learning rates, hyperparameters) are evaluated once per call as
+        always.
+
         Everything is validated before anything changes: a bad gradient raises :class:`InputError` naming
         the feature, with tables, slots and ``step`` unchanged; so does a ``ctx`` that is not a context of
         this engine's lookup against its current tables (another engine's, one looked up before a
-        ``load``), or one already applied. Returns an :class:`UpdateReport`.
+        ``load``), or one already applied. Returns an :class:`UpdateReport`. A lookup-only engine (built
+        without any optimizer) raises ``RuntimeError`` and changes nothing.
 
         No NaN/Inf is ever written to a table or slot. With ``non_finite="raise"`` (the default) a NaN/Inf
         gradient is refused up front; a row whose summed gradient overflows float32, or for which the
@@ -327,6 +347,8 @@ class Embedding(TrainingEngine):
         retry is refused, so nothing is applied twice); then :class:`RowFunctionError` names the table and
         the rows, and carries the report as ``.report``.
         """
+        if self.lookup_only:
+            raise refuse_lookup_only(self)
         with self._exclusive("apply_gradients"):
             self._check_context(ctx)
             return self._apply(gradients, ctx)
@@ -339,14 +361,19 @@ class Embedding(TrainingEngine):
         # NaN/Inf are looked for once per physical table, in the gradient rows its update reads (the
         # features' gradients in place or copied), after every feature's type and shape are checked: a bad
         # shape anywhere is reported before a NaN, and NaNs table by table.
-        checked = [check_gradient(grad, s, refuse, values_checked_later=True) for grad, s in zip(leaves, ctx.features)]
+        checked = [None if grad is None else check_gradient(grad, s, refuse, values_checked_later=True)
+                   for grad, s in zip(leaves, ctx.features)]
         work = []
-        for k, table in enumerate(self._physical):
+        for k, table in enumerate(self._physical if any(grad is not None for grad in checked) else ()):
             tb = ctx.table_batches[k]
-            if tb is None and table.optimizer.lazy:
+            without = [s for grad, s in zip(checked, ctx.features) if s.group == k and grad is None]
+            every = len(without) == sum(s.group == k for s in ctx.features)
+            if table.optimizer.lazy and (tb is None or every):
                 continue
             if tb is None:
                 tb = inputs.build_table_batch([])
+            elif without:
+                tb = occurrences_without(tb, without)
             d_act = gradient_rows(k, tb.n_out, table.dim, table.workspace, checked, ctx.features)
             if refuse:
                 _refuse_non_finite(d_act, k, checked, ctx.features)
@@ -384,9 +411,40 @@ class Embedding(TrainingEngine):
         return report
 
 
+def refuse_lookup_only(engine) -> RuntimeError:
+    """The error of ``apply_gradients`` on a lookup-only engine (TensorFlow raises ``RuntimeError`` where its
+    ``TPUEmbedding`` cannot apply gradients)."""
+    return RuntimeError(f"apply_gradients is not valid on a lookup-only {type(engine).__name__}: it was built with "
+                        f"optimizer=None and tables {sorted(engine.tables)} that set no optimizer, so it has "
+                        f"nothing to train with (nothing was changed); pass an optimizer to train")
+
+
+def occurrences_without(table_batch, features) -> inputs.TableBatch:
+    """``table_batch`` without the occurrences of ``features`` (their activation slots): their activation rows
+    keep their place (``n_out`` is unchanged) and feed no occurrence, so an update reads none of their
+    gradient rows and touches no row only they looked up. A new batch; the original is unchanged."""
+    tb = table_batch
+    ptr = tb.out_ptr
+    counts = np.diff(ptr)
+    keep = np.ones(tb.rows.shape[0], bool)
+    for s in features:
+        keep[ptr[s.out_offset]:ptr[s.out_offset + s.n_rows]] = False
+        counts[s.out_offset:s.out_offset + s.n_rows] = 0
+    out_ptr = np.zeros(tb.n_out + 1, np.int64)
+    np.cumsum(counts, out=out_ptr[1:])
+    blocks = None
+    if tb.blocks is not None:  # each block loses its dropped occurrences: offsets of the kept ones before it
+        kept_before = np.zeros(keep.shape[0] + 1, np.int64)
+        np.cumsum(keep, out=kept_before[1:])
+        blocks = kept_before[tb.blocks]
+    return inputs.TableBatch(tb.rows[keep], None if tb.packed is None else tb.packed[keep], out_ptr, tb.n_out,
+                             blocks)
+
+
 def gradient_rows(k, n_out, dim, workspace, gradients, features):
     """The activation gradients of physical table ``k`` (``n_out`` activation rows) as one ``[n_out, dim]``
-    float32 array; used by every engine.
+    float32 array; used by every engine. A feature whose gradient is None has zero rows there (its
+    occurrences are left out of the update: :func:`occurrences_without`).
 
     Used in place, without a copy: a table fed by one feature whose gradient is float32 and contiguous,
     and features whose float32 contiguous gradients lie one after the other in memory, in the order of
@@ -394,7 +452,7 @@ def gradient_rows(k, n_out, dim, workspace, gradients, features):
     for all its tables). Otherwise the features' gradients are copied into ``workspace``.
     """
     mine = [(grad, s) for grad, s in zip(gradients, features) if s.group == k]
-    if all(grad.dtype == np.float32 and grad.flags.c_contiguous for grad, _ in mine):
+    if all(grad is not None and grad.dtype == np.float32 and grad.flags.c_contiguous for grad, _ in mine):
         if len(mine) == 1:
             return mine[0][0].reshape(n_out, dim)
         consecutive = _consecutive(mine, n_out, dim)
@@ -402,7 +460,11 @@ def gradient_rows(k, n_out, dim, workspace, gradients, features):
             return consecutive
     d_act = workspace.array("d_act", (n_out, dim), np.float32)
     for grad, s in mine:
-        d_act[s.out_offset:s.out_offset + s.n_rows] = grad.reshape(s.n_rows, dim)
+        rows = d_act[s.out_offset:s.out_offset + s.n_rows]
+        if grad is None:
+            rows[...] = 0  # never read by the update; not left as stale values that a NaN check would see
+        else:
+            rows[...] = grad.reshape(s.n_rows, dim)
     return d_act
 
 

@@ -476,7 +476,9 @@ def test_engine_table_without_optimizer_named():
 def test_engine_unnamed_table_without_optimizer_named():
     t = ec.TableConfig(10, 4)
     with pytest.raises(ValueError, match=r"table 'table_0' has no optimizer"):
-        ec.Embedding(ec.FeatureConfig(t))
+        ec.Embedding([ec.FeatureConfig(t), ec.FeatureConfig(ec.TableConfig(10, 4, optimizer=ec.SGD(0.1)))])
+    # No optimizer anywhere: a lookup-only engine, as TensorFlow's TPUEmbedding(optimizer=None)
+    assert ec.Embedding(ec.FeatureConfig(ec.TableConfig(10, 4))).lookup_only
 
 
 def test_engine_duplicate_table_names():

@@ -9,10 +9,11 @@ lookup
     of different widths packed end to end); each rank combines its activations from the received rows with
     the same kernel and order as a single-process lookup (so activations are bit-identical to one process's).
 apply_gradients
-    one all-reduce agreeing that every rank's gradients are valid (and belong to the same lookup); sum each
-    unique id's gradient locally (fixed order); one all-to-all-v of all the sums to their owners; each owner
-    runs the fused optimizer on its shards, summing the sums of one row in rank order; one all-reduce
-    agreeing on rows left unchanged (NaN/Inf) or a row function's wrong-length result.
+    one all-reduce agreeing that every rank's gradients are valid (and belong to the same lookup, with None
+    for the same features); sum each unique id's gradient locally (fixed order); one all-to-all-v of all the
+    sums to their owners (when some feature's gradient is None, one more of a byte per id: whether it has
+    a gradient); each owner runs the fused optimizer on its shards, summing the sums of one row in rank
+    order; one all-reduce agreeing on rows left unchanged (NaN/Inf) or a row function's wrong-length result.
 
 N ranks with local batches b_1..b_N give the tables of one process fed the concatenated batch, up to float32
 summation order: one process sums a row's occurrences left to right, the sharded engine sums each rank's
@@ -31,6 +32,7 @@ import contextlib
 import json
 import threading
 import weakref
+import zlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -38,13 +40,15 @@ import numpy as np
 from .. import inputs
 from ..checkpoint.config_codec import encode_engine_config
 from ..compiler import RowFunctionError
-from ..engine import NON_FINITE_POLICIES, NonFiniteError, UpdateReport, check_gradient, gradient_rows
+from ..engine import (NON_FINITE_POLICIES, NonFiniteError, UpdateReport, check_gradient, gradient_rows,
+                      refuse_lookup_only)
 from ..kernels.aligned import aligned_zeros
 from ..kernels.rows import gather_combine, sum_gradients
 from ..kernels.workspace import Workspace
 from ..lookup import LookupContext, TrainingEngine
 from ..optimizers import Optimizer
 from ..tables import physical_tables
+from ..tables.factory import lookup_only
 from ..tuning import DEFAULT_TUNING, Tuning
 from . import checkpoint as _checkpoint
 from .exchange import DistributedError, Exchanger, Refused, describe_error
@@ -100,6 +104,16 @@ class _Constants:
         return self._arange[:n], self._ones[:n]
 
 
+def _gradients_tag(seq: int, without: list, n_features: int) -> int:
+    """What the ranks must agree on before applying gradients, as one integer >= 0: the lookup's number and
+    the features whose gradient is None (19 bits of their names' CRC-32, and two exact bits that decide
+    which exchanges follow: whether some gradient is None, whether all are)."""
+    if not without:
+        return seq << 21
+    digest = zlib.crc32("\x00".join(without).encode("utf-8")) & 0x7FFFF
+    return (seq << 21) | (digest << 2) | (int(len(without) == n_features) << 1) | 1
+
+
 def _attempt(fn):
     """``(fn(), None, None)``, or ``(None, message, exception)`` if it raised."""
     try:
@@ -113,7 +127,8 @@ class ShardedEmbedding(TrainingEngine):
 
     Args:
         feature_config, optimizer, seed, non_finite: as for :class:`~embedcore.Embedding`; must be equal
-            on every rank (checked at construction).
+            on every rank (checked at construction). ``optimizer=None`` with no table setting one makes a
+            lookup-only engine, as for :class:`~embedcore.Embedding`.
         tuning: an :class:`~embedcore.tuning.Tuning` for this rank's shards (speed only).
         comm: an ``mpi4py`` communicator, or a ``torch.distributed`` ``ProcessGroup`` (gloo; the same
             engine over :mod:`~embedcore.distributed.torch_transport`); ``None`` means ``MPI.COMM_WORLD``. ``lookup``,
@@ -147,7 +162,8 @@ class ShardedEmbedding(TrainingEngine):
 
     def _build(self, tables, optimizer, seed, non_finite, tuning):
         if optimizer is not None and not isinstance(optimizer, Optimizer):
-            raise ValueError(f"optimizer must be an embedcore optimizer or None, got {optimizer!r}")
+            raise ValueError(f"optimizer must be an embedcore optimizer or None (SGD, Adagrad, ..., CustomOptimizer): "
+                             f"{type(optimizer)} is an unsupported optimizer class. Received: {optimizer!r:.80}")
         if non_finite not in NON_FINITE_POLICIES:
             raise ValueError(f"non_finite must be one of {NON_FINITE_POLICIES}, got {non_finite!r}")
         self._optimizer, self.seed, self.non_finite = optimizer, int(seed), non_finite
@@ -155,6 +171,7 @@ class ShardedEmbedding(TrainingEngine):
         self.step = 0
         self.skipped_rows = {}
         self._lock = threading.Lock()
+        self.lookup_only = lookup_only(tables, optimizer)
         by_dim = {}
         for t in tables:
             by_dim.setdefault(t.dim, []).append(t)
@@ -334,18 +351,27 @@ class ShardedEmbedding(TrainingEngine):
 
     # -- update ------------------------------------------------------------------------------------------
     def apply_gradients(self, gradients, ctx: LookupContext):
-        """Apply this rank's activation gradients; every rank must call it for the same lookup."""
+        """Apply this rank's activation gradients; every rank must call it for the same lookup.
+
+        A feature's gradient may be None, as for :meth:`embedcore.Embedding.apply_gradients` (its
+        occurrences on this rank are left out; a row is updated when some rank's occurrence of it has a
+        gradient), for the same features on every rank (else refused on every rank, nothing changed).
+        A lookup-only engine raises ``RuntimeError`` on every rank, entering no collective.
+        """
+        if self.lookup_only:
+            raise refuse_lookup_only(self)
         with self._exclusive("apply_gradients"):
             return self._apply(gradients, ctx)
 
     def _checked_gradients(self, gradients, ctx):
-        """The checked gradients and every local optimizer's learning rate and hyperparameters for the next
-        step: all evaluated before the ranks agree (callables once per step on every rank, whether or not
-        this rank owns rows of the batch, and a failing one refused everywhere with nothing changed)."""
+        """The checked gradients (None for a feature without one) and every local optimizer's learning rate
+        and hyperparameters for the next step: all evaluated before the ranks agree (callables once per step
+        on every rank, whether or not this rank owns rows of the batch, and a failing one refused everywhere
+        with nothing changed)."""
         self._check_context(ctx, ShardedLookupContext)
         leaves = inputs.flatten_like(self._feature_config, gradients, "gradients")
         refuse = self.non_finite == "raise"
-        checked = [check_gradient(grad, s, refuse) for grad, s in zip(leaves, ctx.features)]
+        checked = [None if grad is None else check_gradient(grad, s, refuse) for grad, s in zip(leaves, ctx.features)]
         values = {}
         for table in self._physical:
             if id(table.optimizer) not in values:
@@ -355,9 +381,13 @@ class ShardedEmbedding(TrainingEngine):
     def _apply(self, gradients, ctx):
         result, error, exc = _attempt(lambda: self._checked_gradients(gradients, ctx))
         checked, values = result if result is not None else (None, None)
+        without = [] if error is not None else [s.config.name or s.path for grad, s in zip(checked, ctx.features)
+                                                if grad is None]
         seq = ctx.route.seq if error is None else -1
-        self._agreed(error, exc, "apply_gradients", tag=seq,
-                     tag_text=lambda: f"applies the gradients of this engine's lookup number {seq}")
+        tag = -1 if error is not None else _gradients_tag(seq, without, len(ctx.features))
+        self._agreed(error, exc, "apply_gradients", tag=tag,
+                     tag_text=lambda: f"applies the gradients of this engine's lookup number {seq}" +
+                     (f" with no gradient (None) for feature(s) {without}" if without else ""))
         route = ctx.route
         step = self.step + 1
         with self._going_ahead("apply_gradients"):
@@ -382,7 +412,13 @@ class ShardedEmbedding(TrainingEngine):
         return report
 
     def _exchange_and_update(self, route: Route, checked, features, step, values):
-        """Sum this rank's gradients per unique id, send the sums to the owners, update this rank's shards."""
+        """Sum this rank's gradients per unique id, send the sums to the owners, update this rank's shards.
+
+        When some feature's gradient is None (the same ones on every rank: agreed), each id also travels with
+        whether any of its occurrences here has a gradient, and owners update only the rows some rank says
+        so of; when every one is None (on every rank, then), nothing travels and nothing is updated."""
+        if all(grad is None for grad in checked):
+            return UpdateReport(step), ""
         ws = self._workspace
         sums_out = ws.array("grads_out", int(route.floats_from.sum()), np.float32)
         for k, (space, g) in enumerate(zip(self._spaces, route.groups)):
@@ -395,11 +431,44 @@ class ShardedEmbedding(TrainingEngine):
         sums_in = ws.array("grads_in", int(route.floats_to.sum()), np.float32)
         self._exchange.alltoallv(sums_out, route.floats_from, sums_in, route.floats_to,
                                  "apply_gradients (gradient sums)")
-        return self._update_shards(route, sums_in, step, values)
+        with_gradient = None
+        if any(grad is None for grad in checked):
+            with_gradient = self._requests_with_gradient(route, checked, features)
+        return self._update_shards(route, sums_in, step, values, with_gradient)
 
-    def _update_shards(self, route: Route, sums_in, step, values):
+    def _requests_with_gradient(self, route: Route, checked, features) -> np.ndarray:
+        """Owner side, per request of ``route`` (in ``own_rows`` order): whether the requesting rank had an
+        occurrence of the id in a feature whose gradient is not None. One all-to-all-v of a byte per id."""
+        offsets, has = [], []
+        for k, g in enumerate(route.groups):
+            tb, uniq = g["tb"], g["uniq"]
+            if uniq.shape[0] == 0:
+                continue
+            active = np.ones(tb.n_out, bool)
+            for grad, s in zip(checked, features):
+                if s.group == k and grad is None:
+                    active[s.out_offset:s.out_offset + s.n_rows] = False
+            occurrence_has = active[tb.out_row][g["order"]]  # in unique-row order: order[ptr[u]:ptr[u + 1]]
+            has.append(np.maximum.reduceat(occurrence_has, g["ptr"][:-1]))
+            offsets.append(g["row_offset"])
+        # Ids leave for each peer in the order of their rows' offsets in the flat buffer (routing.place_ids),
+        # and arrive likewise: sorting by offset gives the id order on both sides.
+        send = np.zeros(int(route.ids_to.sum()), np.uint8)
+        if offsets:
+            send[:] = np.concatenate(has)[np.argsort(np.concatenate(offsets), kind="stable")]
+        received = np.empty(int(route.ids_from.sum()), np.uint8)
+        self._exchange.alltoallv(send, route.ids_to, received, route.ids_from,
+                                 "apply_gradients (which ids have a gradient)")
+        own = np.empty(received.shape[0], bool)
+        own[np.argsort(route.own_offset, kind="stable")] = received.astype(bool)
+        return own
+
+    def _update_shards(self, route: Route, sums_in, step, values, with_gradient=None):
         """Update each of this rank's physical tables with the gradient sums it received (each a batch of one
         occurrence per sum, of gain 1, in rank order: a row's sums are summed in rank order).
+
+        ``with_gradient`` (per request, None: all) leaves out the sums of ids whose requester had no
+        gradient for them (a non-lazy table still updates all its rows).
 
         Returns the report (global row ids) and the names of the row functions that failed on some rows of
         this rank's shards (raised, or returned rows of the wrong length: ``report.failed``), if any.
@@ -408,12 +477,17 @@ class ShardedEmbedding(TrainingEngine):
         failing = set()
         for k, table in enumerate(self._physical):
             lo, hi = int(route.group_ptr[k]), int(route.group_ptr[k + 1])
-            if hi == lo and table.optimizer.lazy:
+            rows, offsets = route.own_rows[lo:hi], route.own_offset[lo:hi]
+            if with_gradient is not None:
+                keep = with_gradient[lo:hi]
+                rows, offsets = rows[keep], offsets[keep]
+            n = rows.shape[0]
+            if n == 0 and table.optimizer.lazy:
                 continue
             lr, hyper = values[id(table.optimizer)]
-            d_act = self._workspace.array(f"owner_sums_{k}", (hi - lo, table.dim), np.float32)
-            flat_to_rows(sums_in, route.own_offset[lo:hi], d_act)
-            sums = inputs.TableBatch(route.own_rows[lo:hi], None, self._constants.get(hi - lo + 1)[0], hi - lo)
+            d_act = self._workspace.array(f"owner_sums_{k}", (n, table.dim), np.float32)
+            flat_to_rows(sums_in, offsets, d_act)
+            sums = inputs.TableBatch(rows, None, self._constants.get(n + 1)[0], n)
             update = table.update(sums, d_act, lr, hyper, step)
             report.add(update)
             if update.function is not None:

@@ -1,6 +1,10 @@
 """The one place that turns tables into physical tables: the stacking rule, the memory check, storage,
 kernels and initial values.
 
+Lookup-only engines (TensorFlow's ``TPUEmbedding(optimizer=None)``): when no table has an optimizer and the
+engine passes none, every physical table is a :class:`LookupOnlyTable` (no slots, no update kernel). Some
+tables with an optimizer and some without is refused: a table either trains or it does not, engine-wide.
+
 Stacking rule: with ``stack_tables``, tables of equal optimizers (``__eq__``: by value), equal ``dim`` and
 equal storage (``weights_dtype``, ``slot_dtype``, ``stochastic_rounding``) share one physical table, in the order the features first name them, each at the row offset after the
 previous one; without it every table has its own. ``Embedding``, each rank of ``ShardedEmbedding`` (over
@@ -17,7 +21,26 @@ from ..tuning import Tuning
 from .physical import PhysicalTable, TablePlace
 from .storage import DenseStorage, FusedInt8Storage
 
-__all__ = ["physical_tables", "read_only_tables", "stack", "optimizer_of"]
+__all__ = ["physical_tables", "read_only_tables", "stack", "optimizer_of", "lookup_only", "LookupOnlyTable"]
+
+
+def lookup_only(tables, default_optimizer) -> bool:
+    """Whether ``tables`` make a lookup-only engine: no default optimizer and no table with its own.
+
+    Raises ``ValueError`` naming the tables when some have an optimizer (their own or the default) and some
+    have none."""
+    if default_optimizer is not None:
+        return False
+    without = [t.name for t in tables if t.optimizer is None]
+    if len(without) == len(tables):
+        return True
+    if without:
+        with_one = [t.name for t in tables if t.optimizer is not None]
+        which = f"table '{without[0]}' has" if len(without) == 1 else f"tables {without} have"
+        raise ValueError(f"{which} no optimizer while table(s) {with_one} have one: set TableConfig(optimizer=...) "
+                         f"or pass one to Embedding(optimizer=...); an engine whose tables all have no optimizer "
+                         f"(and optimizer=None) is lookup-only")
+    return False
 
 
 def optimizer_of(table, default_optimizer):
@@ -30,10 +53,12 @@ def optimizer_of(table, default_optimizer):
 
 
 def stack(tables, default_optimizer, stack_tables: bool = True) -> list:
-    """``[(optimizer, dim, [tables])]``: the physical tables the stacking rule makes of ``tables``."""
+    """``[(optimizer, dim, [tables])]``: the physical tables the stacking rule makes of ``tables`` (the
+    optimizer None for every group of a lookup-only engine, see :func:`lookup_only`)."""
     groups, by_key = [], {}
+    frozen = lookup_only(tables, default_optimizer)
     for table in tables:
-        opt = optimizer_of(table, default_optimizer)
+        opt = None if frozen else optimizer_of(table, default_optimizer)
         key = (opt, table.dim, table.stored_formats) if stack_tables else id(table)
         group = by_key.get(key)
         if group is None:
@@ -61,8 +86,9 @@ def _check_fits(plans) -> None:
     total, names = 0, []
     for opt, dim, places, n_rows in plans:
         formats = places[0].config.stored_formats
-        nbytes = DenseStorage.bytes_needed(n_rows, dim, opt.slot_dims, formats) + (0 if opt.lazy else n_rows)
-        n_slots = len(opt.slot_dims)
+        slot_dims = () if opt is None else opt.slot_dims
+        nbytes = DenseStorage.bytes_needed(n_rows, dim, slot_dims, formats) + (0 if opt is None or opt.lazy else n_rows)
+        n_slots = len(slot_dims)
         slot_kind = "" if formats.slots == "float32" else f"{formats.slots} "
         tables = [p.config.name for p in places]
         what = (f"table(s) {tables} ({n_rows:,} rows x {dim:,} {formats.weights} values"
@@ -87,8 +113,10 @@ def physical_tables(tables, default_optimizer, *, stack_tables: bool = True, see
             gain 1 (its kernel is compiled first for the payload its updates will mostly bring); default: no.
         shards: table name -> ``(first, stride, rows)``: hold only those rows of each table (a rank's shards).
 
-    Raises ``ValueError`` (no optimizer; not enough memory, before anything is allocated) and
-    :class:`~embedcore.compiler.RowFunctionError` (an update kernel that cannot compile).
+    Without any optimizer (:func:`lookup_only`) each is a :class:`LookupOnlyTable`.
+
+    Raises ``ValueError`` (no optimizer for some tables only; not enough memory, before anything is
+    allocated) and :class:`~embedcore.compiler.RowFunctionError` (an update kernel that cannot compile).
     """
     plans = []
     for opt, dim, members in stack(tables, default_optimizer, stack_tables):
@@ -97,9 +125,14 @@ def physical_tables(tables, default_optimizer, *, stack_tables: bool = True, see
     _check_fits(plans)
     out = []
     for opt, dim, places, n_rows in plans:
-        storage = DenseStorage(n_rows, dim, opt.slot_dims, places[0].config.stored_formats)
-        table = PhysicalTable(places, storage, opt, tuning, seed)
-        table.compile(table.payload_is_activation_rows(bool(unit_gains(table)) if unit_gains is not None else False))
+        if opt is None:
+            storage = DenseStorage(n_rows, dim, (), places[0].config.stored_formats)
+            table = LookupOnlyTable(places, storage, tuning, seed)
+        else:
+            storage = DenseStorage(n_rows, dim, opt.slot_dims, places[0].config.stored_formats)
+            table = PhysicalTable(places, storage, opt, tuning, seed)
+            table.compile(table.payload_is_activation_rows(bool(unit_gains(table)) if unit_gains is not None
+                                                           else False))
         if fill:
             for p in places:
                 table.fill(p.config.name, seed)
@@ -123,3 +156,31 @@ def read_only_tables(tables, weights: dict, tuning: Tuning | None = None) -> tup
             raise ValueError(f"table '{t.name}' [{t.vocabulary_size} x {t.dim}] given rows of shape {array.shape}")
         out.append(PhysicalTable([TablePlace(t, 0, t.vocabulary_size)], storage, None, tuning))
     return tuple(out)
+
+
+class _NoSlots:
+    """An optimizer's slot declarations with no slots: what :meth:`PhysicalTable.fill` reads of one."""
+
+    slot_names = slot_initializers = slot_dims = ()
+
+
+class LookupOnlyTable(PhysicalTable):
+    """A physical table of tables without an optimizer (a lookup-only engine): its rows, no slots, no update
+    kernel. ``optimizer`` is None, ``slot_rows`` empty and ``update`` refuses (the engines refuse first, with
+    TensorFlow's ``RuntimeError``).
+
+    (A stand-in until :class:`PhysicalTable` itself fills and reports no slots when its optimizer is None.)
+    """
+
+    def __init__(self, places, storage, tuning=None, seed: int = 0):
+        super().__init__(places, storage, None, tuning, seed)
+
+    def slot_rows(self, name: str) -> dict:
+        return {}
+
+    def fill(self, name: str, seed: int) -> None:
+        self.optimizer = _NoSlots  # PhysicalTable.fill writes the rows, then each slot its optimizer names
+        try:
+            super().fill(name, seed)
+        finally:
+            self.optimizer = None
