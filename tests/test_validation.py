@@ -248,9 +248,10 @@ def test_gradient_int_dtype(emb):
 
 
 def test_gradient_not_an_array(emb):
+    # (None is no gradient for the feature, as TensorFlow's apply_gradients takes it: see Embedding.apply_gradients.)
     def mutate(g):
-        g["pooled"] = None
-    _bad_gradient_case(emb, mutate, r"'pooled'", r"must be an array", r"NoneType")
+        g["pooled"] = {"gradient": 1.0}
+    _bad_gradient_case(emb, mutate, r"'pooled'", r"must be an array", r"dict")
 
 
 @pytest.mark.parametrize("value, shown", [(np.nan, "nan"), (np.inf, "inf"), (-np.inf, "-inf")])
