@@ -267,9 +267,9 @@ def activation_layout(feature: FeatureConfig, batch, name: str, serving: bool = 
     given rank-2 ids; for ids of higher rank ``L`` is ignored with a warning, as TensorFlow does.
 
     Training (``serving`` False): ``output_shape`` must hold exactly the activation rows the batch gives
-    (``prod(output_shape) == prod(S) * L``); the activations are ``output_shape + (dim,)``. Dense ids of
-    rank 3 or more are taken only when ``output_shape`` is their leading shape ``S`` (a stray axis, as in
-    ``[1, B, k]``, is refused, not read as a batch of one row of ``B`` samples).
+    (``prod(output_shape) == prod(S) * max(L, 1)``); the activations are ``output_shape + (dim,)``. Dense
+    ids of rank 3 or more are taken only when ``output_shape`` is their leading shape ``S`` (a stray axis,
+    as in ``[1, B, k]``, is refused, not read as a batch of one row of ``B`` samples).
 
     Serving (``serving`` True, TensorFlow's ``cpu_embedding_lookup``, at any batch size): ``output_shape``
     shapes the activations when it fits the batch (as in training); otherwise a pooled ragged batch of ``B``
