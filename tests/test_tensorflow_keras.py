@@ -366,6 +366,37 @@ def test_save_weights_round_trip(tmp_path):
     _assert_state_equal(_state(fresh_layer), _state(layer))
 
 
+def test_tf_train_checkpoint_round_trip(tmp_path):
+    batches = _batches(12, n_batches=2)
+    layer = _layer()
+    model = _model(layer, False, batches)
+    model.fit(_dataset(batches), verbose=0)
+    path = tf.train.Checkpoint(model=model).write(str(tmp_path / "ckpt"))
+    assert any("table:items" in name for name, _ in tf.train.list_variables(path))
+
+    fresh_layer = _layer(seed=99)
+    fresh = _model(fresh_layer, False, batches)
+    tf.train.Checkpoint(model=fresh).read(path).assert_consumed()
+    _assert_state_equal(_state(fresh_layer), _state(layer))
+    for a, b in zip(fresh.get_weights(), model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+
+    other = EmbeddingLayer({"user": ec.FeatureConfig(ec.TableConfig(N_USERS, DIM, name="users"))}, ec.SGD(0.1))
+    before = _state(layer)
+    path = tf.train.Checkpoint(layer=other).write(str(tmp_path / "other"))
+    with pytest.raises(tf.errors.NotFoundError, match="table:items"):  # TensorFlow's own refusal
+        tf.train.Checkpoint(layer=layer).read(path)
+    _assert_state_equal(_state(layer), before)
+
+    bigger = EmbeddingLayer({"user": ec.FeatureConfig(ec.TableConfig(N_USERS + 1, DIM, name="users")),
+                             "hist": ec.FeatureConfig(ec.TableConfig(N_ITEMS, DIM, name="items"))},
+                            ec.Adagrad(0.1))
+    path = tf.train.Checkpoint(layer=bigger).write(str(tmp_path / "bigger"))
+    with pytest.raises(ValueError, match="users"):  # the engine's: a table of another shape
+        tf.train.Checkpoint(layer=layer).read(path)
+    _assert_state_equal(_state(layer), before)
+
+
 def test_whole_model_saving_is_refused_with_the_way_out(tmp_path):
     layer = EmbeddingLayer({"user": ec.FeatureConfig(ec.TableConfig(N_USERS, DIM, name="users"))}, ec.SGD(0.1))
     ids = keras.Input(shape=(), dtype="int64")
@@ -416,7 +447,7 @@ def test_tensorflow_configs_are_converted():
     np.testing.assert_array_equal(layer.get_embedding_tables()["users"], np.full((N_USERS, DIM), 0.5, np.float32))
 
 
-def test_bfloat16_tables_round_trip_through_the_store():
+def test_bfloat16_tables_round_trip(tmp_path):
     def layer(seed):
         table = ec.TableConfig(N_USERS, DIM, name="users", weights_dtype="bfloat16")
         return EmbeddingLayer({"user": ec.FeatureConfig(table)}, ec.Adagrad(0.1), seed=seed)
@@ -426,6 +457,9 @@ def test_bfloat16_tables_round_trip_through_the_store():
     assert store["table:users"].dtype == np.uint16  # the bits: HDF5 has no bfloat16
     fresh.load_own_variables(store)
     _assert_state_equal(_state(fresh), _state(saved))
+    restored = layer(2)
+    tf.train.Checkpoint(layer=restored).read(tf.train.Checkpoint(layer=saved).write(str(tmp_path / "ckpt")))
+    _assert_state_equal(_state(restored), _state(saved))
 
 
 # -- the worked example ----------------------------------------------------------------------------------------

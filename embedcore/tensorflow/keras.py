@@ -48,7 +48,9 @@ Configs: :class:`embedcore.FeatureConfig` nests with embedcore optimizers, or Te
 ``tf.tpu.experimental.embedding`` configs and optimizers (converted by :mod:`embedcore.tensorflow.convert`).
 
 Saving: ``model.save_weights(path)`` (``.weights.h5``) and ``model.load_weights(path)`` store and restore the
-layer's tables, slots and ``step`` beside the dense weights (:meth:`EmbeddingLayer.save_own_variables`).
+layer's tables, slots and ``step`` beside the dense weights (:meth:`EmbeddingLayer.save_own_variables`), and so
+does ``tf.train.Checkpoint(model=model)`` (``write``/``read``/``save``/``restore``; the tables are copied into
+tensors while it writes).
 Loading checks every table and slot (shape, dtype, finite) before anything changes. A whole-model
 ``model.save("model.keras")`` would also need the layer's configuration as JSON, which feature configs and
 optimizers with Python callables do not have: ``get_config`` refuses it, naming this way out (rebuild the model
@@ -193,35 +195,58 @@ class EmbeddingLayer(keras.layers.Layer):
                                   f"model.save_weights(path) / model.load_weights(path), which carry the tables, "
                                   f"or checkpoint the engine with layer.embedding.save(path)")
 
-    def save_own_variables(self, store):
-        """Keras weights saving: the trigger as Keras stores it (``"0"``), then ``step`` and each table and
-        slot under ``table:<table>`` / ``slot:<table>:<slot>`` (16-bit brain-float rows as their uint16 bits,
-        which HDF5 can hold)."""
-        super().save_own_variables(store)
-        store["step"] = np.array(self._engine.step, np.int64)
-        for name, rows in self._engine.embedding_tables.items():
-            store[f"table:{name}"] = _storable(rows)
-        for name, slots in self._engine.slot_variables.items():
+    def _state_entries(self):
+        """``(key, rows)`` of the engine's state: ``step``, ``table:<table>``, ``slot:<table>:<slot>``."""
+        engine = self._engine
+        yield "step", np.array(engine.step, np.int64)
+        for name, rows in engine.embedding_tables.items():
+            yield f"table:{name}", rows
+        for name, slots in engine.slot_variables.items():
             for slot, rows in slots.items():
-                store[f"slot:{name}:{slot}"] = _storable(rows)
+                yield f"slot:{name}:{slot}", rows
+
+    def _set_state_from(self, read, where: str) -> None:
+        """Tables, slots and ``step`` from ``read(key, like)`` (None for a missing key), through
+        :meth:`embedcore.Embedding.set_state`: everything is checked first (a missing entry, a wrong shape or
+        dtype, a NaN/Inf), and on a problem nothing changes."""
+        engine = self._engine
+
+        def entry(key, like):
+            value = read(key, like)
+            if value is None:
+                raise ValueError(f"layer '{self.name}': {where} has no '{key}' (saved from another embedding "
+                                 f"layer, or before its tables were saved); nothing was loaded")
+            return value
+
+        tables = {name: entry(f"table:{name}", rows) for name, rows in engine.embedding_tables.items()}
+        slots = {name: {slot: entry(f"slot:{name}:{slot}", rows) for slot, rows in table_slots.items()}
+                 for name, table_slots in engine.slot_variables.items()}
+        step = int(np.asarray(entry("step", None)))
+        engine.set_state(tables=tables, slots=slots, step=step)
+
+    def save_own_variables(self, store):
+        """Keras weights saving (``model.save_weights``): the trigger as Keras stores it (``"0"``), then the
+        engine's state (:meth:`_state_entries`; bfloat16 rows as their uint16 bits, which HDF5 can hold)."""
+        super().save_own_variables(store)
+        for key, rows in self._state_entries():
+            store[key] = _storable(rows)
 
     def load_own_variables(self, store):
-        """Keras weights loading: tables, slots and ``step`` set by :meth:`embedcore.Embedding.set_state`
-        (everything checked first: a missing entry, a wrong shape or dtype, a NaN/Inf changes nothing)."""
-        engine = self._engine
+        """Keras weights loading (``model.load_weights``): the engine's state, all checked before any of it
+        is set."""
         keys = set(store.keys())
+        self._set_state_from(lambda key, like: _restored(store[key], like) if key in keys else None,
+                             "the weights file")
 
-        def read(key, like):
-            if key not in keys:
-                raise ValueError(f"layer '{self.name}': the weights file has no '{key}' (saved from another "
-                                 f"embedding layer, or before its tables were saved); nothing was loaded")
-            return _restored(store[key], like)
+    # TensorFlow's checkpoints: ``tf.train.Checkpoint(model=model)`` saves and restores the engine's state
+    # with the layer (as copies of the rows: a table is held twice while it is written).
+    def _serialize_to_tensors(self):
+        return {key: tf.constant(np.array(rows)) for key, rows in self._state_entries()}
 
-        tables = {name: read(f"table:{name}", rows) for name, rows in engine.embedding_tables.items()}
-        slots = {name: {slot: read(f"slot:{name}:{slot}", rows) for slot, rows in table_slots.items()}
-                 for name, table_slots in engine.slot_variables.items()}
-        step = int(np.asarray(read("step", None)))
-        engine.set_state(tables=tables, slots=slots, step=step)
+    def _restore_from_tensors(self, restored_tensors):
+        self._set_state_from(lambda key, like: (restored_tensors[key].numpy() if key in restored_tensors
+                                                else None), "the checkpoint")
+        return tf.no_op()
 
 
 def _storable(rows) -> np.ndarray:
