@@ -50,12 +50,11 @@ Configs: :class:`embedcore.FeatureConfig` nests with embedcore optimizers, or Te
 Saving: ``model.save_weights(path)`` (``.weights.h5``) and ``model.load_weights(path)`` store and restore the
 layer's tables, slots and ``step`` beside the dense weights (:meth:`EmbeddingLayer.save_own_variables`), and so
 does ``tf.train.Checkpoint(model=model)`` (``write``/``read``/``save``/``restore``; the tables are copied into
-tensors while it writes).
-Loading checks every table and slot (shape, dtype, finite) before anything changes. A whole-model
-``model.save("model.keras")`` would also need the layer's configuration as JSON, which feature configs and
-optimizers with Python callables do not have: ``get_config`` refuses it, naming this way out (rebuild the model
-in code and ``load_weights``). For large tables use the engine's own
-atomic, checksummed checkpoints, ``layer.embedding.save(path)`` / ``layer.embedding.load(path)``.
+tensors while it writes). Loading checks every table and slot (shape, dtype, finite) before anything changes.
+A whole-model ``model.save("model.keras")`` would also need the layer's configuration as JSON, which feature
+configs and optimizers with Python callables do not have: ``get_config`` refuses it, naming the way out
+(rebuild the model in code and ``load_weights``). For large tables use the engine's own atomic, checksummed
+checkpoints, ``layer.embedding.save(path)`` / ``layer.embedding.load(path)``.
 """
 
 from __future__ import annotations
