@@ -13,6 +13,16 @@ Importing this package imports TensorFlow (the ``[tensorflow]`` extra); the core
 * ``checkpoint``: tables and slots to and from a ``tf.train.Checkpoint`` written by TensorFlow's engines.
 """
 
+from .checkpoint import as_trackable, load_tf_checkpoint, save_tf_checkpoint
 from .engines import TPUEmbedding, TPUEmbeddingForServing, TPUEmbeddingV2
 
-__all__ = ["TPUEmbeddingV2", "TPUEmbedding", "TPUEmbeddingForServing"]
+__all__ = ["TPUEmbeddingV2", "TPUEmbedding", "TPUEmbeddingForServing", "EmbeddingLayer", "DistributedEmbedding",
+           "load_tf_checkpoint", "save_tf_checkpoint", "as_trackable"]
+
+
+def __getattr__(name):
+    """The Keras layer is imported on first use (importing Keras takes seconds)."""
+    if name in ("EmbeddingLayer", "DistributedEmbedding"):
+        from . import keras
+        return getattr(keras, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

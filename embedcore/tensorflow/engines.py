@@ -49,29 +49,15 @@ from tensorflow.python.util import nest
 
 import embedcore as ec
 
-from . import graph
+from . import convert, graph
 
 __all__ = ["TPUEmbeddingV2", "TPUEmbedding", "TPUEmbeddingForServing"]
 
 
 def _convert(feature_config, optimizer):
     """``(embedcore features nest, [(given table, embedcore table)], embedcore optimizer or None)``."""
-    try:
-        from . import convert
-    except ImportError:  # only embedcore's own configs can be taken as they are
-        convert = None
-    if convert is not None:
-        converted = convert.features(feature_config)
-        return converted.features, list(converted.tables), convert.optimizer(optimizer)
-    leaves = tf.nest.flatten(feature_config)
-    if not all(isinstance(f, ec.FeatureConfig) for f in leaves) or not (
-            optimizer is None or isinstance(optimizer, ec.Optimizer)):
-        raise ValueError("TensorFlow config objects need embedcore.tensorflow.convert, which could not be imported")
-    tables = []
-    for f in leaves:
-        if not any(f.table is t for t, _ in tables):
-            tables.append((f.table, f.table))
-    return feature_config, tables, optimizer
+    converted = convert.features(feature_config)
+    return converted.features, list(converted.tables), convert.optimizer(optimizer)
 
 
 def _table_tensor(array: np.ndarray) -> tf.Tensor:
