@@ -106,8 +106,9 @@ class Optimizer:
         raise NotImplementedError
 
     def hyperparameter_values(self, step: int, learning_rate: np.float32) -> tuple:
-        """This step's hyperparameters as float32 values; ``step`` counts applied updates from 1 and
-        ``learning_rate`` is this step's configured learning rate (already evaluated)."""
+        """This step's hyperparameters as float32 values; ``step`` is the engine's step being applied (it
+        counts ``apply_gradients`` calls from 1, whichever rows they touch) and ``learning_rate`` is this
+        step's configured learning rate (already evaluated)."""
         raise NotImplementedError
 
     def learning_rate_value(self, step: int, configured: np.float32) -> np.float32:

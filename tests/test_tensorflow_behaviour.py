@@ -51,6 +51,45 @@ def test_adam_first_step_is_tensorflows_test_formula(sum_inside_sqrt):
                                rtol=1e-4)
 
 
+def _tf_first_step(optimizer, w, g):
+    """TensorFlow's tests' formulas for one step from initial slots (tpu_embedding_base_test)."""
+    if isinstance(optimizer, ec.Adagrad):
+        accumulator = optimizer.initial_accumulator_value + g ** 2
+        return w - optimizer.learning_rate * g / np.sqrt(accumulator), {"accumulators": accumulator}
+    if isinstance(optimizer, ec.AdagradMomentum):
+        accumulator = g ** 2
+        power = (accumulator + optimizer.epsilon) ** (-1.0 / optimizer.exponent)
+        momenta = g * power
+        update = optimizer.momentum * momenta + g * power if optimizer.use_nesterov else momenta
+        return w - optimizer.learning_rate * update, {"accumulators": accumulator, "momenta": momenta}
+    p, a0, lr = -optimizer.learning_rate_power, optimizer.initial_accumulator_value, optimizer.learning_rate
+    accumulator = a0 + g ** 2
+    sigma = (accumulator ** p - a0 ** p) / lr
+    linear = g - sigma * w
+    return -linear / (accumulator ** p / lr), {"accumulators": accumulator, "linears": linear}
+
+
+@pytest.mark.parametrize("optimizer", [ec.Adagrad(0.1, initial_accumulator_value=0.5),
+                                       ec.AdagradMomentum(0.1, momentum=0.9, use_nesterov=True, exponent=3.0),
+                                       ec.FTRL(0.1, learning_rate_power=-0.5, initial_accumulator_value=0.2)],
+                         ids=["adagrad", "adagrad-momentum", "ftrl"])
+def test_first_step_is_tensorflows_test_formula(optimizer):
+    table = ec.TableConfig(5, 3, name="video", combiner="sum", initializer=ec.RandomUniform(-1, 1, seed=2))
+    emb = ec.Embedding({"watched": ec.FeatureConfig(table)}, optimizer)
+    before = emb.embedding_tables["video"].astype(np.float64)
+    ids = np.array([0, 3, 0, 1, 3, 3])
+    grads = np.random.default_rng(4).normal(size=(6, 3)).astype(np.float32)
+    _, ctx = emb({"watched": ids})
+    emb.apply_gradients({"watched": grads}, ctx)
+    g = np.zeros((5, 3))
+    np.add.at(g, ids, grads.astype(np.float64))
+    touched = np.isin(np.arange(5), ids)
+    expected, slots = _tf_first_step(optimizer, before, g)
+    np.testing.assert_allclose(emb.embedding_tables["video"][touched], expected[touched], rtol=5e-5, atol=1e-6)
+    for name, values in slots.items():
+        np.testing.assert_allclose(emb.slot_variables["video"][name][touched], values[touched], rtol=5e-4, atol=1e-6)
+
+
 def test_bias_correction_is_tensorflows_learning_rate_callable():
     """TensorFlow's users fold the correction into a learning-rate callable (optimization_parameters.proto:
     "user learning_rate * sqrt(1 - beta2^t) / (1 - beta1^t)"); ``bias_correction=True`` is that callable."""
@@ -393,6 +432,27 @@ def test_grad_clip_with_tuple_single_value_and_none(optimizer):
 def test_equal_and_hash_function(optimizer):
     assert optimizer(0.1) == optimizer(0.1) and hash(optimizer(0.1)) == hash(optimizer(0.1))
     assert optimizer(0.1) != optimizer(0.2) and hash(optimizer(0.1)) != hash(optimizer(0.2))
+
+
+def test_variable_learning_rate():
+    """TensorFlow's ``test_variable_learning_rate``: an SGD learning rate read from a step counter each step
+    (1.0, 0.95, ... down to 0.5); with a gradient of one, row 0 holds minus the partial sums of the rates."""
+    counter = {"step": 0.0}
+
+    def lr_function():
+        return max(0.5, 1.0 + (0.5 - 1.0) * counter["step"] / 10.0)
+
+    table = ec.TableConfig(1, 4, name="table", combiner="sum", initializer=ec.Constant(0.0))
+    emb = ec.Embedding({"feature": ec.FeatureConfig(table, name="feature")}, ec.SGD(learning_rate=lr_function))
+    results = []
+    for _ in range(10):
+        acts, ctx = emb({"feature": np.zeros((1, 1), np.int32)})
+        results.append(acts["feature"].copy())
+        emb.apply_gradients({"feature": np.ones_like(acts["feature"])}, ctx)
+        counter["step"] += 1.0
+    rates = [1.0 - 0.5 / 10 * j for j in range(10)]
+    goldens = [[[-sum(rates[:j])] * 4] for j in range(10)]
+    np.testing.assert_allclose(results, goldens, rtol=1e-6, atol=1e-6)
 
 
 def test_unsupported_optimizer_class():
