@@ -481,3 +481,212 @@ def test_a_load_that_would_not_fit_in_memory_is_refused_before_reading(tmp_path,
     with pytest.raises(ec.CheckpointError, match="the tables and slots read from .* more than the 100 bytes of memory"):
         load_tf_checkpoint(emb, prefix)
     assert_unchanged(emb, before)
+
+
+# -- the drop-ins are TensorFlow trackables: tf.train.Checkpoint(embedding=drop_in) ------------------------
+engines = pytest.importorskip("embedcore.tensorflow.engines")
+DROP_INS = ["TPUEmbedding", "TPUEmbeddingV2", "TPUEmbeddingForServing"]
+
+
+class Model(tf.Module):
+    """``model_fn(...)`` of TensorFlow's examples: one variable beside the embedding."""
+
+    def __init__(self, value=1.0):
+        super().__init__()
+        self.scale = tf.Variable(np.full(4, value, np.float32))
+
+
+def batch(seed, size=6):
+    rng = np.random.default_rng(seed)
+    return {f: tf.constant(rng.integers(0, TABLES[t][0], size=size)) for f, t in FEATURES.items()}
+
+
+def loss_of(activations, model):
+    return tf.add_n([tf.reduce_sum(a * model.scale[:a.shape[-1]]) for a in activations.values()])
+
+
+def train(embedding, model, steps=2):
+    """A few steps of TensorFlow's training loop for the class (the v2 API's enqueue/dequeue, or v3's)."""
+    for step in range(steps):
+        features = batch(step)
+        if isinstance(embedding, engines.TPUEmbedding):
+            embedding.enqueue(features, training=True)
+            with tf.GradientTape() as tape:
+                activations = embedding.dequeue()
+                tape.watch(activations)
+                loss = loss_of(activations, model)
+            embedding.apply_gradients(tape.gradient(loss, activations))
+        else:
+            with tf.GradientTape() as tape:
+                activations, preserved = embedding(features)
+                tape.watch(activations)
+                loss = loss_of(activations, model)
+            embedding.apply_gradients(tape.gradient(loss, activations), preserved)
+
+
+def drop_in(class_name, **features):
+    return getattr(engines, class_name)(tf_features(**features), E.SGD(0.1))
+
+
+def test_tensorflows_documented_checkpoint_example_runs_verbatim(tmp_path):
+    """``tpu_embedding_v2.py``'s class docstring, the class swapped: save the model and the embedding, then
+    restore into a new pair and read ``embedding.embedding_tables``."""
+    feature_config = tf_features()
+    model = Model(2.0)
+    embedding = engines.TPUEmbedding(feature_config=feature_config,
+                                     optimizer=tf.tpu.experimental.embedding.SGD(0.1))
+    train(embedding, model)
+    saved = {k: v.copy() for k, v in embedding.engine.embedding_tables.items()}
+    saved_slots = snapshot(embedding.engine)[0]
+
+    checkpoint = tf.train.Checkpoint(model=model, embedding=embedding)
+    path = checkpoint.save(str(tmp_path / "ckpt"))
+
+    model = Model(0.0)
+    embedding = engines.TPUEmbedding(feature_config=feature_config,
+                                     optimizer=tf.tpu.experimental.embedding.SGD(0.1))
+    checkpoint = tf.train.Checkpoint(model=model, embedding=embedding)
+    checkpoint.restore(path).assert_consumed()
+
+    tables = embedding.embedding_tables
+    for table, rows in tables.items():
+        np.testing.assert_array_equal(rows.numpy(), saved[table.name])
+    assert_same(saved_slots, ec_values(embedding.engine))
+    np.testing.assert_array_equal(model.scale.numpy(), np.full(4, 2.0, np.float32))
+    # the restored pair trains on (its lookup contexts are fresh)
+    train(embedding, model, steps=1)
+
+
+def test_tensorflows_serving_example_runs_verbatim(tmp_path):
+    """``tpu_embedding_for_serving.py``'s docstring: train with TensorFlow's TPUEmbedding (on CPU), save;
+    restore into the drop-in for serving and look up: equal to a NumPy gather of TensorFlow's tables."""
+    feature_config = tf_features()
+    model = Model(3.0)
+    embedding = tf.tpu.experimental.embedding.TPUEmbedding(
+        feature_config=feature_config, optimizer=tf.tpu.experimental.embedding.SGD(0.1))
+    embedding.build()
+    randomize(embedding, 5)
+    trained = tf_values(embedding)
+    checkpoint = tf.train.Checkpoint(model=model, embedding=embedding)
+    path = checkpoint.save(str(tmp_path / "ckpt"))
+
+    model = Model(0.0)
+    embedding = engines.TPUEmbeddingForServing(
+        feature_config=feature_config, optimizer=tf.tpu.experimental.embedding.SGD(0.1))
+    checkpoint = tf.train.Checkpoint(model=model, embedding=embedding)
+    checkpoint.restore(path).assert_consumed()
+
+    features = batch(7)
+    result = embedding(features)
+    for name, ids in features.items():
+        np.testing.assert_array_equal(result[name].numpy(), trained[FEATURES[name]]["parameters"][ids.numpy()])
+    np.testing.assert_array_equal(model.scale.numpy(), np.full(4, 3.0, np.float32))
+
+
+@pytest.mark.parametrize("class_name", DROP_INS)
+@pytest.mark.parametrize("tf_class", [E.TPUEmbedding, E.TPUEmbeddingForServing])
+def test_tensorflow_checkpoints_restore_into_the_drop_ins(tmp_path, class_name, tf_class):
+    """Adagrad and Adam slots, a table shared by two features, sharded as on TPU: every value lands in the
+    engine, after build and (TensorFlow's deferred order) before it."""
+    tf_engine, prefix = tf_written(tmp_path, tf_class, hosts=2 if tf_class is E.TPUEmbedding else None, seed=1)
+    for restore_first in (True, False):
+        ours = drop_in(class_name)
+        if not restore_first:
+            ours.build()
+        status = tf.train.Checkpoint(embedding=ours).read(prefix)  # written by write(): no save_counter
+        status.assert_consumed()
+        assert_same(tf_values(tf_engine), ec_values(ours.engine))
+        assert sorted(ours.engine.slot_variables["user"]) == ["momenta", "velocities"]
+
+
+@pytest.mark.parametrize("class_name", DROP_INS)
+@pytest.mark.parametrize("tf_class", [E.TPUEmbedding, E.TPUEmbeddingForServing])
+def test_tensorflow_restores_what_the_drop_ins_save(tmp_path, class_name, tf_class):
+    ours = drop_in(class_name)
+    if class_name == "TPUEmbeddingForServing":
+        ours.engine.set_state(slots={t: {s: rows + 0.25 for s, rows in d.items()}
+                                     for t, d in ours.engine.slot_variables.items()})
+        ours.engine.set_state(tables={t: rows * 2 for t, rows in ours.engine.embedding_tables.items()})
+    else:
+        train(ours, Model())
+    prefix = tf.train.Checkpoint(embedding=ours).write(str(tmp_path / "ours"))
+    for restore_first in (True, False):
+        theirs = tf_class(tf_features(), E.SGD(0.1))
+        if not restore_first:
+            theirs.build()
+        status = tf.train.Checkpoint(embedding=theirs).read(prefix)
+        theirs.build()
+        status.assert_consumed()
+        assert_same(tf_values(theirs), ec_values(ours.engine))
+    # the keys are TensorFlow's own
+    keys = set(tf.train.load_checkpoint(prefix).get_variable_to_shape_map())
+    assert keys == set(tf.train.load_checkpoint(tf_written(tmp_path)[1]).get_variable_to_shape_map())
+
+
+def test_round_trip_between_drop_ins_saves_the_rows_of_the_moment(tmp_path):
+    """Saving writes the rows as they are when saved (not when the checkpoint object was made), and a
+    save -> restore -> save cycle is exact."""
+    ours = drop_in("TPUEmbeddingV2")
+    checkpoint = tf.train.Checkpoint(embedding=ours)
+    first = checkpoint.write(str(tmp_path / "a"))
+    train(ours, Model())
+    trained = snapshot(ours.engine)[0]
+    second = checkpoint.write(str(tmp_path / "b"))
+    other = drop_in("TPUEmbedding")
+    tf.train.Checkpoint(embedding=other).read(second).assert_consumed()
+    assert_same(trained, ec_values(other.engine))
+    tf.train.Checkpoint(embedding=other).read(first).assert_consumed()
+    assert not np.array_equal(other.engine.embedding_tables["video"], trained["video"]["parameters"])
+    tf.train.Checkpoint(embedding=other).read(second)
+    third = tf.train.Checkpoint(embedding=other).write(str(tmp_path / "c"))
+    reader_b, reader_c = tf.train.load_checkpoint(second), tf.train.load_checkpoint(third)
+    for key in reader_b.get_variable_to_shape_map():
+        if key != "_CHECKPOINTABLE_OBJECT_GRAPH":
+            np.testing.assert_array_equal(reader_b.get_tensor(key), reader_c.get_tensor(key))
+
+
+def test_a_serving_checkpoint_sets_the_tables_of_a_training_drop_in_before_its_next_step(tmp_path):
+    """TensorFlow restores what the checkpoint holds: a tables-only checkpoint sets the tables (before the
+    next lookup) and leaves the slots."""
+    source = trained_engine(3)
+    prefix = save_tf_checkpoint(source, tmp_path / "serve", include_slots=False)
+    ours = drop_in("TPUEmbedding")
+    slots = snapshot(ours.engine)[0]
+    tf.train.Checkpoint(embedding=ours).restore(prefix)
+    ours.enqueue(batch(0), training=False)
+    for name in TABLES:
+        np.testing.assert_array_equal(ours.engine.embedding_tables[name], source.embedding_tables[name])
+        for slot in ours.engine.slot_variables[name]:
+            np.testing.assert_array_equal(ours.engine.slot_variables[name][slot], slots[name][slot])
+
+
+@pytest.mark.parametrize("class_name", DROP_INS)
+def test_mismatched_or_non_finite_checkpoints_are_refused_and_change_nothing(tmp_path, class_name):
+    ours = drop_in(class_name)
+    ours.engine.set_state(tables={t: rows + 1 for t, rows in ours.engine.embedding_tables.items()})
+    before = snapshot(ours.engine)
+    _, wrong_shape = tf_written(tmp_path / "shape", tables={**TABLES, "video": (8, 3, "adagrad")})
+    with pytest.raises(ec.CheckpointError, match=r"table 'video' must be a float32 array of shape \(7, 3\), got "
+                                                 r"float32 of shape \(8, 3\).*table 'video' slot 'accumulators'"):
+        tf.train.Checkpoint(embedding=ours).restore(wrong_shape)
+    assert_unchanged(ours.engine, before)
+    tf_engine, _ = tf_written(tmp_path / "inf")
+    tf_engine._variables["user"]["velocities"].assign(np.full((5, 4), np.nan, np.float32))
+    non_finite = tf.train.Checkpoint(embedding=tf_engine).write(str(tmp_path / "inf" / "nan"))
+    with pytest.raises(ec.CheckpointError, match=rf"{class_name}: .*table 'user' slot 'velocities' holds NaN or "
+                                                 rf"Inf in 5 row\(s\).*nothing was changed"):
+        tf.train.Checkpoint(embedding=ours).restore(non_finite)
+    assert_unchanged(ours.engine, before)
+    # a refused restore leaves nothing staged: the next lookup sees the rows as they were
+    ours.engine  # noqa: B018
+    assert_unchanged(ours.engine, before)
+
+
+def test_a_refused_deferred_restore_leaves_the_fresh_tables(tmp_path):
+    """Restore before build (TensorFlow's deferred order): the drop-in builds, then refuses the checkpoint."""
+    _, wrong_shape = tf_written(tmp_path, tables={**TABLES, "user": (6, 4, "adam")})
+    ours = drop_in("TPUEmbeddingV2")
+    with pytest.raises(ec.CheckpointError, match=r"table 'user' must be a float32 array of shape \(5, 4\)"):
+        tf.train.Checkpoint(embedding=ours).restore(wrong_shape)
+    fresh = drop_in("TPUEmbeddingV2")
+    assert_same(ec_values(fresh.engine), ec_values(ours.engine))

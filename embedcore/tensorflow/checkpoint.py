@@ -44,7 +44,8 @@ import numpy as np
 from ..checkpoint import CheckpointError
 from ..memory_budget import check_fits
 
-__all__ = ["load_tf_checkpoint", "save_tf_checkpoint", "as_trackable", "tf_table_names", "PARAMETERS"]
+__all__ = ["load_tf_checkpoint", "save_tf_checkpoint", "as_trackable", "engine_trackable", "tf_table_names",
+           "PARAMETERS"]
 
 PARAMETERS = "parameters"              # the table's key in TensorFlow's ``_variables`` dict
 _VARIABLES = "_variables"
@@ -349,52 +350,156 @@ def load_tf_checkpoint(engine, path, feature_config=None, *, object_path=None, t
     return prefix
 
 
-# -- writing one TensorFlow reads --------------------------------------------------------------------------
-def as_trackable(engine, feature_config=None, *, include_slots=True):
-    """A trackable holding float32 copies of ``engine``'s tables (and slots), laid out as TensorFlow's
-    ``TPUEmbedding`` tracks its own: put it in a ``tf.train.Checkpoint`` in the place of the TensorFlow
-    engine (``tf.train.Checkpoint(model=model, embedding=as_trackable(emb))``), and TensorFlow's
-    ``TPUEmbedding`` / ``TPUEmbeddingForServing`` restores it.
-
-    ``feature_config`` (the configuration the TensorFlow engine is built from) gives the tables
-    TensorFlow's names, as in :func:`load_tf_checkpoint`. Slots of one value per row (``slot_dims`` 1, the
-    row-wise optimizers) have no TensorFlow counterpart and are refused; ``include_slots=False`` writes the
-    tables alone (what TensorFlow's serving needs).
-    """
+# -- the live layout: TensorFlow's tracking of an engine's tables and slots ----------------------------------
+def _trackable_classes():
+    """``(Node, Entry, EngineTrackable)``: made on first use, so that importing this module does not import
+    TensorFlow's internals before they are needed."""
+    global _CLASSES
+    if _CLASSES is not None:
+        return _CLASSES
     import tensorflow as tf
-    emb = _engine_of(engine)
-    names = _name_map(emb, feature_config)
+    from tensorflow.python.trackable import base
+
+    class Node(base.Trackable):
+        """A trackable holding only named children (TensorFlow's ``_variables`` dict and its inner dicts)."""
+
+        def __init__(self, children: dict):
+            self._named = dict(children)
+
+        def _trackable_children(self, save_type=base.SaveType.CHECKPOINT, **kwargs):
+            return dict(self._named)
+
+        def _lookup_dependency(self, name, cached_dependencies=None):
+            return self._named.get(name)
+
+    class Entry(base.Trackable):
+        """One table or slot, checkpointed as TensorFlow checkpoints a variable (one ``VARIABLE_VALUE``, float32
+        ``[rows, dim]``): saving writes the engine's current rows; restoring stages the value in its
+        :class:`EngineTrackable`, which sets the engine's rows once every entry has arrived."""
+
+        def __init__(self, owner, own, key):
+            self._owner, self._own, self._key = owner, own, key
+
+        def _serialize_to_tensors(self):
+            rows = self._owner.rows(self._own, self._key)
+            return {base.VARIABLE_VALUE_KEY: tf.constant(np.array(rows, dtype=np.float32))}
+
+        def _restore_from_tensors(self, restored_tensors):
+            self._owner.stage(self._own, self._key, restored_tensors[base.VARIABLE_VALUE_KEY])
+            return tf.no_op()
+
+    class EngineTrackable(base.Trackable):
+        """TensorFlow's checkpoint layout of ``TPUEmbedding`` over an embedcore engine's live rows.
+
+        The children are TensorFlow's: per table a variable named by the table (``<table>``), one per slot
+        (``<table>/<slot>``), and ``_variables``: {table: {``"parameters"``: table, slot: slot}}. Saving writes
+        the rows as they are then (float32). Restoring (``tf.train.Checkpoint(...).restore``/``read``) stages
+        each value; when every table and slot of the layout has arrived, they are all checked together and
+        set through :meth:`embedcore.Embedding.set_state` (wrong shape, NaN/Inf: a
+        :class:`~embedcore.CheckpointError` naming the table and slot, and nothing changes). A checkpoint
+        holding only some of them (TensorFlow's serving checkpoint has no slots) leaves the rest staged until
+        :meth:`flush` (the drop-ins call it before their next use), which sets the ones that arrived.
+        """
+
+        def __init__(self, engine_of, names: dict, slots: dict, where: str):
+            self._engine_of, self._where, self._staged = engine_of, where, {}
+            children, variables = {}, {}
+            for own, theirs in names.items():
+                table = Entry(self, own, PARAMETERS)
+                children[theirs] = table
+                variables[theirs] = {PARAMETERS: table}
+                for slot in slots.get(own, ()):
+                    children[f"{theirs}/{slot}"] = variables[theirs][slot] = Entry(self, own, slot)
+            self._expected = {(own, key) for own in names for key in [PARAMETERS, *slots.get(own, ())]}
+            children[_VARIABLES] = Node({t: Node(d) for t, d in variables.items()})
+            self._named = children
+
+        def _trackable_children(self, save_type=base.SaveType.CHECKPOINT, **kwargs):
+            return dict(self._named)
+
+        def _lookup_dependency(self, name, cached_dependencies=None):
+            return self._named.get(name)
+
+        def rows(self, own, key) -> np.ndarray:
+            emb = self._engine_of()
+            return emb.embedding_tables[own] if key == PARAMETERS else emb.slot_variables[own][key]
+
+        def stage(self, own, key, value) -> None:
+            self._staged[(own, key)] = value.numpy() if hasattr(value, "numpy") else np.asarray(value)
+            if set(self._staged) == self._expected:
+                self.flush()
+
+        def flush(self) -> None:
+            """Set the staged values (all checked first; on a problem none is set, and they are dropped)."""
+            if not self._staged:
+                return
+            staged, self._staged = self._staged, {}
+            emb = self._engine_of()
+            tables, slots = {}, {}
+            for (own, key), value in staged.items():
+                like = self.rows(own, key)
+                if value.dtype != like.dtype and value.dtype.kind == "f" and value.shape == like.shape:
+                    value = value.astype(like.dtype)  # TensorFlow's float32 rounded to nearest for 16-bit rows
+                if key == PARAMETERS:
+                    tables[own] = value
+                else:
+                    slots.setdefault(own, {})[key] = value
+            try:
+                emb.set_state(tables, slots)
+            except ValueError as e:
+                raise CheckpointError(f"{self._where}: the TensorFlow checkpoint restored does not match the "
+                                      f"engine: {e}") from None
+
+    _CLASSES = (Node, Entry, EngineTrackable)
+    return _CLASSES
+
+
+_CLASSES = None
+
+
+def layout_problems(emb, names: dict, include_slots: bool = True) -> list:
+    """Why ``emb``'s tables and slots, under the checkpoint ``names`` (engine name -> TensorFlow name), have
+    no TensorFlow form: slots of another shape than their table (row-wise optimizers), a reserved name."""
     tables, slots = emb.embedding_tables, emb.slot_variables
-    holder = tf.__internal__.tracking.AutoTrackable()
-    chosen, problems = {}, []
+    problems = []
     for own, theirs in names.items():
-        entry = {PARAMETERS: tables[own]}
         if include_slots:
             for slot, rows in slots[own].items():
                 if rows.shape != tables[own].shape:
                     problems.append(f"table '{own}' slot '{slot}' has shape {list(rows.shape)}, not the table's "
                                     f"{list(tables[own].shape)}: TensorFlow's TPU embedding slots are "
                                     f"[vocabulary_size, dim] (include_slots=False writes the tables alone)")
-                entry[slot] = rows
-        attributes = [theirs] + [f"{theirs}/{s}" for s in entry if s != PARAMETERS]
-        taken = [a for a in attributes if hasattr(holder, a) or a == _VARIABLES]
-        if taken:
-            problems.append(f"table '{theirs}': the name {taken[0]!r} is reserved by TensorFlow's trackables")
-        chosen[theirs] = entry
+        if theirs == _VARIABLES:
+            problems.append(f"table '{theirs}': the name {theirs!r} is reserved by TensorFlow's trackables")
+    return problems
+
+
+def engine_trackable(engine_of, names: dict, slots: dict, where: str):
+    """An ``EngineTrackable`` (see :func:`_trackable_classes`) over ``engine_of()``'s tables (engine name ->
+    TensorFlow name in ``names``) and ``slots`` (engine table name -> slot names)."""
+    return _trackable_classes()[2](engine_of, names, slots, where)
+
+
+def as_trackable(engine, feature_config=None, *, include_slots=True):
+    """A trackable laid out as TensorFlow's ``TPUEmbedding`` tracks its tables and slots, over ``engine``'s
+    live rows: put it in a ``tf.train.Checkpoint`` in the place of the TensorFlow engine
+    (``tf.train.Checkpoint(model=model, embedding=as_trackable(emb))``), and TensorFlow's ``TPUEmbedding`` /
+    ``TPUEmbeddingForServing`` restores what it saves; restoring a TensorFlow checkpoint through it sets the
+    engine's rows (all checked first; see ``EngineTrackable``; ``.flush()`` sets a partial restore).
+
+    The rows are written as they are when the checkpoint is saved (float32). ``feature_config`` (the
+    configuration the TensorFlow engine is built from) gives the tables TensorFlow's names, as in
+    :func:`load_tf_checkpoint`. Slots of one value per row (``slot_dims`` 1, the row-wise optimizers) have no
+    TensorFlow counterpart and are refused; ``include_slots=False`` tracks the tables alone (what
+    TensorFlow's serving needs).
+    """
+    emb = _engine_of(engine)
+    names = _name_map(emb, feature_config)
+    problems = layout_problems(emb, names, include_slots)
     if problems:
         raise CheckpointError("cannot write a TensorFlow checkpoint: " + "; ".join(problems))
-    variables = {}
-    for theirs, entry in chosen.items():
-        made = {key: tf.Variable(np.asarray(rows, dtype=np.float32), name=theirs if key == PARAMETERS
-                                 else f"{theirs}/{key}", trainable=key == PARAMETERS)
-                for key, rows in entry.items()}
-        setattr(holder, theirs, made[PARAMETERS])
-        for key, variable in made.items():
-            if key != PARAMETERS:
-                setattr(holder, f"{theirs}/{key}", variable)
-        variables[theirs] = made
-    holder._variables = variables
-    return holder
+    slots = {own: list(emb.slot_variables[own]) for own in names} if include_slots else {}
+    return engine_trackable(lambda: emb, names, slots, "embedcore engine")
 
 
 def save_tf_checkpoint(engine, path, feature_config=None, *, include_slots=True, attribute="embedding") -> str:

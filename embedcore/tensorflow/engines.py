@@ -27,9 +27,22 @@ before its ``dequeue`` raises ``RuntimeError``), and ``enqueue`` / ``dequeue`` /
 step must be called in the same ``tf.function`` (or all eagerly), as TensorFlow's examples do; a dense id
 tensor for a sequence feature is refused (``ValueError``, as TensorFlow's serving lookup refuses it: give the
 sequence as ragged or sparse ids). A ``tf.function`` that looks up cannot be exported with ``tf.saved_model.save`` and loaded elsewhere
-(``tf.numpy_function`` runs Python, which a SavedModel does not carry): serve from Python. These objects are
-not TensorFlow trackables: to read or write a
-``tf.train.Checkpoint`` of TensorFlow's engines, use :mod:`embedcore.tensorflow.checkpoint` with ``.engine``.
+(``tf.numpy_function`` runs Python, which a SavedModel does not carry): serve from Python.
+
+Checkpoints: the three classes are TensorFlow trackables laid out as TensorFlow's ``TPUEmbedding`` and
+``TPUEmbeddingForServing`` track their variables (per table ``<table>``, per slot ``<table>/<slot>``, and
+``_variables``; :func:`embedcore.tensorflow.checkpoint.engine_trackable`), so TensorFlow's documented
+``tf.train.Checkpoint(embedding=embedding, model=model)`` with ``save`` / ``write`` / ``restore`` / ``read``
+runs as written, and checkpoints move both ways between these classes and TensorFlow's. Saving writes the
+engine's rows as they are then (float32); restoring sets them through ``engine.set_state`` once every table
+and slot has arrived, all checked first (a wrong shape or NaN/Inf raises
+:class:`~embedcore.CheckpointError` naming the table and slot, and nothing changes; a checkpoint holding
+only some, such as a serving checkpoint's tables, is set before the next lookup or update). Checkpointing
+builds the engine: a restore before ``build()`` (TensorFlow's deferred restoration) builds it and restores
+into it (for ``TPUEmbedding`` as ``build()`` without shapes would: call ``build(per_replica_input_shapes)``
+before restoring to fix the output shapes). ``TPUEmbeddingV2``
+writes the per-table layout too (TensorFlow's SparseCore stacked checkpoints are read with
+:func:`embedcore.tensorflow.checkpoint.load_tf_checkpoint`).
 
 ``embedding_tables``: each table as a ``tf.Tensor`` snapshot: a copy of the rows, in the table's dtype,
 taken when the property is read (TensorFlow returns ``tf.Variable`` s; embedcore's rows live in NumPy and are
@@ -47,9 +60,11 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python.util import nest
 
+from tensorflow.python.trackable import base as trackable
+
 import embedcore as ec
 
-from . import convert, graph
+from . import checkpoint, convert, graph
 
 __all__ = ["TPUEmbeddingV2", "TPUEmbedding", "TPUEmbeddingForServing"]
 
@@ -65,8 +80,9 @@ def _table_tensor(array: np.ndarray) -> tf.Tensor:
     return tf.constant(array)
 
 
-class _Front:
-    """What the three classes share: configs, the engine (built lazily), tables, structure checks."""
+class _Front(trackable.Trackable):
+    """What the three classes share: configs, the engine (built lazily), tables, structure checks, and the
+    checkpoint layout (TensorFlow's; see the module docstring)."""
 
     _what = "TPUEmbedding"
     _keep_dense_last_dim = False
@@ -78,6 +94,7 @@ class _Front:
         self._paths = graph.feature_paths(feature_config)
         self._engine = None
         self._built = False
+        self._layout = None
 
     # -- building ----------------------------------------------------------------------------------------
     def _engine_features(self):
@@ -94,6 +111,31 @@ class _Front:
     def _maybe_build(self):
         if not self._built:
             self.build()
+        self._flush_restored()
+
+    # -- checkpoints (TensorFlow's layout) ---------------------------------------------------------------
+    def _checkpoint_layout(self):
+        """The live layout of the engine's tables and slots, under the engine's table names (TensorFlow's:
+        :mod:`convert` names unnamed tables as TensorFlow does)."""
+        if self._layout is None:
+            if not self._built:
+                self.build()
+            emb = self._engine
+            names = {name: name for name in emb.tables}
+            slots = {name: list(emb.slot_variables[name]) for name in names}
+            self._layout = checkpoint.engine_trackable(lambda: self._engine, names, slots, type(self).__name__)
+        return self._layout
+
+    def _flush_restored(self):
+        """Set the values of a restore that held only some of the tables and slots (before the next use)."""
+        if self._layout is not None:
+            self._layout.flush()
+
+    def _trackable_children(self, save_type=trackable.SaveType.CHECKPOINT, **kwargs):
+        return self._checkpoint_layout()._trackable_children(save_type, **kwargs)
+
+    def _lookup_dependency(self, name, cached_dependencies=None):
+        return self._checkpoint_layout()._lookup_dependency(name)
 
     @property
     def engine(self) -> ec.Embedding:
@@ -282,6 +324,7 @@ class TPUEmbeddingV2(_Front):
         # Statically, against the shapes of the latest lookup (TensorFlow checks its configured output shapes);
         # when the update runs, against the shapes of the very lookup it applies to.
         self._check_gradients(gradients, self._last_shapes)
+        self._flush_restored()
         return self._apply(gradients, preserved_outputs["embedcore_lookup"])
 
 
@@ -431,6 +474,7 @@ class TPUEmbedding(_Front):
             self.build()
         else:
             self._check_output_shapes(incoming)
+        self._flush_restored()
         state = self._state()
         if state.enqueued is not None:
             raise RuntimeError("enqueue called twice without a dequeue in between: this TPUEmbedding holds one "
@@ -482,6 +526,7 @@ class TPUEmbedding(_Front):
             raise RuntimeError("apply_gradients called twice for one dequeued batch: its gradients were applied "
                                "already")
         self._check_gradients(gradients, shapes)
+        self._flush_restored()
         state.dequeued[3] = True
         return self._apply(gradients, handle, name=name)
 
