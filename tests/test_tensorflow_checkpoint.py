@@ -690,3 +690,89 @@ def test_a_refused_deferred_restore_leaves_the_fresh_tables(tmp_path):
         tf.train.Checkpoint(embedding=ours).restore(wrong_shape)
     fresh = drop_in("TPUEmbeddingV2")
     assert_same(ec_values(fresh.engine), ec_values(ours.engine))
+
+
+def test_a_checkpoint_of_another_dtype_is_refused_by_tensorflow_naming_the_table(tmp_path):
+    """TensorFlow's reader refuses a value stored as float64 for a float32 variable (its own engines' error,
+    naming the checkpoint key of the table); the engine is unchanged."""
+    holder = tf.__internal__.tracking.AutoTrackable()
+    holder.video = tf.Variable(np.zeros((7, 3), np.float64))
+    holder._variables = {"video": {"parameters": holder.video}}
+    prefix = tf.train.Checkpoint(embedding=holder).write(str(tmp_path / "f64"))
+    ours = drop_in("TPUEmbedding")
+    before = snapshot(ours.engine)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="embedding/video/.ATTRIBUTES/VARIABLE_VALUE.*double"):
+        tf.train.Checkpoint(embedding=ours).read(prefix)
+    assert_unchanged(ours.engine, before)
+
+
+def test_a_restored_drop_in_trains_inside_tf_function_and_saves_through_a_checkpoint_manager(tmp_path):
+    tf_engine, prefix = tf_written(tmp_path, E.TPUEmbedding, seed=2)
+    ours = drop_in("TPUEmbedding")
+    tf.train.Checkpoint(embedding=ours).read(prefix).assert_consumed()
+    model = Model()
+
+    @tf.function
+    def step(features):
+        ours.enqueue(features, training=True)
+        with tf.GradientTape() as tape:
+            activations = ours.dequeue()
+            tape.watch(activations)
+            loss = loss_of(activations, model)
+        ours.apply_gradients(tape.gradient(loss, activations))
+
+    features = batch(0)
+    step(features)
+    # SGD on the "bias" table: each looked-up row moves by -0.1 * (its count) * the loss's weights
+    expected = tf_values(tf_engine)["bias"]["parameters"].copy()
+    np.add.at(expected, features["b"].numpy(), -0.1 * np.ones(2, np.float32))
+    np.testing.assert_allclose(ours.engine.embedding_tables["bias"], expected, rtol=1e-6, atol=1e-6)
+    saved = tf.train.CheckpointManager(tf.train.Checkpoint(embedding=ours), str(tmp_path / "managed"), 2).save()
+    again = drop_in("TPUEmbedding")
+    tf.train.Checkpoint(embedding=again).restore(saved).assert_existing_objects_matched()
+    assert_same(ec_values(ours.engine), ec_values(again.engine))
+
+
+def test_as_trackable_restores_into_the_engine(tmp_path):
+    """The layout :func:`as_trackable` gives a plain embedcore engine is the drop-ins': live both ways."""
+    tf_engine, prefix = tf_written(tmp_path, E.TPUEmbedding, seed=6)
+    emb = trained_engine()
+    tf.train.Checkpoint(embedding=as_trackable(emb)).read(prefix).assert_consumed()
+    assert_same(tf_values(tf_engine), ec_values(emb))
+
+
+@settings(max_examples=10, deadline=None)
+@given(vocabulary=st.integers(1, 9), dim=st.integers(1, 5), shared=st.booleans(), seed=st.integers(0, 99),
+       kind=st.sampled_from(["adagrad", "adam", "ftrl", "sgd"]), class_name=st.sampled_from(DROP_INS))
+def test_property_drop_in_round_trips_through_tensorflow(tmp_path_factory, vocabulary, dim, shared, seed, kind,
+                                                         class_name):
+    """TensorFlow -> drop-in -> TensorFlow through tf.train.Checkpoint alone, any shape (tiny vocabularies
+    included), optimizer, and a table used by one feature or two."""
+    tmp_path = tmp_path_factory.mktemp("drop")
+    tables = {"t": (vocabulary, dim, kind), "u": (3, 2, "adagrad")}
+    features = {"f": "t", "g": "t" if shared else "u", "h": "u"}
+    tf_engine, prefix = tf_written(tmp_path, E.TPUEmbedding, seed=seed, tables=tables, features=features)
+    ours = drop_in(class_name, tables=tables, features=features)
+    tf.train.Checkpoint(embedding=ours).read(prefix).assert_consumed()
+    assert_same(tf_values(tf_engine), ec_values(ours.engine))
+    again = E.TPUEmbedding(tf_features(tables, features), E.SGD(0.1))
+    tf.train.Checkpoint(embedding=again).read(tf.train.Checkpoint(embedding=ours).write(str(tmp_path / "o")))
+    again.build()
+    assert_same(tf_values(tf_engine), tf_values(again))
+
+
+def test_16_bit_rows_restore_rounded_only_when_asked_and_always_in_the_drop_ins(tmp_path):
+    tf_engine, prefix = tf_written(tmp_path, seed=8)
+    expected = tf_values(tf_engine)
+    emb = ec.Embedding(ec_features(weights_dtype="bfloat16"))
+    before = snapshot(emb)
+    with pytest.raises(ec.CheckpointError, match=r"table 'video' must be a bfloat16 array.*convert_dtypes=True"):
+        tf.train.Checkpoint(embedding=as_trackable(emb)).read(prefix)
+    assert_unchanged(emb, before)
+    tf.train.Checkpoint(embedding=as_trackable(emb, convert_dtypes=True)).read(prefix).assert_consumed()
+    ours = engines.TPUEmbeddingForServing(ec_features(weights_dtype="bfloat16"), None)
+    tf.train.Checkpoint(embedding=ours).read(prefix)
+    for engine in (emb, ours.engine):
+        for name in TABLES:
+            np.testing.assert_array_equal(engine.embedding_tables[name],
+                                          expected[name]["parameters"].astype(engine.embedding_tables[name].dtype))

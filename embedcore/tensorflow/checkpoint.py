@@ -30,6 +30,14 @@ Table names: the engine's table names are the checkpoint's unless ``feature_conf
 embedcore's, configuration the engine was built from) is given: then the engine's i-th table is
 TensorFlow's i-th table (as TensorFlow orders and names them), checked to have the same shape.
 
+Live, through ``tf.train.Checkpoint`` itself: :func:`engine_trackable` lays an engine's tables and slots
+out as TensorFlow's engines track theirs (the drop-ins of :mod:`embedcore.tensorflow.engines` are such
+trackables; :func:`as_trackable` gives one for a plain engine). Saving writes the rows as they are then;
+restoring stages each value TensorFlow's reader hands over and sets them all through
+:meth:`embedcore.Embedding.set_state` once every table and slot has arrived (or at ``flush()``), checked
+together first. A value of another dtype than float32 is refused by TensorFlow's reader itself
+(``InvalidArgumentError`` naming the checkpoint key).
+
 Steps are not part of TensorFlow's embedding checkpoints: the engine's ``step`` is left as it is unless
 ``step`` is passed. Every refusal is a :class:`~embedcore.CheckpointError` naming the table and slot, and
 leaves the engine as it was.
@@ -351,6 +359,9 @@ def load_tf_checkpoint(engine, path, feature_config=None, *, object_path=None, t
 
 
 # -- the live layout: TensorFlow's tracking of an engine's tables and slots ----------------------------------
+_CLASSES = None
+
+
 def _trackable_classes():
     """``(Node, Entry, EngineTrackable)``: made on first use, so that importing this module does not import
     TensorFlow's internals before they are needed."""
@@ -398,11 +409,15 @@ def _trackable_classes():
         set through :meth:`embedcore.Embedding.set_state` (wrong shape, NaN/Inf: a
         :class:`~embedcore.CheckpointError` naming the table and slot, and nothing changes). A checkpoint
         holding only some of them (TensorFlow's serving checkpoint has no slots) leaves the rest staged until
-        :meth:`flush` (the drop-ins call it before their next use), which sets the ones that arrived.
+        :meth:`flush` (the drop-ins call it before their next use), which sets the ones that arrived. Values
+        for 16-bit rows are rounded to nearest if ``convert_dtypes``, refused otherwise.
         """
 
-        def __init__(self, engine_of, names: dict, slots: dict, where: str):
+        def __init__(self, engine_of, names: dict, slots: dict, where: str, convert_dtypes: bool):
             self._engine_of, self._where, self._staged = engine_of, where, {}
+            self._convert = bool(convert_dtypes)
+            renamed = {own: theirs for own, theirs in names.items() if own != theirs}
+            self._renamed = f" (the checkpoint's names of the engine's tables: {renamed})" if renamed else ""
             children, variables = {}, {}
             for own, theirs in names.items():
                 table = Entry(self, own, PARAMETERS)
@@ -435,11 +450,14 @@ def _trackable_classes():
                 return
             staged, self._staged = self._staged, {}
             emb = self._engine_of()
-            tables, slots = {}, {}
+            tables, slots, hint = {}, {}, ""
             for (own, key), value in staged.items():
                 like = self.rows(own, key)
-                if value.dtype != like.dtype and value.dtype.kind == "f" and value.shape == like.shape:
-                    value = value.astype(like.dtype)  # TensorFlow's float32 rounded to nearest for 16-bit rows
+                if value.dtype != like.dtype and value.shape == like.shape:
+                    if self._convert:
+                        value = value.astype(like.dtype)  # TensorFlow's float32 rounded to nearest, 16-bit rows
+                    else:
+                        hint = " (convert_dtypes=True rounds TensorFlow's float32 to nearest for 16-bit rows)"
                 if key == PARAMETERS:
                     tables[own] = value
                 else:
@@ -448,16 +466,13 @@ def _trackable_classes():
                 emb.set_state(tables, slots)
             except ValueError as e:
                 raise CheckpointError(f"{self._where}: the TensorFlow checkpoint restored does not match the "
-                                      f"engine: {e}") from None
+                                      f"engine{self._renamed}: {e}{hint}") from None
 
     _CLASSES = (Node, Entry, EngineTrackable)
     return _CLASSES
 
 
-_CLASSES = None
-
-
-def layout_problems(emb, names: dict, include_slots: bool = True) -> list:
+def _layout_problems(emb, names: dict, include_slots: bool = True) -> list:
     """Why ``emb``'s tables and slots, under the checkpoint ``names`` (engine name -> TensorFlow name), have
     no TensorFlow form: slots of another shape than their table (row-wise optimizers), a reserved name."""
     tables, slots = emb.embedding_tables, emb.slot_variables
@@ -474,13 +489,14 @@ def layout_problems(emb, names: dict, include_slots: bool = True) -> list:
     return problems
 
 
-def engine_trackable(engine_of, names: dict, slots: dict, where: str):
+def engine_trackable(engine_of, names: dict, slots: dict, where: str, *, convert_dtypes: bool = False):
     """An ``EngineTrackable`` (see :func:`_trackable_classes`) over ``engine_of()``'s tables (engine name ->
-    TensorFlow name in ``names``) and ``slots`` (engine table name -> slot names)."""
-    return _trackable_classes()[2](engine_of, names, slots, where)
+    TensorFlow name in ``names``) and ``slots`` (engine table name -> slot names); ``where`` starts its
+    error messages."""
+    return _trackable_classes()[2](engine_of, names, slots, where, convert_dtypes)
 
 
-def as_trackable(engine, feature_config=None, *, include_slots=True):
+def as_trackable(engine, feature_config=None, *, include_slots=True, convert_dtypes=False):
     """A trackable laid out as TensorFlow's ``TPUEmbedding`` tracks its tables and slots, over ``engine``'s
     live rows: put it in a ``tf.train.Checkpoint`` in the place of the TensorFlow engine
     (``tf.train.Checkpoint(model=model, embedding=as_trackable(emb))``), and TensorFlow's ``TPUEmbedding`` /
@@ -491,15 +507,15 @@ def as_trackable(engine, feature_config=None, *, include_slots=True):
     configuration the TensorFlow engine is built from) gives the tables TensorFlow's names, as in
     :func:`load_tf_checkpoint`. Slots of one value per row (``slot_dims`` 1, the row-wise optimizers) have no
     TensorFlow counterpart and are refused; ``include_slots=False`` tracks the tables alone (what
-    TensorFlow's serving needs).
+    TensorFlow's serving needs). ``convert_dtypes``: as in :func:`load_tf_checkpoint`, for restores.
     """
     emb = _engine_of(engine)
     names = _name_map(emb, feature_config)
-    problems = layout_problems(emb, names, include_slots)
+    problems = _layout_problems(emb, names, include_slots)
     if problems:
         raise CheckpointError("cannot write a TensorFlow checkpoint: " + "; ".join(problems))
     slots = {own: list(emb.slot_variables[own]) for own in names} if include_slots else {}
-    return engine_trackable(lambda: emb, names, slots, "embedcore engine")
+    return engine_trackable(lambda: emb, names, slots, "embedcore engine", convert_dtypes=convert_dtypes)
 
 
 def save_tf_checkpoint(engine, path, feature_config=None, *, include_slots=True, attribute="embedding") -> str:

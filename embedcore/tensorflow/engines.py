@@ -26,8 +26,9 @@ gradients that are not tensors or of the wrong shape (``ValueError``), and the o
 before its ``dequeue`` raises ``RuntimeError``), and ``enqueue`` / ``dequeue`` / ``apply_gradients`` of one
 step must be called in the same ``tf.function`` (or all eagerly), as TensorFlow's examples do; a dense id
 tensor for a sequence feature is refused (``ValueError``, as TensorFlow's serving lookup refuses it: give the
-sequence as ragged or sparse ids). A ``tf.function`` that looks up cannot be exported with ``tf.saved_model.save`` and loaded elsewhere
-(``tf.numpy_function`` runs Python, which a SavedModel does not carry): serve from Python.
+sequence as ragged or sparse ids). A ``tf.function`` that looks up cannot be exported with
+``tf.saved_model.save`` and loaded elsewhere (``tf.numpy_function`` runs Python, which a SavedModel does not
+carry): serve from Python.
 
 Checkpoints: the three classes are TensorFlow trackables laid out as TensorFlow's ``TPUEmbedding`` and
 ``TPUEmbeddingForServing`` track their variables (per table ``<table>``, per slot ``<table>/<slot>``, and
@@ -37,7 +38,8 @@ runs as written, and checkpoints move both ways between these classes and Tensor
 engine's rows as they are then (float32); restoring sets them through ``engine.set_state`` once every table
 and slot has arrived, all checked first (a wrong shape or NaN/Inf raises
 :class:`~embedcore.CheckpointError` naming the table and slot, and nothing changes; a checkpoint holding
-only some, such as a serving checkpoint's tables, is set before the next lookup or update). Checkpointing
+only some, such as a serving checkpoint's tables, is set before the next lookup or update; 16-bit tables of
+embedcore configs are written as float32 and take TensorFlow's values rounded to nearest). Checkpointing
 builds the engine: a restore before ``build()`` (TensorFlow's deferred restoration) builds it and restores
 into it (for ``TPUEmbedding`` as ``build()`` without shapes would: call ``build(per_replica_input_shapes)``
 before restoring to fix the output shapes). ``TPUEmbeddingV2``
@@ -123,7 +125,9 @@ class _Front(trackable.Trackable):
             emb = self._engine
             names = {name: name for name in emb.tables}
             slots = {name: list(emb.slot_variables[name]) for name in names}
-            self._layout = checkpoint.engine_trackable(lambda: self._engine, names, slots, type(self).__name__)
+            # 16-bit tables (embedcore configs) take TensorFlow's float32 values rounded to nearest
+            self._layout = checkpoint.engine_trackable(lambda: self._engine, names, slots, type(self).__name__,
+                                                       convert_dtypes=True)
         return self._layout
 
     def _flush_restored(self):
