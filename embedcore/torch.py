@@ -292,7 +292,7 @@ def _compiled_shapes(module, layout: str, tensors):
         if "w" in code:
             next(it)
         dim = feature.table.dim
-        if feature.output_shape is not None:
+        if feature.output_shape:  # () counts as unset, as in TensorFlow
             shapes.append(tuple(feature.output_shape) + (dim,))
         elif feature.max_sequence_length:
             shapes.append((batch, feature.max_sequence_length, dim))
@@ -627,6 +627,9 @@ class EmbeddingModule(torch.nn.Module):
             optimizers = {}
             for table in self.embedding.physical_tables:
                 opt = table.optimizer
+                if opt is None:
+                    raise RuntimeError(f"embedcore: tables {list(table.table_names)} have no optimizer (a lookup-only "
+                                       f"engine): there is no learning rate to schedule")
                 if callable(opt.learning_rate):
                     raise ValueError(f"embedcore: tables {list(table.table_names)} have a callable learning rate "
                                      f"({opt.learning_rate!r}); a torch lr_scheduler drives numbers only")

@@ -2,7 +2,7 @@
 kernels and initial values.
 
 Lookup-only engines (TensorFlow's ``TPUEmbedding(optimizer=None)``): when no table has an optimizer and the
-engine passes none, every physical table is a :class:`LookupOnlyTable` (no slots, no update kernel). Some
+engine passes none, every physical table has no optimizer: no slots, no update kernel. Some
 tables with an optimizer and some without is refused: a table either trains or it does not, engine-wide.
 
 Stacking rule: with ``stack_tables``, tables of equal optimizers (``__eq__``: by value), equal ``dim`` and
@@ -21,7 +21,7 @@ from ..tuning import Tuning
 from .physical import PhysicalTable, TablePlace
 from .storage import DenseStorage, FusedInt8Storage
 
-__all__ = ["physical_tables", "read_only_tables", "stack", "optimizer_of", "lookup_only", "LookupOnlyTable"]
+__all__ = ["physical_tables", "read_only_tables", "stack", "optimizer_of", "lookup_only"]
 
 
 def lookup_only(tables, default_optimizer) -> bool:
@@ -113,7 +113,7 @@ def physical_tables(tables, default_optimizer, *, stack_tables: bool = True, see
             gain 1 (its kernel is compiled first for the payload its updates will mostly bring); default: no.
         shards: table name -> ``(first, stride, rows)``: hold only those rows of each table (a rank's shards).
 
-    Without any optimizer (:func:`lookup_only`) each is a :class:`LookupOnlyTable`.
+    Without any optimizer (:func:`lookup_only`) each has no slots and no update kernel.
 
     Raises ``ValueError`` (no optimizer for some tables only; not enough memory, before anything is
     allocated) and :class:`~embedcore.compiler.RowFunctionError` (an update kernel that cannot compile).
@@ -127,7 +127,7 @@ def physical_tables(tables, default_optimizer, *, stack_tables: bool = True, see
     for opt, dim, places, n_rows in plans:
         if opt is None:
             storage = DenseStorage(n_rows, dim, (), places[0].config.stored_formats)
-            table = LookupOnlyTable(places, storage, tuning, seed)
+            table = PhysicalTable(places, storage, None, tuning, seed)
         else:
             storage = DenseStorage(n_rows, dim, opt.slot_dims, places[0].config.stored_formats)
             table = PhysicalTable(places, storage, opt, tuning, seed)
@@ -158,29 +158,3 @@ def read_only_tables(tables, weights: dict, tuning: Tuning | None = None) -> tup
     return tuple(out)
 
 
-class _NoSlots:
-    """An optimizer's slot declarations with no slots: what :meth:`PhysicalTable.fill` reads of one."""
-
-    slot_names = slot_initializers = slot_dims = ()
-
-
-class LookupOnlyTable(PhysicalTable):
-    """A physical table of tables without an optimizer (a lookup-only engine): its rows, no slots, no update
-    kernel. ``optimizer`` is None, ``slot_rows`` empty and ``update`` refuses (the engines refuse first, with
-    TensorFlow's ``RuntimeError``).
-
-    (A stand-in until :class:`PhysicalTable` itself fills and reports no slots when its optimizer is None.)
-    """
-
-    def __init__(self, places, storage, tuning=None, seed: int = 0):
-        super().__init__(places, storage, None, tuning, seed)
-
-    def slot_rows(self, name: str) -> dict:
-        return {}
-
-    def fill(self, name: str, seed: int) -> None:
-        self.optimizer = _NoSlots  # PhysicalTable.fill writes the rows, then each slot its optimizer names
-        try:
-            super().fill(name, seed)
-        finally:
-            self.optimizer = None

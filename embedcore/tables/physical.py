@@ -146,8 +146,10 @@ class PhysicalTable:
         return self.storage.rows(p.offset, p.rows)
 
     def slot_rows(self, name: str) -> dict:
-        """Slot name -> table ``name``'s rows of that slot held here (views)."""
+        """Slot name -> table ``name``'s rows of that slot held here (views); none without an optimizer."""
         p = self._place[name]
+        if self.optimizer is None:
+            return {}
         return dict(zip(self.optimizer.slot_names, self.storage.slot_rows(p.offset, p.rows)))
 
     @property
@@ -191,6 +193,8 @@ class PhysicalTable:
         init = table.initializer or TruncatedNormal(0.0, 1.0 / np.sqrt(table.dim))
         _fill_stored(init, self.weights[rows], p, seed, table.name)
         opt = self.optimizer
+        if opt is None:  # a lookup-only or read-only table: no slots
+            return
         for slot_name, slot_init, slot in zip(opt.slot_names, opt.slot_initializers, self.slots):
             view = slot[rows] if slot.ndim == 2 else slot[rows][:, None]
             _fill_stored(slot_init, view, p, seed, table.name, slot_name)
