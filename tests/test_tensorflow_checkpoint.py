@@ -3,7 +3,10 @@
 TensorFlow is the oracle: its own engines (``TPUEmbeddingForServing``, and ``TPUEmbedding`` on CPU, also
 with the variable creator it shards tables with on TPU) write the checkpoints read here and restore the
 ones written here, and every value is compared with the variables TensorFlow holds. The SparseCore
-(``TPUEmbeddingV2``) layout is checked against TensorFlow's own serving reader of that layout.
+(``TPUEmbeddingV2``) layout is checked against TensorFlow's own serving reader of that layout. The
+drop-ins of ``embedcore.tensorflow`` are checked as trackables: TensorFlow's documented checkpoint examples
+with only the class swapped, ``tf.train.Checkpoint`` round trips with TensorFlow's engines both ways, and
+refusals that leave the engine unchanged.
 """
 
 import os
@@ -776,3 +779,22 @@ def test_16_bit_rows_restore_rounded_only_when_asked_and_always_in_the_drop_ins(
         for name in TABLES:
             np.testing.assert_array_equal(engine.embedding_tables[name],
                                           expected[name]["parameters"].astype(engine.embedding_tables[name].dtype))
+
+
+@pytest.mark.parametrize("class_name", DROP_INS)
+def test_unnamed_tables_keep_tensorflows_names_both_ways(tmp_path, class_name):
+    """TensorFlow names unnamed tables ``table_<i>``; the drop-ins (built from the same configs) use those
+    names, so no feature_config is needed in either direction."""
+    tf_engine = E.TPUEmbedding(tf_features(named=False), E.SGD(0.1))
+    tf_engine.build()
+    randomize(tf_engine, 9)
+    prefix = tf.train.Checkpoint(embedding=tf_engine).write(str(tmp_path / "tf"))
+    ours = getattr(engines, class_name)(tf_features(named=False), E.SGD(0.1))
+    assert isinstance(ours, tf.__internal__.tracking.Trackable)
+    tf.train.Checkpoint(embedding=ours).read(prefix).assert_consumed()
+    assert_same(tf_values(tf_engine), ec_values(ours.engine))
+    back = E.TPUEmbeddingForServing(tf_features(named=False), E.SGD(0.1))
+    status = tf.train.Checkpoint(embedding=back).read(tf.train.Checkpoint(embedding=ours).write(str(tmp_path / "o")))
+    back.build()
+    status.assert_consumed()
+    assert_same(tf_values(tf_engine), tf_values(back))
