@@ -7,7 +7,7 @@ compiled with Numba and applied in place to exactly the rows each batch touched.
 Layout. The core never imports the application, the bench or a framework front; ``optimizers`` hands
 TensorFlow or JAX custom computations to ``translate``:
 
-* core: ``config``, ``initializers``, ``optimizers`` (with ``common_options``, ``compiler``,
+* core: ``config``, ``initializers`` (with ``value_object``), ``optimizers`` (with ``common_options``, ``compiler``,
   ``split_reductions``, ``compile_cache``), ``inputs``, ``tuning``, ``memory_budget``, ``kernels/``,
   ``tables/`` (``PhysicalTable``: a stacked table's storage, scratch, grouping and kernels, made by one
   factory for every engine), ``lookup`` and ``engine`` (:class:`Embedding`), ``checkpoint/``, ``serving``,

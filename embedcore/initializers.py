@@ -15,6 +15,7 @@ import zlib
 import numpy as np
 
 from .kernels import random as _random
+from .value_object import ValueObject
 
 __all__ = ["Initializer", "Constant", "Zeros", "TruncatedNormal", "RandomUniform", "RowId", "fill_rows",
            "stream_key", "finite_float32", "FLOAT32_MAX"]
@@ -68,7 +69,7 @@ def stream_key(seed: int, *names: str) -> int:
     return key
 
 
-class Initializer:
+class Initializer(ValueObject):
     """Base class. Subclasses implement :meth:`fill`; equality is by value, as for optimizers."""
 
     def fill(self, out: np.ndarray, first_row: int, key: int, stride: int = 1) -> None:
@@ -84,18 +85,6 @@ class Initializer:
         out = np.empty(shape, np.float32)
         self.fill(out, 0, stream_key(getattr(self, "seed", None) or 0))
         return out.astype(dtype, copy=False)
-
-    def _params(self):
-        return tuple(sorted(vars(self).items()))
-
-    def __eq__(self, other):
-        return type(self) is type(other) and self._params() == other._params()
-
-    def __hash__(self):
-        return hash((type(self), self._params()))
-
-    def __repr__(self):
-        return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in self._params())})"
 
 
 class Constant(Initializer):

@@ -47,6 +47,7 @@ from ..compiler import RowFunctionError, describe
 from ..initializers import stream_key
 from ..kernels.hash_map import KeyRowMap, TableFullError, as_keys
 from ..kernels.random import mix64  # the SplitMix64 finaliser (the tree's one copy)
+from ..value_object import ValueObject
 
 __all__ = ["CountAdmission", "AdmissionSketch", "EvictionPolicy", "LRU", "LFU", "TTL", "EvictByScore",
            "pick_victims", "expired_rows", "lowest_scores"]
@@ -62,20 +63,8 @@ def _int_in(value, what: str, low: int, high: int) -> int:
     return int(value)
 
 
-class _Policy:
-    """Equality and hashing by value (callables by identity), and a repr of the parameters."""
-
-    def _params(self):
-        return tuple(vars(self).items())
-
-    def __eq__(self, other):
-        return type(self) is type(other) and self._params() == other._params()
-
-    def __hash__(self):
-        return hash((type(self), self._params()))
-
-    def __repr__(self):
-        return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in self._params())})"
+class _Policy(ValueObject):
+    """A dynamic table's admission or eviction policy: configuration, compared by value."""
 
 
 # -- admission ----------------------------------------------------------------------------------------------
