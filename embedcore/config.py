@@ -112,7 +112,11 @@ class FeatureConfig:
             position, truncated to ``L`` and zero padded; each row scaled by its weight, never combined).
         validate_weights_and_indices: check ids against the vocabulary and weights against the ids.
         output_shape: leading shape of the activations (the embedding width is appended); its size must
-            equal the number of activation rows (``B``, or ``B * L`` for a sequence feature).
+            equal the number of activation rows (``B``, or ``B * L`` for a sequence feature). Ids of higher
+            rank, ``[d1, ..., dn, k]`` (an ``ec.Sparse`` of that ``dense_shape``, or a dense array, which in
+            training needs ``output_shape = (d1, ..., dn)``), combine their last dimension into
+            ``[d1, ..., dn, dim]``, as TensorFlow's engines do. ``()`` means unset. Serving applies it only
+            when it fits the batch (see :class:`~embedcore.ServingEmbedding`).
         name: a name used in error messages; defaults to the feature's path in the feature structure.
     """
 
