@@ -22,6 +22,9 @@ in the same order. Contenders (one step each):
   ``tf.function``: ``acts, preserved = emb(features)`` (``tf.RaggedTensor`` bags), then
   ``emb.apply_gradients(G, preserved)`` (``G`` as ``tf.Tensor`` s; no dense model, so the difference from
   ``numpy`` is what the TensorFlow layer adds).
+* ``tf-floor``: the NumPy API called from two bare ``tf.numpy_function`` ops in a ``tf.function`` (the
+  lookup, then the update; no checks, no static shapes, no handle registry): what TensorFlow itself charges
+  to call into Python with these tensors, the least any bridge built on ``tf.numpy_function`` can cost.
 * ``keras``: ``embedcore.tensorflow.keras.EmbeddingLayer`` in a ``tf.function``: the layer called with
   ``training=True`` under a ``GradientTape``, the loss above, ``tape.gradient(loss, [update_trigger])``
   (which runs the fused update): the custom gradient's plumbing and the loss's ops are included.
@@ -65,7 +68,7 @@ from embedcore.bench.contenders.embedcore_engine import EmbedcoreContender
 from embedcore.bench.machine import allocator_name
 from embedcore.bench.workloads import initial_tables, make_batches, make_optim, tbe_workload
 
-CONTENDERS = ("numpy", "v2", "keras", "tf-keras", "tf-sparse")
+CONTENDERS = ("numpy", "tf-floor", "v2", "keras", "tf-keras", "tf-sparse")
 TARGET = 1.10
 
 
@@ -156,6 +159,42 @@ class KerasLayer(_TensorflowFront):
         self.layer = self.engine = self._step = None
 
 
+class NumpyFunctionFloor(_TensorflowFront):
+    """The least any TensorFlow bridge can cost: the NumPy API called from two bare ``tf.numpy_function`` ops
+    in a ``tf.function`` (lookup; update), with no checks, shapes or handle registry."""
+
+    name, label = "tf-floor", "NumPy API in two bare tf.numpy_function ops"
+
+    def setup(self, w, init):
+        import embedcore as ec
+        from embedcore.tensorflow import convert
+        tf = _tf()
+        self.engine = ec.Embedding(convert.features(self._tf_features(w)).features,
+                                   convert.optimizer(self._tf_optimizer(w)))
+        self._start(w, init)
+        names, pending = [f"f{t}" for t in range(w.T)], {}
+
+        def lookup(*parts):
+            acts, ctx = self.engine.lookup({f: ec.Ragged(parts[2 * i], parts[2 * i + 1]) for i, f in enumerate(names)})
+            pending[id(ctx)] = ctx
+            return [acts[f] for f in names] + [np.int64(id(ctx))]
+
+        def apply(handle, *grads):
+            self.engine.apply_gradients(dict(zip(names, grads)), pending.pop(int(handle)))
+            return np.int64(self.engine.step)
+
+        @tf.function
+        def step(features, grads):
+            parts = [x for f in names for x in (features[f].values, features[f].row_splits)]
+            out = tf.numpy_function(lookup, parts, [tf.float32] * w.T + [tf.int64], stateful=True)
+            tf.numpy_function(apply, [out[-1]] + [grads[f] for f in names], tf.int64, stateful=True)
+
+        self._step = step
+
+    def close(self):
+        self.engine = self._step = None
+
+
 class TensorflowOwn(Contender):
     """TensorFlow's CPU path: ``embedding_lookup_sparse`` + a TensorFlow optimizer on ``tf.Variable`` s."""
 
@@ -211,7 +250,7 @@ class TensorflowSparse(TensorflowOwn):
         return _tf().compat.v1.train.AdagradOptimizer(w.optim.lr, initial_accumulator_value=w.optim.initial_accumulator)
 
 
-CLASSES = {c.name: c for c in (NumpyAPI, DropInV2, KerasLayer, TensorflowOwn, TensorflowSparse)}
+CLASSES = {c.name: c for c in (NumpyAPI, NumpyFunctionFloor, DropInV2, KerasLayer, TensorflowOwn, TensorflowSparse)}
 
 
 def _disagreement(contenders, reference, T):
@@ -309,6 +348,11 @@ def main(argv=None) -> int:
             ratio = statistics.median(times[name]) / base
             print(f"# {CLASSES[name].label}: adds {100 * (ratio - 1):+.1f}% to the NumPy API's step "
                   f"(target <= {100 * (TARGET - 1):.0f}%: {'met' if ratio <= TARGET else 'NOT met'})")
+    if "tf-floor" in times:
+        floor = statistics.median(times["tf-floor"])
+        print(f"# TensorFlow's own cost of calling into Python (tf-floor - numpy): {(floor - base) * 1e3:+.2f} ms; "
+              + "; ".join(f"{CLASSES[n].label} beyond it: {(statistics.median(times[n]) - floor) * 1e3:+.2f} ms"
+                          for n in ("v2", "keras") if n in times))
     for own in ("tf-keras", "tf-sparse"):
         for front in ("v2", "keras"):
             if own in times and front in times:
