@@ -16,14 +16,14 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 import numpy as np
 import pytest
 
-tf = pytest.importorskip("tensorflow")
+tf = pytest.importorskip("tensorflow", reason="needs the tensorflow extra: pip install 'embedcore[tensorflow]'")
 
 import embedcore as ec  # noqa: E402
+from embedcore.tensorflow import engines  # noqa: E402
 from embedcore.tensorflow.checkpoint import (as_trackable, load_tf_checkpoint, save_tf_checkpoint,  # noqa: E402
                                              tf_table_names)
 
 E = tf.tpu.experimental.embedding
-hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import given, settings, strategies as st  # noqa: E402
 
 
@@ -444,7 +444,6 @@ def test_reads_sparse_core_stacked_tables_as_tensorflow_serving_does(tmp_path, c
 def test_a_tensorflow_program_moves_by_swapping_the_class(tmp_path, class_name):
     """TensorFlow's config objects (unnamed tables included), a drop-in engine: the checkpoint loads without
     a feature_config, and TensorFlow restores what the drop-in saves."""
-    engines = pytest.importorskip("embedcore.tensorflow.engines")
     tf_engine = E.TPUEmbedding(tf_features(named=False), E.SGD(0.1))
     tf_engine.build()
     randomize(tf_engine, 4)
@@ -487,7 +486,6 @@ def test_a_load_that_would_not_fit_in_memory_is_refused_before_reading(tmp_path,
 
 
 # -- the drop-ins are TensorFlow trackables: tf.train.Checkpoint(embedding=drop_in) ------------------------
-engines = pytest.importorskip("embedcore.tensorflow.engines")
 DROP_INS = ["TPUEmbedding", "TPUEmbeddingV2", "TPUEmbeddingForServing"]
 
 

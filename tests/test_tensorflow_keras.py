@@ -15,7 +15,7 @@ tf = pytest.importorskip("tensorflow", reason="needs the tensorflow extra: pip i
 keras = pytest.importorskip("keras")
 
 import embedcore as ec  # noqa: E402
-from embedcore.tensorflow import graph  # noqa: E402
+from embedcore.tensorflow import convert, graph  # noqa: E402
 from embedcore.tensorflow.keras import DistributedEmbedding, EmbeddingLayer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -437,7 +437,6 @@ def test_loading_other_tables_changes_nothing():
 # -- TensorFlow's own config objects ------------------------------------------------------------------------
 
 def test_tensorflow_configs_are_converted():
-    convert = pytest.importorskip("embedcore.tensorflow.convert", reason="embedcore.tensorflow.convert not there")
     table = tf.tpu.experimental.embedding.TableConfig(N_USERS, DIM, name="users", combiner="sum",
                                                       initializer=tf.constant_initializer(0.5))
     features = {"user": tf.tpu.experimental.embedding.FeatureConfig(table, name="user")}
