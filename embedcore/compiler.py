@@ -56,16 +56,22 @@ def check_row_function(fn) -> None:
     as a per-row function: a callable that is not a Python function (a builtin such as ``print``, a class, a
     ``functools.partial``, an object with ``__call__``) or one that cannot take the contract's five
     positional arguments ``(gradient, embedding_table, slot_variables, learning_rate, hyperparameters)``."""
+    check_python_function(fn, "custom computation", _CONTRACT, "five",
+                          f": only those can be compiled as per-row functions {_CONTRACT}")
+
+
+def check_python_function(fn, what: str, contract: str, count: str, purpose: str = "") -> None:
+    """Refuse (:class:`RowFunctionError` naming ``what`` and ``fn``) a callable that is not a Python function
+    (def, lambda or ``numba.njit`` of one), or one that cannot take ``contract``'s positional arguments."""
     target = fn.py_func if isinstance(fn, numba.core.registry.CPUDispatcher) else fn
     if not isinstance(target, pytypes.FunctionType):
-        raise RowFunctionError(
-            f"custom computation {describe(fn)} is a {type(fn).__name__}, not a Python function (def or lambda, "
-            f"or one decorated with numba.njit): only those can be compiled as per-row functions {_CONTRACT}")
+        raise RowFunctionError(f"{what} {describe(fn)} is a {type(fn).__name__}, not a Python function (def or "
+                               f"lambda, or one decorated with numba.njit){purpose}")
     try:
-        inspect.signature(target).bind(*_CONTRACT.strip("()").split(", "))
+        inspect.signature(target).bind(*contract.strip("()").split(", "))
     except TypeError as exc:
-        raise RowFunctionError(f"custom computation {describe(fn)} cannot be called with the five arguments "
-                               f"{_CONTRACT}: {exc}") from None
+        raise RowFunctionError(f"{what} {describe(fn)} cannot be called with the {count} arguments "
+                               f"{contract}: {exc}") from None
 
 
 @dataclass(frozen=True)

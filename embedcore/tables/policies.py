@@ -35,15 +35,13 @@ at once (with a fresh row).
 
 from __future__ import annotations
 
-import inspect
 import numbers
-import types as pytypes
 
 import numba
 import numpy as np
 from numba import njit, prange, types
 
-from ..compiler import RowFunctionError, describe
+from ..compiler import RowFunctionError, check_python_function, describe
 from ..initializers import stream_key
 from ..kernels.hash_map import KeyRowMap, TableFullError, as_keys
 from ..kernels.random import mix64  # the SplitMix64 finaliser (the tree's one copy)
@@ -87,6 +85,15 @@ def _column(key, salt, width):
     return ((mix64(key ^ salt) >> _S32) * width) >> _S32
 
 
+@njit(cache=True, inline="always")
+def _smallest_counter(key, salts, counters, w):
+    """The count-min estimate of ``key``: the smallest of its counters, one per sketch row."""
+    smallest = _COUNTER_MAX
+    for d in range(counters.shape[0]):
+        smallest = min(smallest, counters[d, _column(key, salts[d], w)])
+    return smallest
+
+
 @njit(cache=True)
 def _count_occurrences(keys, salts, counters):
     """Conservative update, occurrence by occurrence in batch order: each of the key's counters becomes at
@@ -94,9 +101,7 @@ def _count_occurrences(keys, salts, counters):
     depth, width = counters.shape
     w = _U(width)
     for i in range(keys.shape[0]):
-        smallest = _COUNTER_MAX
-        for d in range(depth):
-            smallest = min(smallest, counters[d, _column(keys[i], salts[d], w)])
+        smallest = _smallest_counter(keys[i], salts, counters, w)
         if smallest == _COUNTER_MAX:
             continue
         new = np.uint32(smallest + np.uint32(1))
@@ -108,13 +113,9 @@ def _count_occurrences(keys, salts, counters):
 
 @njit(cache=True, parallel=True)
 def _estimates(keys, salts, counters, out):
-    depth, width = counters.shape
-    w = _U(width)
+    w = _U(counters.shape[1])
     for i in prange(keys.shape[0]):
-        smallest = _COUNTER_MAX
-        for d in range(depth):
-            smallest = min(smallest, counters[d, _column(keys[i], salts[d], w)])
-        out[i] = smallest
+        out[i] = _smallest_counter(keys[i], salts, counters, w)
 
 
 class AdmissionSketch:
@@ -199,15 +200,7 @@ class EvictByScore(EvictionPolicy):
     time it scores (:meth:`compiled`). Equal when ``fn`` is the same object."""
 
     def __init__(self, fn):
-        target = fn.py_func if isinstance(fn, numba.core.registry.CPUDispatcher) else fn
-        if not isinstance(target, pytypes.FunctionType):
-            raise RowFunctionError(f"EvictByScore: {describe(fn)} is a {type(fn).__name__}, not a Python function "
-                                   f"(def or lambda, or one decorated with numba.njit)")
-        try:
-            inspect.signature(target).bind(*_SCORE_CONTRACT.strip("()").split(", "))
-        except TypeError as exc:
-            raise RowFunctionError(f"EvictByScore: {describe(fn)} cannot be called with the four arguments "
-                                   f"{_SCORE_CONTRACT}: {exc}") from None
+        check_python_function(fn, "EvictByScore:", _SCORE_CONTRACT, "four")
         self.fn = fn
 
     def __hash__(self):
