@@ -2,7 +2,10 @@
 
 The configuration model mirrors ``tf.tpu.experimental.embedding``: :class:`TableConfig`,
 :class:`FeatureConfig`, built-in optimizers and :class:`CustomOptimizer`, whose per-row function is
-compiled with Numba and applied in place to exactly the rows each batch touched.
+compiled with Numba and applied in place to exactly the rows each batch touched. :class:`DynamicTableConfig`
+declares a hash-keyed table instead: any 64-bit key (strings through :func:`hash_keys`), up to a capacity,
+with :class:`CountAdmission` and an eviction policy (:class:`LRU`, :class:`LFU`, :class:`TTL`,
+:class:`EvictByScore`).
 
 Layout. The core never imports the application, the bench or a framework front; ``optimizers`` hands
 TensorFlow or JAX custom computations to ``translate``:
@@ -22,14 +25,16 @@ TensorFlow or JAX custom computations to ``translate``:
 
 from .checkpoint import CheckpointError
 from .compiler import RowFunctionError
-from .config import FeatureConfig, TableConfig
+from .config import DynamicTableConfig, FeatureConfig, TableConfig
 from .engine import Embedding, LookupContext, NonFiniteError, UpdateReport
 from .export import export_for_serving
 from .initializers import Constant, Initializer, RandomUniform, RowId, TruncatedNormal, Zeros
 from .inputs import InputError, InputTypeError, Ragged, Sparse
+from .keys import hash_keys
 from .optimizers import (FTRL, SGD, Adagrad, AdagradMomentum, Adam, CustomOptimizer, ExactAdagrad, ExactRowwiseAdagrad,
                          Optimizer, RowwiseAdagrad)
 from .serving import ServingEmbedding
+from .tables.policies import LFU, LRU, TTL, CountAdmission, EvictByScore, EvictionPolicy
 from .tuning import Tuning
 
 __version__ = "0.1.0"
@@ -41,4 +46,5 @@ __all__ = [
     "Initializer", "Constant", "Zeros", "TruncatedNormal", "RandomUniform", "RowId",
     "Ragged", "Sparse", "InputError", "InputTypeError", "RowFunctionError", "CheckpointError", "ServingEmbedding",
     "Tuning", "export_for_serving",
+    "DynamicTableConfig", "CountAdmission", "EvictionPolicy", "LRU", "LFU", "TTL", "EvictByScore", "hash_keys",
 ]

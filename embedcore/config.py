@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import numbers
 
-__all__ = ["TableConfig", "FeatureConfig", "COMBINERS"]
+__all__ = ["TableConfig", "DynamicTableConfig", "FeatureConfig", "COMBINERS"]
 
 COMBINERS = ("mean", "sum", "sqrtn")
 
@@ -51,7 +51,8 @@ class TableConfig:
                  weights_dtype="float32", slot_dtype="float32", stochastic_rounding=True):
         if name is not None and (not isinstance(name, str) or not name):
             raise ValueError(f"Argument `name` must be a non-empty string or None. Received: {name!r:.80}")
-        table = f"TableConfig '{name}'" if name else "TableConfig"
+        kind = type(self).__name__
+        table = f"{kind} '{name}'" if name else kind
         if not _is_int(vocabulary_size) or vocabulary_size < 1:
             raise ValueError(f"{table}: Argument `vocabulary_size` must be an int and must be >= 1. Received: "
                              f"{vocabulary_size!r:.80}")
@@ -93,20 +94,88 @@ class TableConfig:
         from .kernels.half import StoredFormats
         return StoredFormats(self.weights_dtype, self.slot_dtype, self.stochastic_rounding)
 
-    def __repr__(self):
-        stored = "" if (self.weights_dtype, self.slot_dtype) == ("float32", "float32") else (
+    def _stored_repr(self) -> str:
+        return "" if (self.weights_dtype, self.slot_dtype) == ("float32", "float32") else (
             f", weights_dtype={self.weights_dtype!r}, slot_dtype={self.slot_dtype!r}, "
             f"stochastic_rounding={self.stochastic_rounding!r}")
+
+    def __repr__(self):
         return (f"TableConfig(vocabulary_size={self.vocabulary_size!r}, dim={self.dim!r}, "
                 f"initializer={self.initializer!r}, optimizer={self.optimizer!r}, "
-                f"combiner={self.combiner!r}, name={self.name!r}{stored})")
+                f"combiner={self.combiner!r}, name={self.name!r}{self._stored_repr()})")
+
+
+class DynamicTableConfig(TableConfig):
+    """A dynamic (hash-keyed) table: up to ``capacity`` rows of ``dim`` values, one per 64-bit key seen.
+
+    A feature of a dynamic table gives keys, not row ids: any int64 or uint64 value (all ``2**64`` bit
+    patterns; the int64 and uint64 views of the same bits are the same key; strings through
+    :func:`embedcore.hash_keys`), never range-checked. A key's row appears when the key is admitted and
+    disappears when it is evicted; see :mod:`embedcore.tables.dynamic` for the lookup's rules.
+
+    Args:
+        dim: embedding width, an int >= 1.
+        capacity: the most keys (rows) the table holds, an int in ``1 .. 2**31 - 1``. ``vocabulary_size``
+            equals it (the row slots, for code that sizes tables).
+        name, optimizer, combiner, weights_dtype, slot_dtype, stochastic_rounding: as for
+            :class:`TableConfig`. The optimizer must be lazy (only touched rows change).
+        initializer: an :mod:`embedcore.initializers` object (or None: ``TruncatedNormal(0, 1/sqrt(dim))``).
+            A key's initial value depends only on the seed, the table and the key
+            (:meth:`~embedcore.initializers.Initializer.fill_keys`); a plain callable ``(shape, dtype)``,
+            which makes a whole table of row ids, has no meaning for keys and is refused.
+        admission: None (admit every new key at once) or :class:`~embedcore.tables.policies.CountAdmission`.
+        eviction: None (never evict: a batch with more admitted new keys than free rows is refused) or an
+            :class:`~embedcore.tables.policies.EvictionPolicy`: ``LRU()``, ``LFU()``, ``TTL(steps)``,
+            ``EvictByScore(fn)`` (which scores float32 rows: ``weights_dtype="float32"`` only).
+    """
+
+    def __init__(self, dim, capacity, name=None, optimizer=None, initializer=None, combiner="mean", admission=None,
+                 eviction=None, *, weights_dtype="float32", slot_dtype="float32", stochastic_rounding=True):
+        from .initializers import Initializer
+        from .kernels.hash_map import MAX_CAPACITY
+        from .tables.policies import CountAdmission, EvictByScore, EvictionPolicy
+        if name is not None and (not isinstance(name, str) or not name):
+            raise ValueError(f"Argument `name` must be a non-empty string or None. Received: {name!r:.80}")
+        table = f"DynamicTableConfig '{name}'" if name else "DynamicTableConfig"
+        if not _is_int(capacity) or not 1 <= capacity <= MAX_CAPACITY:
+            raise ValueError(f"{table}: Argument `capacity` must be an int in 1 .. {MAX_CAPACITY}. Received: "
+                             f"{capacity!r:.80}")
+        if initializer is not None and not isinstance(initializer, Initializer):
+            raise ValueError(f"{table}: Argument `initializer` must be an embedcore initializer (Constant, Zeros, "
+                             f"TruncatedNormal, RandomUniform, RowId, or an Initializer subclass) or None: a dynamic "
+                             f"table's initial values are functions of the key, not of a row id. Received: "
+                             f"{initializer!r:.80}")
+        if admission is not None and not isinstance(admission, CountAdmission):
+            raise ValueError(f"{table}: Argument `admission` must be an embedcore.CountAdmission or None. Received: "
+                             f"{admission!r:.80}")
+        if eviction is not None and not isinstance(eviction, EvictionPolicy):
+            raise ValueError(f"{table}: Argument `eviction` must be an eviction policy (embedcore.LRU(), LFU(), "
+                             f"TTL(steps), EvictByScore(fn)) or None. Received: {eviction!r:.80}")
+        super().__init__(int(capacity), dim, initializer, optimizer, combiner, name, weights_dtype=weights_dtype,
+                         slot_dtype=slot_dtype, stochastic_rounding=stochastic_rounding)
+        if isinstance(eviction, EvictByScore) and weights_dtype != "float32":
+            raise ValueError(f"{table}: {eviction!r} scores float32 rows; weights_dtype {weights_dtype!r} is not "
+                             f"supported with it")
+        if optimizer is not None and not optimizer.lazy:
+            raise ValueError(f"{table}: the optimizer {type(optimizer).__name__} is not lazy (it would update every "
+                             f"row each step, free row slots included); a dynamic table updates only the rows a "
+                             f"batch touches (e.g. Adam(lazy_adam=True))")
+        self.capacity = int(capacity)
+        self.admission = admission
+        self.eviction = eviction
+
+    def __repr__(self):
+        return (f"DynamicTableConfig(dim={self.dim!r}, capacity={self.capacity!r}, name={self.name!r}, "
+                f"optimizer={self.optimizer!r}, initializer={self.initializer!r}, combiner={self.combiner!r}, "
+                f"admission={self.admission!r}, eviction={self.eviction!r}{self._stored_repr()})")
 
 
 class FeatureConfig:
     """One input feature, looking up rows of ``table``.
 
     Args:
-        table: the :class:`TableConfig` this feature reads; several features may share one table.
+        table: the :class:`TableConfig` (or :class:`DynamicTableConfig`) this feature reads; several features
+            may share one table.
         max_sequence_length: 0 for a pooled feature (activations ``[B, dim]``, ids of a sample combined with
             the table's combiner); ``L > 0`` for a sequence feature (activations ``[B, L, dim]``, one row per
             position, truncated to ``L`` and zero padded; each row scaled by its weight, never combined).

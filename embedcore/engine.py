@@ -15,6 +15,7 @@ import numpy as np
 
 from . import inputs
 from .compiler import RowFunctionError
+from .config import DynamicTableConfig
 from .inputs import InputError
 from .kernels.rows import count_non_finite
 from .lookup import LookupContext, TrainingEngine, _FeatureSlot
@@ -113,10 +114,11 @@ class Embedding(TrainingEngine):
     update: order lookups and updates yourself, as a training loop does. ``apply_gradients``,
     ``save`` and ``load`` take the engine's lock without waiting: a second thread calling one of them
     while another runs gets a ``RuntimeError`` and changes nothing. Serialize them yourself if several
-    threads train one engine.
+    threads train one engine. A lookup that reads a dynamic table (:class:`~embedcore.DynamicTableConfig`)
+    changes it (admission, eviction), so it takes the lock too.
     """
 
-    _busy = "another thread is using this Embedding's state (apply_gradients, save or load)"
+    _busy = "another thread is using this Embedding's state (apply_gradients, save, load, a dynamic lookup)"
 
     def __init__(self, feature_config, optimizer=None, *, seed=0, stack_tables=True, non_finite="raise",
                  tuning: Tuning | None = None, fill: bool = True):
@@ -210,6 +212,11 @@ class Embedding(TrainingEngine):
         """
         current, current_slots = self.embedding_tables, self.slot_variables
         staged, problems = [], []
+        dynamic = {t.name for t in self._table_configs.values() if isinstance(t, DynamicTableConfig)}
+        for name in sorted(dynamic & (set(tables or {}) | set(slots or {}))):
+            problems.append(f"table '{name}' is dynamic: set_state does not set dynamic tables yet")
+        tables = {n: v for n, v in (tables or {}).items() if n not in dynamic}
+        slots = {n: v for n, v in (slots or {}).items() if n not in dynamic}
 
         def stage(target, source, what):
             if not isinstance(source, np.ndarray) or source.dtype != target.dtype or source.shape != target.shape:
@@ -256,6 +263,10 @@ class Embedding(TrainingEngine):
     def __deepcopy__(self, memo):
         """An independent engine: configuration deep-copied (functions shared), tables, slots, ``step`` copied."""
         import copy
+        dynamic = sorted(t.name for t in self._table_configs.values() if isinstance(t, DynamicTableConfig))
+        if dynamic:
+            raise TypeError(f"cannot copy this {type(self).__name__}: tables {dynamic} are dynamic, whose copies "
+                            f"(keys, rows and policies' state) are not supported yet")
         feature_config, optimizer = copy.deepcopy((self._feature_config, self._optimizer), memo)
         emb = type(self)(feature_config, optimizer, fill=False, **self._copy_arguments())
         emb.set_state(self.embedding_tables, self.slot_variables, self.step)
@@ -356,6 +367,10 @@ class Embedding(TrainingEngine):
     def _apply(self, gradients, ctx):
         timer = self.tuning.phase_timer
         t0 = perf_counter() if timer is not None else 0.0
+        for table, tb in zip(self._physical, ctx.table_batches):
+            why = None if tb is None else table.stale(tb)
+            if why is not None:
+                raise InputError(why)
         leaves = inputs.flatten_like(self._feature_config, gradients, "gradients")
         refuse = self.non_finite == "raise"
         # NaN/Inf are looked for once per physical table, in the gradient rows its update reads (the
@@ -425,20 +440,10 @@ def occurrences_without(table_batch, features) -> inputs.TableBatch:
     gradient rows and touches no row only they looked up. A new batch; the original is unchanged."""
     tb = table_batch
     ptr = tb.out_ptr
-    counts = np.diff(ptr)
     keep = np.ones(tb.rows.shape[0], bool)
     for s in features:
         keep[ptr[s.out_offset]:ptr[s.out_offset + s.n_rows]] = False
-        counts[s.out_offset:s.out_offset + s.n_rows] = 0
-    out_ptr = np.zeros(tb.n_out + 1, np.int64)
-    np.cumsum(counts, out=out_ptr[1:])
-    blocks = None
-    if tb.blocks is not None:  # each block loses its dropped occurrences: offsets of the kept ones before it
-        kept_before = np.zeros(keep.shape[0] + 1, np.int64)
-        np.cumsum(keep, out=kept_before[1:])
-        blocks = kept_before[tb.blocks]
-    return inputs.TableBatch(tb.rows[keep], None if tb.packed is None else tb.packed[keep], out_ptr, tb.n_out,
-                             blocks)
+    return inputs.select_occurrences(tb, keep)
 
 
 def gradient_rows(k, n_out, dim, workspace, gradients, features):

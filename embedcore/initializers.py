@@ -4,6 +4,12 @@ Every initializer fills rows ``[first_row, first_row + n)`` of a conceptual ``[v
 with values that depend only on ``(seed, table, row, column)``, never on how the table is split over
 stacked arrays or processes. Each is also a plain callable ``init(shape, dtype=np.float32)`` returning
 the whole array, as TensorFlow's ``TableConfig(initializer=...)`` expects.
+
+Dynamic tables have keys, not row ids: :meth:`Initializer.fill_keys` (and :func:`fill_key_rows`) give key
+``k`` the values of row 0 of the conceptual table whose stream key is ``key_stream(stream, k) =
+mix64(mix64(k) ^ stream)`` (``mix64`` the SplitMix64 finaliser), so a key's initial value depends only on
+``(seed, table, key, column)``: not on its row slot, the order keys arrive in, or the sharding. :class:`RowId`
+gives a key its own value instead (``key + offset``, the key read as int64).
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from .kernels import random as _random
 from .value_object import ValueObject
 
 __all__ = ["Initializer", "Constant", "Zeros", "TruncatedNormal", "RandomUniform", "RowId", "fill_rows",
-           "stream_key", "finite_float32", "FLOAT32_MAX"]
+           "fill_key_rows", "stream_key", "finite_float32", "FLOAT32_MAX"]
 
 _MASK64 = (1 << 64) - 1
 
@@ -76,6 +82,15 @@ class Initializer(ValueObject):
         """Write rows ``first_row, first_row + stride, ...`` of the conceptual table into ``out`` in place."""
         raise NotImplementedError
 
+    def fill_keys(self, out: np.ndarray, keys: np.ndarray, stream: int) -> None:
+        """Write the rows of 64-bit ``keys`` (uint64 ``[n]``) into ``out`` (float32 ``[n, dim]``) in place: row
+        ``i`` is row 0 of the conceptual table of stream key ``key_stream(stream, keys[i])``. This default
+        calls :meth:`fill` once per key (a subclass may do it in one pass, with the same values)."""
+        streams = np.empty(keys.shape[0], np.uint64)
+        _random.key_streams(keys, np.uint64(stream), streams)
+        for i in range(keys.shape[0]):
+            self.fill(out[i:i + 1], 0, int(streams[i]))
+
     def __call__(self, shape, dtype=np.float32):
         shape = tuple(int(s) for s in shape)
         if len(shape) == 1:
@@ -94,6 +109,9 @@ class Constant(Initializer):
         self.value = finite_float32(value, f"{type(self).__name__}: value")
 
     def fill(self, out, first_row, key, stride=1):
+        out.fill(self.value)
+
+    def fill_keys(self, out, keys, stream):
         out.fill(self.value)
 
 
@@ -123,6 +141,9 @@ class TruncatedNormal(Initializer):
     def fill(self, out, first_row, key, stride=1):
         _random.fill_truncated_normal(out, first_row, np.uint64(key), self.mean, self.stddev, stride)
 
+    def fill_keys(self, out, keys, stream):
+        _random.fill_truncated_normal_keys(out, keys, np.uint64(stream), self.mean, self.stddev)
+
 
 class RandomUniform(Initializer):
     """Uniform on ``[minval, maxval)``."""
@@ -137,15 +158,22 @@ class RandomUniform(Initializer):
     def fill(self, out, first_row, key, stride=1):
         _random.fill_uniform(out, first_row, np.uint64(key), self.minval, self.maxval, stride)
 
+    def fill_keys(self, out, keys, stream):
+        _random.fill_uniform_keys(out, keys, np.uint64(stream), self.minval, self.maxval)
+
 
 class RowId(Initializer):
-    """Row ``r`` holds ``r + offset`` in every column: makes lookups easy to read in tests."""
+    """Row ``r`` holds ``r + offset`` in every column: makes lookups easy to read in tests. In a dynamic table
+    key ``k`` holds ``k + offset`` (the key read as int64, rounded to float32)."""
 
     def __init__(self, offset=0.0):
         self.offset = finite_float32(offset, "RowId: offset")
 
     def fill(self, out, first_row, key, stride=1):
         _random.fill_row_id(out, first_row, self.offset, stride)
+
+    def fill_keys(self, out, keys, stream):
+        _random.fill_key_values(out, keys.view(np.int64), self.offset)
 
 
 def fill_rows(initializer, out: np.ndarray, first_row: int, vocabulary_size: int, seed: int, *names: str,
@@ -190,6 +218,39 @@ def fill_rows(initializer, out: np.ndarray, first_row: int, vocabulary_size: int
         value = values[~np.isfinite(values)][0]
         raise ValueError(f"initializer {initializer!r} for {where} wrote {value} to row {row}: initial values "
                          f"must be finite in float32 (|x| <= {FLOAT32_MAX:.7g}); nothing was built")
+
+
+def fill_key_rows(initializer, out: np.ndarray, keys, seed: int, *names: str) -> None:
+    """Fill ``out`` (float32 ``[n, dim]``) in place with the initial rows of 64-bit ``keys`` (int64 or
+    uint64 ``[n]``: their bit patterns) of a dynamic table: :meth:`Initializer.fill_keys` under the stream
+    keyed as :func:`fill_rows` keys it (the initializer's own seed, else ``seed``, and ``names``: table, slot),
+    or a float constant. Only finite float32 values are written.
+
+    Raises:
+        ValueError: naming the table and slot, for an initializer that is neither a float nor an
+            :class:`Initializer` (a plain callable makes a table of row ids, which keys do not have), or one
+            that wrote NaN or a value beyond float32 range (naming the key).
+    """
+    where = _where(names)
+    if isinstance(initializer, (int, float, np.floating, np.integer)) and not isinstance(initializer, bool):
+        out.fill(finite_float32(initializer, f"the initial value of {where}"))
+        return
+    if not isinstance(initializer, Initializer):
+        raise ValueError(f"{where} is a dynamic table, whose initial values are functions of the key: its "
+                         f"initializer must be a float or an embedcore initializer, got {initializer!r:.80}")
+    keys = np.ascontiguousarray(keys).ravel()
+    if keys.dtype not in (np.int64, np.uint64):
+        raise ValueError(f"the keys of {where} must be int64 or uint64, got dtype {keys.dtype}")
+    keys = keys.view(np.uint64)
+    own_seed = getattr(initializer, "seed", None)
+    initializer.fill_keys(out, keys, stream_key(seed if own_seed is None else own_seed, *names))
+    bad = _random.first_non_finite_row(out)
+    if bad >= 0:
+        values = out[bad]
+        value = values[~np.isfinite(values)][0]
+        key = int(keys[bad:bad + 1].view(np.int64)[0])
+        raise ValueError(f"initializer {initializer!r} for {where} wrote {value} for key {key}: initial values "
+                         f"must be finite in float32 (|x| <= {FLOAT32_MAX:.7g})")
 
 
 def _where(names) -> str:

@@ -41,7 +41,7 @@ from .memory_budget import check_fits
 from .tuning import DEFAULT_TUNING, Tuning
 
 __all__ = ["Ragged", "Sparse", "FeatureBatch", "TableBatch", "InputError", "InputTypeError", "to_feature_batch",
-           "build_table_batch", "flatten", "flatten_like", "unflatten", "restrict"]
+           "build_table_batch", "select_occurrences", "flatten", "flatten_like", "unflatten", "restrict"]
 
 
 class InputError(ValueError):
@@ -618,6 +618,19 @@ def build_table_batch(parts, workspace=None, tuning: Tuning = DEFAULT_TUNING) ->
     increasing = all(lo + size <= next_lo for (lo, size), (next_lo, _) in zip(ranges, ranges[1:]))
     blocks = np.array(starts + [at], np.int64) if increasing and ranges else None
     return TableBatch(rows[:at], None if unit else packed[:at], out_ptr, n_out, blocks)
+
+
+def select_occurrences(table_batch: TableBatch, keep: np.ndarray, rows: np.ndarray | None = None) -> TableBatch:
+    """The occurrences of ``table_batch`` where ``keep`` (bool ``[N]``) is True, in order, each with its gain
+    and activation row; ``rows`` replaces their rows (default: their own). Activation rows keep their place
+    (``n_out`` is unchanged); those that lose every occurrence feed none. A new batch; the original is
+    unchanged."""
+    tb = table_batch
+    kept_before = np.zeros(keep.shape[0] + 1, np.int64)
+    np.cumsum(keep, out=kept_before[1:])
+    blocks = None if tb.blocks is None else kept_before[tb.blocks]
+    return TableBatch(tb.rows[keep] if rows is None else rows, None if tb.packed is None else tb.packed[keep],
+                      kept_before[tb.out_ptr], tb.n_out, blocks)
 
 
 def unit_gains(parts) -> bool:

@@ -123,9 +123,12 @@ class TableLookup:
         self._generation = next(_GENERATIONS)
         self._spaces = tuple(spaces)
         self._space_of = {}
+        engine = weakref.ref(self)
         for k, space in enumerate(self._spaces):
             for table, offset in zip(space.tables, space.offsets):
                 self._space_of[id(table)] = (k, offset)
+            if getattr(space, "dynamic", False):  # its views hide rows expired at the engine's current step
+                space.clock = lambda: getattr(engine(), "step", 0)
 
     def _tables_replaced(self) -> None:
         """Record that the tables' contents were replaced as a whole (``load``): contexts looked up before
@@ -183,7 +186,8 @@ class TableLookup:
     @property
     def embedding_tables(self) -> dict:
         """Table name -> its ``[vocabulary_size, dim]`` array in the table's ``weights_dtype`` (float32,
-        ``np.float16`` or ``ml_dtypes.bfloat16``; a view of the engine's storage)."""
+        ``np.float16`` or ``ml_dtypes.bfloat16``; a view of the engine's storage); for a dynamic table, a
+        :class:`~embedcore.tables.dynamic.DynamicTableView` (its rows by key)."""
         return {name: table.table_rows(name) for table in self._physical for name in table.table_names}
 
     @property
@@ -240,21 +244,43 @@ class TableLookup:
         token, generation = self._token, self._generation  # before the tables are read: a load meanwhile
         structure = self._structure_of(features)          # makes this context stale, never current
         slots, parts = self._prepare(features, weights, structure)
-        table_batches, acts, leases = [], [], []
-        for table, table_parts in zip(self._spaces, parts):
-            tb = None
-            if table_parts:
-                try:
-                    tb, lease = table.lay_out(table_parts)
-                except BaseException:  # an id out of range, say: no gather has run, the workspaces go back
-                    _return_leases(leases)
-                    raise
-                leases.append(lease)
-            acts.append(table.lookup(tb))
-            table_batches.append(tb)
+        dynamic = [k for k, (table, table_parts) in enumerate(zip(self._spaces, parts))
+                   if table_parts and getattr(table, "dynamic", False)]
+        exclusive = getattr(self, "_exclusive", None)
+        # A lookup of a dynamic table changes it (admission, eviction): one at a time, as apply_gradients.
+        with exclusive("look up dynamic tables") if dynamic and exclusive is not None else contextlib.nullcontext():
+            table_batches, leases = self._lay_out(parts, dynamic)
+            acts = [table.lookup(tb) for table, tb in zip(self._spaces, table_batches)]
         activations = [acts[s.group][s.out_offset:s.out_offset + s.n_rows].reshape(s.shape) for s in slots]
         ctx = LookupContext(token, generation, table_batches, slots, leases=leases)
         return inputs.unflatten(structure, activations), ctx
+
+    def _lay_out(self, parts, dynamic):
+        """Each physical table's batch of ``parts`` (None where it has none) and the workspaces leased. The
+        dynamic tables (indices ``dynamic``) are planned first and changed last, once every table's batch was
+        accepted: a batch refused anywhere changes no table (nothing was gathered, the workspaces go back)."""
+        batches, leases, plans = [None] * len(parts), [], {}
+        step = getattr(self, "step", 0)
+        try:
+            for k in dynamic:
+                plans[k] = self._spaces[k].plan(parts[k], step)
+            for k, (table, table_parts) in enumerate(zip(self._spaces, parts)):
+                if table_parts and k not in plans:
+                    batches[k], lease = table.lay_out(table_parts)
+                    leases.append(lease)
+        except BaseException:  # an id out of range, a full dynamic table, say
+            for k, plan in plans.items():
+                self._spaces[k].cancel(plan)
+            _return_leases(leases)
+            raise
+        try:
+            for k, plan in plans.items():
+                batches[k], lease = self._spaces[k].lay_out_planned(plan)
+                leases.append(lease)
+        except BaseException:
+            _return_leases(leases)
+            raise
+        return batches, leases
 
 
 def activation_layout(feature: FeatureConfig, batch, name: str, serving: bool = False):
@@ -323,7 +349,8 @@ class TrainingEngine(TableLookup):
     @property
     def slot_variables(self) -> dict:
         """Table name -> {slot name: the slot's rows this engine holds, ``[rows, dim]`` or ``[rows]``, in the
-        table's ``slot_dtype``}."""
+        table's ``slot_dtype``}; for a dynamic table, :class:`~embedcore.tables.dynamic.DynamicTableView` s (the
+        slots' values by key)."""
         return {name: table.slot_rows(name) for table in self._physical for name in table.table_names}
 
     @property

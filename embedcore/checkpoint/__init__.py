@@ -36,6 +36,11 @@ _EXTRA = "extra.safetensors"
 
 
 def engine_config(emb) -> dict:
+    from ..config import DynamicTableConfig
+    dynamic = sorted(t.name for t in emb.tables.values() if isinstance(t, DynamicTableConfig))
+    if dynamic:
+        raise CheckpointError(f"tables {dynamic} are dynamic: checkpoints of dynamic tables (keys, rows, slots and "
+                              f"the policies' state) are not supported yet")
     config = encode_engine_config(emb.feature_config, list(emb.tables.values()), emb.optimizer, emb.seed)
     config["non_finite"] = emb.non_finite
     return config

@@ -55,8 +55,8 @@ anything changes (its distinct new keys are counted, by a sort, only when its ab
 free rows). :meth:`~KeyRowMap.find` runs in parallel (it only reads); insertions, removals
 and migration run serially in batch order, since linear probing's layout depends on insertion order.
 
-How a dynamic table uses it (the engine integration, not wired yet)
--------------------------------------------------------------------
+How a dynamic table uses it (:mod:`embedcore.tables.dynamic` does this)
+------------------------------------------------------------------------
 A ``DynamicStorage`` (a :class:`~embedcore.tables.storage.Storage` of ``capacity`` rows plus a
 :class:`KeyRowMap`) plugs into :class:`~embedcore.tables.physical.PhysicalTable`. Lookup maps the batch's keys
 to rows *before* ``inputs.build_table_batch`` groups occurrences, so grouping, gathering and the update kernel
@@ -77,7 +77,8 @@ see ordinary row ids:
    batch (:class:`TableFullError`, to be raised as ``InputError`` naming the table) before anything changed;
 3. ``rows, inserted = map.find_or_insert(admitted keys, step)``; the storage fills ``rows[inserted]`` with each
    new key's initial value and fresh slots;
-4. after the batch's update, ``map.touch(unique rows, step, counts)`` with the grouping's unique rows.
+4. ``map.touch(unique rows, step, counts)`` with the rows the batch uses (the integration touches them at the
+   lookup, not after the update: a lookup is a sighting, and touched rows are protected from later lookups).
 
 Checkpoints save ``map.items()`` (keys and rows, in row order) and the metadata of those rows.
 """

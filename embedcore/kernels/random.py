@@ -42,6 +42,20 @@ def fill_uniform(out, first_row, key, low, high, stride=1):
             out[i, c] = low + (high - low) * u
 
 
+@njit(cache=True, inline="always")
+def _truncated_z(k, counter):
+    """A standard normal value within two standard deviations, from the element's ``counter`` under ``k``."""
+    attempt = np.uint64(0)
+    while True:
+        u1 = _uniform(k, counter + attempt)
+        u2 = _uniform(k, counter + attempt + np.uint64(1))
+        z = np.sqrt(-2.0 * np.log(1.0 - u1)) * np.cos(_TWO_PI * u2)
+        if abs(z) <= 2.0 or attempt >= np.uint64(254):
+            break
+        attempt += np.uint64(2)
+    return z
+
+
 @njit(cache=True, parallel=True)
 def fill_truncated_normal(out, first_row, key, mean, stddev, stride=1):
     """Normal(mean, stddev) values, redrawn while more than two standard deviations from the mean.
@@ -54,16 +68,7 @@ def fill_truncated_normal(out, first_row, key, mean, stddev, stride=1):
     for i in prange(rows):
         base = np.uint64(first_row + i * stride) * np.uint64(dim)
         for c in range(dim):
-            counter = (base + np.uint64(c)) << _S8
-            attempt = np.uint64(0)
-            while True:
-                u1 = _uniform(k, counter + attempt)
-                u2 = _uniform(k, counter + attempt + np.uint64(1))
-                z = np.sqrt(-2.0 * np.log(1.0 - u1)) * np.cos(_TWO_PI * u2)
-                if abs(z) <= 2.0 or attempt >= np.uint64(254):
-                    break
-                attempt += np.uint64(2)
-            out[i, c] = mean + stddev * z
+            out[i, c] = mean + stddev * _truncated_z(k, (base + np.uint64(c)) << _S8)
 
 
 @njit(cache=True, parallel=True)
@@ -87,3 +92,54 @@ def first_non_finite_row(out):
         if not ok:
             return i
     return -1
+
+
+# -- rows of 64-bit keys (dynamic tables) -------------------------------------------------------------------
+# Key k's row holds what row 0 of a table keyed by key_stream(stream, k) holds: the kernels below are the
+# row-0 case of the ones above, one stream per key.
+
+@njit(cache=True, inline="always")
+def _key_stream(key, stream):
+    return mix64(mix64(key) ^ stream)
+
+
+@njit(cache=True, parallel=True)
+def key_streams(keys, stream, out):
+    """``out[i] = mix64(mix64(keys[i]) ^ stream)`` (uint64): key ``keys[i]``'s own random-stream key, a
+    bijection of the key for a given ``stream``."""
+    s = np.uint64(stream)
+    for i in prange(keys.shape[0]):
+        out[i] = _key_stream(np.uint64(keys[i]), s)
+
+
+@njit(cache=True, parallel=True)
+def fill_uniform_keys(out, keys, stream, low, high):
+    """``out[i, c] = low + (high - low) * U(key_stream(stream, keys[i]), c)``: row 0 of :func:`fill_uniform`
+    under each key's stream."""
+    rows, dim = out.shape
+    s = np.uint64(stream)
+    for i in prange(rows):
+        k = _key_stream(np.uint64(keys[i]), s)
+        for c in range(dim):
+            out[i, c] = low + (high - low) * _uniform(k, np.uint64(c) << _S8)
+
+
+@njit(cache=True, parallel=True)
+def fill_truncated_normal_keys(out, keys, stream, mean, stddev):
+    """Row 0 of :func:`fill_truncated_normal` under each key's stream ``key_stream(stream, keys[i])``."""
+    rows, dim = out.shape
+    s = np.uint64(stream)
+    for i in prange(rows):
+        k = _key_stream(np.uint64(keys[i]), s)
+        for c in range(dim):
+            out[i, c] = mean + stddev * _truncated_z(k, np.uint64(c) << _S8)
+
+
+@njit(cache=True, parallel=True)
+def fill_key_values(out, keys, offset):
+    """``out[i, c] = keys[i] + offset`` (each key as its int64 value)."""
+    rows, dim = out.shape
+    for i in prange(rows):
+        value = np.float64(keys[i]) + offset
+        for c in range(dim):
+            out[i, c] = value

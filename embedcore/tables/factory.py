@@ -6,18 +6,23 @@ engine passes none, every physical table has no optimizer: no slots, no update k
 tables with an optimizer and some without is refused: a table either trains or it does not, engine-wide.
 
 Stacking rule: with ``stack_tables``, tables of equal optimizers (``__eq__``: by value), equal ``dim`` and
-equal storage (``weights_dtype``, ``slot_dtype``, ``stochastic_rounding``) share one physical table, in the order the features first name them, each at the row offset after the
-previous one; without it every table has its own. ``Embedding``, each rank of ``ShardedEmbedding`` (over
-its shards), ``restore`` and ``ServingEmbedding`` (read-only, over a checkpoint's arrays) all build their
-tables here.
+equal storage (``weights_dtype``, ``slot_dtype``, ``stochastic_rounding``) share one physical table, in the
+order the features first name them, each at the row offset after the previous one; without it every table has
+its own. A dynamic table (:class:`~embedcore.config.DynamicTableConfig`) always has its own
+:class:`~embedcore.tables.dynamic.DynamicPhysicalTable`. ``Embedding``, each rank of ``ShardedEmbedding``
+(over its shards), ``restore`` and ``ServingEmbedding`` (read-only, over a checkpoint's arrays) all build
+their tables here.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from ..config import DynamicTableConfig
+from ..initializers import Initializer
 from ..memory_budget import check_fits
 from ..tuning import Tuning
+from .dynamic import DynamicPhysicalTable, map_bytes
 from .physical import PhysicalTable, TablePlace
 from .storage import DenseStorage, FusedInt8Storage
 
@@ -59,7 +64,8 @@ def stack(tables, default_optimizer, stack_tables: bool = True) -> list:
     frozen = lookup_only(tables, default_optimizer)
     for table in tables:
         opt = None if frozen else optimizer_of(table, default_optimizer)
-        key = (opt, table.dim, table.stored_formats) if stack_tables else id(table)
+        dynamic = isinstance(table, DynamicTableConfig)
+        key = (opt, table.dim, table.stored_formats) if stack_tables and not dynamic else id(table)
         group = by_key.get(key)
         if group is None:
             group = by_key[key] = (opt, table.dim, [])
@@ -88,6 +94,8 @@ def _check_fits(plans) -> None:
         formats = places[0].config.stored_formats
         slot_dims = () if opt is None else opt.slot_dims
         nbytes = DenseStorage.bytes_needed(n_rows, dim, slot_dims, formats) + (0 if opt is None or opt.lazy else n_rows)
+        if isinstance(places[0].config, DynamicTableConfig):
+            nbytes += map_bytes(places[0].config)
         n_slots = len(slot_dims)
         slot_kind = "" if formats.slots == "float32" else f"{formats.slots} "
         tables = [p.config.name for p in places]
@@ -120,17 +128,19 @@ def physical_tables(tables, default_optimizer, *, stack_tables: bool = True, see
     """
     plans = []
     for opt, dim, members in stack(tables, default_optimizer, stack_tables):
+        if isinstance(members[0], DynamicTableConfig):
+            _check_dynamic(members[0], opt, shards)
         places, n_rows = _places(members, shards)
         plans.append((opt, dim, places, n_rows))
     _check_fits(plans)
     out = []
     for opt, dim, places, n_rows in plans:
-        if opt is None:
-            storage = DenseStorage(n_rows, dim, (), places[0].config.stored_formats)
-            table = PhysicalTable(places, storage, None, tuning, seed)
+        storage = DenseStorage(n_rows, dim, () if opt is None else opt.slot_dims, places[0].config.stored_formats)
+        if isinstance(places[0].config, DynamicTableConfig):
+            table = DynamicPhysicalTable(places[0].config, storage, opt, tuning, seed)
         else:
-            storage = DenseStorage(n_rows, dim, opt.slot_dims, places[0].config.stored_formats)
             table = PhysicalTable(places, storage, opt, tuning, seed)
+        if opt is not None:
             table.compile(table.payload_is_activation_rows(bool(unit_gains(table)) if unit_gains is not None
                                                            else False))
         if fill:
@@ -140,6 +150,23 @@ def physical_tables(tables, default_optimizer, *, stack_tables: bool = True, see
     return tuple(out)
 
 
+def _check_dynamic(table, opt, shards) -> None:
+    """Refuse (``ValueError`` naming the table) what a dynamic table cannot do yet or at all: shards, a
+    non-lazy optimizer (it would update free row slots), slot initializers that are plain callables (they
+    make tables of row ids; a key has none)."""
+    if shards is not None:
+        raise ValueError(f"table '{table.name}' is dynamic: sharded engines do not take dynamic tables yet")
+    if opt is None:
+        return
+    if not opt.lazy:
+        raise ValueError(f"table '{table.name}' is dynamic: its optimizer {type(opt).__name__} is not lazy (it "
+                         f"would update every row slot each step, free ones included); use a lazy one")
+    for slot, init in zip(opt.slot_names, opt.slot_initializers):
+        if not isinstance(init, (int, float, Initializer)):
+            raise ValueError(f"table '{table.name}' is dynamic: the initializer of slot '{slot}' must be a float or "
+                             f"an embedcore initializer (its values are functions of the key), got {init!r:.80}")
+
+
 def read_only_tables(tables, weights: dict, tuning: Tuning | None = None) -> tuple:
     """One read-only physical table per table, over ``weights[name]`` (not copied; e.g. a checkpoint's
     memory-mapped arrays): ``[vocabulary_size, dim]`` of float32, float16 or bfloat16, or a serving export's
@@ -147,6 +174,9 @@ def read_only_tables(tables, weights: dict, tuning: Tuning | None = None) -> tup
     dequantized as lookups gather them): lookups only."""
     out = []
     for t in tables:
+        if isinstance(t, DynamicTableConfig):
+            raise ValueError(f"table '{t.name}' is dynamic: read-only (serving) tables of dynamic tables are not "
+                             f"supported yet")
         array = weights[t.name]
         if array.dtype == np.uint8:
             storage = FusedInt8Storage(array)

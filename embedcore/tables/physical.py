@@ -86,6 +86,8 @@ class PhysicalTable:
         seed: the engine's seed, which keys the stochastic rounding of 16-bit values.
     """
 
+    dynamic = False  # a dynamic (hash-keyed) table maps keys to rows first (embedcore.tables.dynamic)
+
     def __init__(self, places, storage: Storage, optimizer=None, tuning: Tuning | None = None, seed: int = 0):
         self.places = tuple(places)
         self.tables = [p.config for p in self.places]
@@ -231,6 +233,11 @@ class PhysicalTable:
         return out
 
     # -- update ------------------------------------------------------------------------------------------
+    def stale(self, table_batch) -> str | None:
+        """Why ``table_batch`` (of an earlier lookup) can no longer be applied, or None (a static table's can
+        always be; a dynamic table's not once a later lookup evicted rows)."""
+        return None
+
     def update(self, table_batch, d_act: np.ndarray, learning_rate, hyperparameters, step: int = 0) -> TableUpdate:
         """Apply one step of the optimizer to the rows ``table_batch`` touched (every row when the optimizer
         is not lazy), in place: each row's gradient is the sum of its occurrences' ``gain * d_act[activation

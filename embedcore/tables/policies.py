@@ -118,6 +118,14 @@ def _estimates(keys, salts, counters, out):
         out[i] = _smallest_counter(keys[i], salts, counters, w)
 
 
+@njit(cache=True)
+def _columns_of(keys, salts, width, out):
+    w = _U(width)
+    for d in range(salts.shape[0]):
+        for i in range(keys.shape[0]):
+            out[d, i] = np.int64(_column(keys[i], salts[d], w))
+
+
 class AdmissionSketch:
     """The counts of keys that have no row yet, in bounded memory (see the module docstring).
 
@@ -144,6 +152,18 @@ class AdmissionSketch:
             return np.ones(shape, np.bool_)
         _count_occurrences(k, self.salts, self.counters)
         return (self._estimate(k) >= self.min_count).reshape(shape)
+
+    def snapshot(self, keys) -> tuple:
+        """What :meth:`restore` needs to undo an :meth:`observe` of ``keys``: their counters' columns and values."""
+        k = as_keys(keys, f"table '{self.table}': keys")
+        columns = np.empty((self.counters.shape[0], k.shape[0]), np.int64)
+        _columns_of(k, self.salts, self.counters.shape[1], columns)
+        return columns, np.take_along_axis(self.counters, columns, axis=1)
+
+    def restore(self, snapshot: tuple) -> None:
+        """Put back the counters a :meth:`snapshot` saved (undoing the observations made since)."""
+        columns, values = snapshot
+        np.put_along_axis(self.counters, columns, values, axis=1)
 
     def estimate(self, keys) -> np.ndarray:
         """Each key's count estimate (int64, shaped like ``keys``; never below its true count)."""

@@ -1,0 +1,447 @@
+"""Dynamic (hash-keyed) physical tables: rows that appear as 64-bit keys arrive, under admission and eviction.
+
+A :class:`DynamicPhysicalTable` is a :class:`~embedcore.tables.physical.PhysicalTable` over a dense storage of
+``capacity`` row slots (plus slots) and a :class:`~embedcore.kernels.hash_map.KeyRowMap` from keys to those
+row slots. Each dynamic table has its own (never stacked, with static tables or other dynamic ones): its
+keys, admission and eviction are its own, and stacking would only save kernel launches.
+
+A lookup of step ``t`` (the engine's ``step``: how many ``apply_gradients`` ran before it) maps the batch's
+keys to rows *before* its occurrences are laid out, so grouping, gathering and the update kernel are the
+static ones:
+
+1. TTL: the rows unseen for more than ``steps`` steps (``t - last_seen > steps``) are removed (they were gone
+   already: views hide them as soon as they expire);
+2. the keys without a row go through admission (:class:`~embedcore.tables.policies.CountAdmission`: counted,
+   admitted once seen ``min_count`` times; without admission every key is admitted at once);
+3. when the distinct admitted new keys outnumber the free rows, the eviction policy picks victims among the
+   rows the batch does not use (:func:`~embedcore.tables.policies.pick_victims`); without eviction, or with
+   too few rows the batch does not use, the batch is refused with :class:`~embedcore.inputs.InputError`
+   naming the table, and nothing changed (admission counts included);
+4. every admitted new key gets a row (the most recently freed first, then never used ones), filled with its
+   initial value and fresh slots: functions of the seed, the table and the key only
+   (:func:`~embedcore.initializers.fill_key_rows`), so a key starts the same whatever its row slot, its
+   arrival order, or whether it was evicted before;
+5. the rows used are touched (``last_seen = t``, ``count +=`` their occurrences): what LRU, LFU and TTL read.
+   Lookups count, not only updates: a lookup of a key is a sighting of it, and touching the rows at once
+   protects them from eviction by later lookups before the update;
+6. an unadmitted key's occurrences read its initial value (in the table's stored dtype) from a scratch array
+   of the batch, not from a row; its update is dropped.
+
+``apply_gradients`` then updates the admitted keys' rows as a static table's rows. A context is refused
+(:class:`~embedcore.inputs.InputError`) once a later lookup evicted or expired rows of its table: its rows may
+hold other keys by then. The rows an :class:`~embedcore.tables.physical.TableUpdate` names are keys
+(int64 bit patterns) for a dynamic table.
+
+Stochastic rounding of 16-bit rows keys its bits by the row slot (deterministic: slots are assigned in batch
+order), not by the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import inputs
+from ..initializers import TruncatedNormal, fill_key_rows
+from ..inputs import InputError, TableBatch
+from ..kernels.hash_map import MAX_STEP, KeyRowMap, TableFullError, as_keys
+from .physical import NOTHING_FLAGGED, PhysicalTable, TablePlace, TableUpdate
+from .policies import TTL, EvictByScore, expired_rows, pick_victims
+from .storage import DenseStorage
+
+__all__ = ["DynamicPhysicalTable", "DynamicTableBatch", "DynamicTableView", "map_bytes"]
+
+
+def map_bytes(config) -> int:
+    """Bytes a dynamic table needs beyond its rows and slots: the key map at its final size and the admission
+    sketch (for the engine's memory check)."""
+    capacity = config.capacity
+    sketch = 0
+    if config.admission is not None and config.admission.min_count > 1:
+        sketch = 4 * config.admission.sketch_width * config.admission.sketch_depth
+    return 16 * capacity + 4 * (int(capacity / 0.75) + 1) + sketch
+
+
+@dataclass
+class DynamicTableBatch(TableBatch):
+    """A dynamic table's :class:`~embedcore.inputs.TableBatch`: its own fields are the admitted keys'
+    occurrences (rows of the storage, what the update reads); ``pending`` the unadmitted keys' occurrences
+    (rows of ``pending_values``, their initial values; looked up, never updated); ``removals`` the table's
+    removal count when it was laid out (a later eviction makes it stale)."""
+
+    pending: TableBatch | None = None
+    pending_values: np.ndarray | None = None
+    removals: int = 0
+
+
+@dataclass
+class _Plan:
+    """What a lookup will change in a dynamic table, decided (and checked) before anything changes but the
+    admission counts, which :meth:`DynamicPhysicalTable.cancel` restores."""
+
+    parts: list
+    step: int
+    keys: np.ndarray          # uint64, every occurrence looked up (positions a sequence drops excluded)
+    used: list                # per part: bool mask of its occurrences looked up, or None (all)
+    found: np.ndarray         # int64 row of each key, -1 where absent
+    absent_at: np.ndarray     # positions in ``keys`` of the absent keys
+    admitted: np.ndarray      # bool, per absent key: admitted now
+    victims: np.ndarray       # rows to evict
+    new_keys: np.ndarray      # uint64 distinct admitted new keys, in order of first occurrence
+    new_values: tuple         # (weights, *slots) of the new keys, stored dtypes
+    pending_inverse: np.ndarray  # per unadmitted occurrence: its distinct key's index in pending_values
+    pending_values: np.ndarray   # initial rows of the distinct unadmitted keys, stored dtype
+    undo: tuple | None        # admission counters to restore on cancel
+
+
+class DynamicPhysicalTable(PhysicalTable):
+    """One dynamic table (a :class:`~embedcore.config.DynamicTableConfig`) over ``capacity`` row slots and a
+    key map; see the module docstring.
+
+    Args:
+        config: the table.
+        storage: its :class:`~embedcore.tables.storage.DenseStorage` of ``capacity`` rows (uninitialised).
+        optimizer, tuning, seed: as for :class:`~embedcore.tables.physical.PhysicalTable`.
+    """
+
+    dynamic = True
+
+    def __init__(self, config, storage, optimizer=None, tuning=None, seed: int = 0):
+        super().__init__([TablePlace(config, 0, config.capacity)], storage, optimizer, tuning, seed)
+        self.config = config
+        self.name = config.name
+        self.seed = int(seed)
+        self.key_map = KeyRowMap(config.capacity, config.name)
+        admission = config.admission
+        self.sketch = admission.sketch(seed, config.name) if admission is not None and admission.min_count > 1 \
+            else None
+        self.eviction = config.eviction
+        self.initializer = config.initializer or TruncatedNormal(0.0, 1.0 / np.sqrt(config.dim))
+        self.removals = 0
+        self.clock = lambda: 0  # the engine's current step, for views of TTL tables (set by the engine)
+        self._lock = threading.Lock()
+
+    # -- initial values -----------------------------------------------------------------------------------
+    def initial_rows(self, keys, slot: int | None = None) -> np.ndarray:
+        """The initial values of ``keys`` (uint64 ``[n]``): rows (``slot`` None) or slot ``slot``'s values, in
+        the stored dtype, ``[n, dim]`` (``[n]`` for a slot of one value a row)."""
+        keys = np.ascontiguousarray(keys, np.uint64)
+        if slot is None:
+            target, init, names = self.storage.weights, self.initializer, (self.name,)
+        else:
+            target = self.storage.slots[slot]
+            init = self.optimizer.slot_initializers[slot]
+            names = (self.name, self.optimizer.slot_names[slot])
+        values = np.empty((keys.shape[0], self.dim), np.float32)
+        fill_key_rows(init, values, keys, self.seed, *names)
+        if target.ndim == 1:
+            values = values[:, 0]
+        if target.dtype == np.float32:
+            return values
+        with np.errstate(over="ignore"):
+            stored = values.astype(target.dtype)
+        finite = np.isfinite(stored.astype(np.float32))
+        bad = np.flatnonzero(~(finite.all(axis=1) if finite.ndim == 2 else finite))
+        if bad.size:
+            where = f"slot '{names[1]}' of table '{self.name}'" if slot is not None else f"table '{self.name}'"
+            raise ValueError(f"initializer {init!r} for {where} gives key {int(keys[bad[:1]].view(np.int64)[0])} "
+                             f"values beyond the range of {target.dtype}")
+        return stored
+
+    # -- lookup: plan, then commit ------------------------------------------------------------------------
+    def plan(self, parts, step: int) -> _Plan:
+        """Decide what the lookup of ``parts`` (as for :meth:`lay_out`) at ``step`` changes; refuse it
+        (:class:`InputError` naming the table) before anything changed, expired rows and (until
+        :meth:`cancel`) admission counts aside. Hold the result for :meth:`lay_out_planned` or :meth:`cancel`."""
+        for batch, combiner, seq_len, *_ in parts:
+            if seq_len and batch.repeated is not None:
+                sample, position, first, second = batch.repeated
+                raise InputError(f"feature '{batch.name}': sparse index ({sample}, {position}) is given twice (ids "
+                                 f"{first} and {second}); a position of a sequence feature holds one id")
+        if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or not 0 <= step <= MAX_STEP:
+            raise InputError(f"table '{self.name}': a dynamic table counts steps up to {MAX_STEP}; the engine is at "
+                             f"step {step!r}")
+        step = int(step)
+        if isinstance(self.eviction, TTL):
+            expired = expired_rows(self.key_map, step, self.eviction.steps)
+            if expired.size:
+                self.key_map.remove_rows(expired)
+                self.removals += 1
+        used = [_looked_up(batch, seq_len) for batch, _, seq_len, *_ in parts]
+        keys = [batch.ids if mask is None else batch.ids[mask] for (batch, *_), mask in zip(parts, used)]
+        keys = np.ascontiguousarray(np.concatenate(keys) if keys else np.zeros(0, np.int64)).view(np.uint64)
+        found = self.key_map.find(keys)
+        absent_at = np.flatnonzero(found < 0)
+        absent_keys = keys[absent_at]
+        undo = None
+        if self.sketch is not None and absent_keys.size:
+            undo = self.sketch.snapshot(absent_keys)
+            admitted = self.sketch.observe(absent_keys)
+        else:
+            admitted = np.ones(absent_keys.shape[0], np.bool_)
+        try:
+            new_keys = _first_occurrences(absent_keys[admitted])
+            victims = self._victims(new_keys.shape[0], found, step)
+            pending_keys, pending_inverse = np.unique(absent_keys[~admitted], return_inverse=True)
+            new_values = (self.initial_rows(new_keys),) + tuple(
+                self.initial_rows(new_keys, s) for s in range(len(self.storage.slots)))
+            pending_values = self.initial_rows(pending_keys)
+        except BaseException as exc:
+            if undo is not None:
+                self.sketch.restore(undo)
+            if isinstance(exc, TableFullError):
+                raise InputError(str(exc)) from None
+            raise
+        return _Plan(parts, step, keys, used, found, absent_at, admitted, victims, new_keys, new_values,
+                     pending_inverse.astype(np.int64).ravel(), pending_values, undo)
+
+    def _victims(self, n_new: int, found, step: int) -> np.ndarray:
+        need = n_new - self.key_map.free_rows
+        if need <= 0:
+            return np.zeros(0, np.int64)
+        if self.eviction is None:
+            raise TableFullError(
+                f"table '{self.name}': the batch brings {n_new} new keys but only {self.key_map.free_rows} rows are "
+                f"free (capacity {self.key_map.capacity}, {len(self.key_map)} keys held) and the table evicts "
+                f"nothing (eviction=None); nothing was changed")
+        weights = self.storage.weights if isinstance(self.eviction, EvictByScore) else None
+        return pick_victims(self.eviction, self.key_map, need, protected_rows=found, step=step, weights=weights)
+
+    def cancel(self, plan: _Plan) -> None:
+        """Undo a :meth:`plan` that will not be committed (its admission counts)."""
+        if plan.undo is not None:
+            self.sketch.restore(plan.undo)
+            plan.undo = None
+
+    def commit(self, plan: _Plan) -> np.ndarray:
+        """Make ``plan``'s changes; returns the row of each key of ``plan.keys`` (``capacity + j`` for an
+        unadmitted key, ``j`` its row in ``plan.pending_values``)."""
+        key_map = self.key_map
+        if plan.victims.size:
+            key_map.remove_rows(plan.victims)
+            self.removals += 1
+        rows = plan.found.copy()
+        at = plan.absent_at[plan.admitted]
+        if at.size:
+            given, inserted = key_map.find_or_insert(plan.keys[at], plan.step)
+            rows[at] = given
+            new_rows = given[inserted]
+            assert np.array_equal(key_map.row_keys[new_rows], plan.new_keys), "rows assigned out of key order"
+            for array, values in zip((self.storage.weights,) + self.storage.slots, plan.new_values):
+                array[new_rows] = values
+        held = rows >= 0
+        if held.any():
+            unique, counts = np.unique(rows[held], return_counts=True)
+            key_map.touch(unique, plan.step, counts)
+        rows[plan.absent_at[~plan.admitted]] = key_map.capacity + plan.pending_inverse
+        plan.undo = None
+        return rows
+
+    def lay_out(self, parts, step: int = 0):
+        """Plan, commit and lay out a lookup of ``parts`` at ``step`` (see the module docstring)."""
+        return self.lay_out_planned(self.plan(parts, step))
+
+    def lay_out_planned(self, plan: _Plan):
+        """Commit ``plan`` and lay out its occurrences: ``(DynamicTableBatch, lease)`` as :meth:`lay_out`."""
+        with self._held("look up"):
+            rows = self.commit(plan)
+        capacity = self.key_map.capacity
+        n_pending = plan.pending_values.shape[0]
+        mapped, at = [], 0
+        for (batch, combiner, seq_len, _, out_offset, _), mask in zip(plan.parts, plan.used):
+            n = batch.ids.shape[0] if mask is None else int(np.count_nonzero(mask))
+            part_rows = rows[at:at + n]
+            at += n
+            if mask is not None:  # positions a sequence drops: any row in range (never read)
+                full = np.zeros(batch.ids.shape[0], np.int64)
+                full[mask] = part_rows
+                part_rows = full
+            mapped.append((dataclasses.replace(batch, ids=part_rows, given_ids=None), combiner, seq_len, 0,
+                           out_offset, capacity + n_pending))
+        tb, lease = super().lay_out(mapped)
+        pending = None
+        if n_pending:
+            is_pending = tb.rows >= capacity
+            pending = inputs.select_occurrences(tb, is_pending, tb.rows[is_pending] - capacity)
+            tb = inputs.select_occurrences(tb, ~is_pending)
+        fields = {f.name: getattr(tb, f.name) for f in dataclasses.fields(TableBatch)}
+        return DynamicTableBatch(**fields, pending=pending, pending_values=plan.pending_values,
+                                 removals=self.removals), lease
+
+    def lookup(self, table_batch, out: np.ndarray | None = None) -> np.ndarray:
+        """As :meth:`PhysicalTable.lookup`, the unadmitted keys' initial values added to their activations."""
+        out = super().lookup(table_batch, out)
+        tb = table_batch
+        if tb is not None and tb.pending is not None:
+            extra = np.empty_like(out)
+            DenseStorage.over(tb.pending_values).gather(tb.pending.rows, tb.pending.gains, tb.pending.out_ptr,
+                                                        extra, True)
+            out += extra
+        return out
+
+    # -- update ---------------------------------------------------------------------------------------
+    def stale(self, table_batch) -> str | None:
+        """Why ``table_batch`` (of an earlier lookup) can no longer be applied, or None."""
+        if isinstance(table_batch, DynamicTableBatch) and table_batch.removals != self.removals:
+            return (f"table '{self.name}': a later lookup evicted or expired rows of this dynamic table, so the rows "
+                    f"this context's lookup used may hold other keys now; look up again (nothing was updated)")
+        return None
+
+    def update(self, table_batch, d_act, learning_rate, hyperparameters, step: int = 0) -> TableUpdate:
+        """As :meth:`PhysicalTable.update`; the rows the result names are keys (int64 bit patterns)."""
+        with self._held("apply gradients to"):
+            result = super().update(table_batch, d_act, learning_rate, hyperparameters, step)
+        if result is NOTHING_FLAGGED:
+            return result
+        keys = self.key_map.row_keys.view(np.int64)
+
+        def by_key(named):
+            return {table: {why: keys[ids] for why, ids in by_why.items()} for table, by_why in named.items()}
+        return TableUpdate(by_key(result.skipped), by_key(result.failed), result.function)
+
+    def _held(self, what: str):
+        if not self._lock.acquire(blocking=False):
+            raise RuntimeError(f"cannot {what} dynamic table '{self.name}': another thread is changing it")
+        return _Release(self._lock)
+
+    # -- state ----------------------------------------------------------------------------------------
+    def fill(self, name: str, seed: int) -> None:
+        """Nothing: a dynamic table's rows are filled as their keys arrive."""
+
+    def table_rows(self, name: str) -> "DynamicTableView":
+        return DynamicTableView(self)
+
+    def slot_rows(self, name: str) -> dict:
+        if self.optimizer is None:
+            return {}
+        return {slot: DynamicTableView(self, k) for k, slot in enumerate(self.optimizer.slot_names)}
+
+    def held_rows(self, rows) -> np.ndarray:
+        """Which of live ``rows`` still hold their key at the engine's current step (TTL: not expired)."""
+        rows = np.asarray(rows, np.int64)
+        if not isinstance(self.eviction, TTL):
+            return np.ones(rows.shape, np.bool_)
+        return np.int64(self.clock()) - self.key_map.last_seen[rows].astype(np.int64) <= self.eviction.steps
+
+    def __repr__(self):
+        kind = type(self.optimizer).__name__ if self.optimizer is not None else "read-only"
+        return (f"DynamicPhysicalTable({self.name} [{len(self.key_map)} of {self.key_map.capacity} keys x {self.dim}, "
+                f"{kind}])")
+
+
+class _Release:
+    def __init__(self, lock):
+        self._lock = lock
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._lock.release()
+
+
+def _looked_up(batch, seq_len):
+    """The occurrences of ``batch`` a lookup reads (bool mask), or None for all: a sequence feature drops
+    positions at or beyond its length."""
+    if not seq_len or batch.ids.shape[0] == 0:
+        return None
+    if batch.positions is not None:
+        positions = batch.positions
+    else:
+        splits = batch.row_splits
+        positions = np.arange(batch.ids.shape[0]) - np.repeat(splits[:-1], np.diff(splits))
+    mask = positions < seq_len
+    return None if mask.all() else mask
+
+
+def _first_occurrences(keys: np.ndarray) -> np.ndarray:
+    """The distinct values of ``keys`` in the order of their first occurrence."""
+    _, first = np.unique(keys, return_index=True)
+    return keys[np.sort(first)]
+
+
+class DynamicTableView:
+    """A dynamic table's rows (or one slot's values) by key: what ``emb.embedding_tables[name]`` (and
+    ``emb.slot_variables[name][slot]``) give for a dynamic table.
+
+    * ``len(view)``: the keys held (rows expired under TTL at the engine's current step are not);
+    * ``view.keys()``: those keys, int64 (their bit patterns: a uint64 key ``k >= 2**63`` reads
+      ``k - 2**64``), increasing;
+    * ``key in view``: whether a key (an int, signed or unsigned) is held;
+    * ``view[keys]``: the values of ``keys`` (an int or an integer array-like), shaped ``keys.shape + (dim,)``
+      (``keys.shape`` for a slot of one value a row), in the stored dtype, a copy. A key not held reads its
+      initial value: the value it would get if it were admitted now (for a key never seen, or evicted,
+      or expired, or not admitted yet).
+
+    The view reads the table as it is when used (it is not a snapshot).
+    """
+
+    def __init__(self, table: DynamicPhysicalTable, slot: int | None = None):
+        self._table, self._slot = table, slot
+
+    @property
+    def _array(self) -> np.ndarray:
+        t = self._table
+        return t.storage.weights if self._slot is None else t.storage.slots[self._slot]
+
+    @property
+    def dtype(self):
+        return self._array.dtype
+
+    @property
+    def dim(self) -> int:
+        return self._table.dim
+
+    @property
+    def capacity(self) -> int:
+        return self._table.key_map.capacity
+
+    def _held(self):
+        keys, rows = self._table.key_map.items()
+        keep = self._table.held_rows(rows)
+        return keys[keep], rows[keep]
+
+    def __len__(self) -> int:
+        if not isinstance(self._table.eviction, TTL):
+            return len(self._table.key_map)
+        return int(self._held()[0].shape[0])
+
+    def keys(self) -> np.ndarray:
+        return np.sort(self._held()[0])
+
+    def __iter__(self):
+        return iter(self.keys().tolist())
+
+    def __contains__(self, key) -> bool:
+        if np.ndim(key) != 0:
+            return False
+        try:
+            rows = self._table.key_map.find([key])
+        except ValueError:
+            return False
+        return bool(rows[0] >= 0 and self._table.held_rows(rows)[0])
+
+    def __getitem__(self, keys) -> np.ndarray:
+        shape = np.shape(keys)
+        k = as_keys(keys, f"table '{self._table.name}': keys")
+        rows = self._table.key_map.find(k)
+        held = rows >= 0
+        held[held] = self._table.held_rows(rows[held])
+        array = self._array
+        out = np.empty((k.shape[0],) + array.shape[1:], array.dtype)
+        out[held] = array[rows[held]]
+        if not held.all():
+            out[~held] = self._table.initial_rows(k[~held], self._slot)
+        return out.reshape(shape + array.shape[1:])
+
+    def __array__(self, *args, **kwargs):
+        raise TypeError(f"dynamic table '{self._table.name}' has no dense array: read rows by key, view[keys] "
+                        f"(view.keys() lists the keys held)")
+
+    def __repr__(self):
+        what = "" if self._slot is None else f" slot '{self._table.optimizer.slot_names[self._slot]}'"
+        return (f"DynamicTableView(table '{self._table.name}'{what}: {len(self)} keys of {self.capacity}, "
+                f"dim {self.dim}, {self.dtype})")
