@@ -43,8 +43,18 @@ def _snapshot_tag(snap) -> int:
     return zlib.crc32(json.dumps([snap.name, snap.manifest], sort_keys=True, default=str).encode("utf-8"))
 
 
+def _refuse_dynamic(emb, what: str) -> None:
+    """Sharded checkpoints of dynamic tables are not written or read yet: refused on every rank alike (the
+    ranks hold the same configuration), entering no collective."""
+    dynamic = sorted(n for n in emb.tables if n not in emb.shards)
+    if dynamic:
+        raise CheckpointError(f"cannot {what}: tables {dynamic} are dynamic, and sharded checkpoints of dynamic "
+                              f"tables are not supported yet (nothing was written or read)")
+
+
 def save(emb, path, extra, metadata) -> str:
     """See :meth:`ShardedEmbedding.save`."""
+    _refuse_dynamic(emb, "save")
     ex, rank, step = emb.exchange, emb.rank, emb.step
     writer, error, exc = None, None, None
     try:
@@ -92,6 +102,7 @@ def save(emb, path, extra, metadata) -> str:
 
 def load(emb, path, strict: bool, convert_dtypes: bool = False) -> None:
     """See :meth:`ShardedEmbedding.load`."""
+    _refuse_dynamic(emb, "load")
     staged, snap = [], None
 
     def read(current):
@@ -155,12 +166,35 @@ def _as_wire(array: np.ndarray) -> np.ndarray:
     return array.reshape(-1) if array.dtype == np.float32 else array.reshape(-1).view(np.uint8)
 
 
+def _gather_dynamic(emb, name: str, root: int):
+    """A dynamic table's keys held on every rank, merged, and their rows and slots' values, on ``root``:
+    ``(keys, weights, {slot: values})`` (keys increasing as int64; ``None`` elsewhere)."""
+    ex = emb.exchange
+    view, slot_views = emb.embedding_tables[name], emb.slot_variables[name]
+    keys = view.keys()
+    parts = {"keys": keys, "weights": view[keys]}
+    parts.update({slot: v[keys] for slot, v in slot_views.items()})
+    gathered = {key: ex.gather_bytes(np.ascontiguousarray(a).tobytes(), root, f"gather_tables ({name}, {key})")
+                for key, a in parts.items()}
+    if emb.rank != root:
+        return None
+    merged = {key: np.concatenate([np.frombuffer(b, parts[key].dtype).reshape((-1,) + parts[key].shape[1:])
+                                   for b in gathered[key]]) for key in parts}
+    order = np.argsort(merged["keys"], kind="stable")
+    whole = {key: a[order] for key, a in merged.items()}
+    return whole.pop("keys"), whole.pop("weights"), whole
+
+
 def gather_tables(emb, root: int):
-    """See :meth:`ShardedEmbedding.gather_tables`: one gather per tensor, sizes known from the sharding rule."""
+    """See :meth:`ShardedEmbedding.gather_tables`: one gather per tensor, sizes known from the sharding rule
+    (a dynamic table's: sizes first, :func:`_gather_dynamic`)."""
     ex, world = emb.exchange, emb.world_size
     out = {}
     tables, slots = emb.embedding_tables, emb.slot_variables
     for name, config in emb.tables.items():
+        if name not in emb.shards:
+            out[name] = _gather_dynamic(emb, name, root)
+            continue
         rot = emb.rotation(name)
         shards = [shard_of(config.vocabulary_size, world, k, rot) for k in range(world)]
         whole = {}

@@ -40,6 +40,7 @@ import numpy as np
 from .. import inputs
 from ..checkpoint.config_codec import encode_engine_config
 from ..compiler import RowFunctionError
+from ..config import DynamicTableConfig
 from ..engine import (NON_FINITE_POLICIES, NonFiniteError, UpdateReport, check_gradient, gradient_rows,
                       refuse_lookup_only)
 from ..kernels.aligned import aligned_zeros
@@ -51,6 +52,7 @@ from ..tables import physical_tables
 from ..tables.factory import lookup_only
 from ..tuning import DEFAULT_TUNING, Tuning
 from . import checkpoint as _checkpoint
+from .dynamic import DynamicShards, rank_config
 from .exchange import DistributedError, Exchanger, Refused, describe_error
 from .kernels import flat_to_rows, occurrence_unique, rows_to_flat
 from .routing import Layout, Route, resolve, route_requests
@@ -77,6 +79,7 @@ class ShardedLookupContext(LookupContext):
     """A :class:`~embedcore.LookupContext` that also holds the lookup's :class:`~.routing.Route`."""
 
     route: Route = None
+    dynamic_route: object = None  # the dynamic tables' :class:`~.dynamic.DynamicRoute`, if any
 
 
 @dataclass
@@ -152,7 +155,9 @@ class ShardedEmbedding(TrainingEngine):
             tables = self._init_features(feature_config)
             config = encode_engine_config(feature_config, tables, optimizer, seed)
             config["non_finite"] = non_finite
-            return tables, config, json.dumps(config, sort_keys=True)
+            dynamic = {t.name: [t.capacity, repr(t.admission), repr(t.eviction)] for t in tables
+                       if isinstance(t, DynamicTableConfig)}
+            return tables, config, json.dumps([config, dynamic], sort_keys=True)
         result, error, exc = _attempt(describe_config)
         self._agreed(error, exc, "building the embedding configuration")
         tables, self._config, text = result
@@ -172,26 +177,42 @@ class ShardedEmbedding(TrainingEngine):
         self.skipped_rows = {}
         self._lock = threading.Lock()
         self.lookup_only = lookup_only(tables, optimizer)
+        static = [t for t in tables if not isinstance(t, DynamicTableConfig)]
+        dynamic = [t for t in tables if isinstance(t, DynamicTableConfig)]
         by_dim = {}
-        for t in tables:
+        for t in static:
             by_dim.setdefault(t.dim, []).append(t)
         spaces = []
         for dim, members in by_dim.items():
             offsets = np.cumsum([0] + [t.vocabulary_size for t in members[:-1]]).tolist()
             spaces.append(IdSpace(members, offsets, dim, offsets[-1] + members[-1].vocabulary_size, Workspace()))
+        self._n_static = len(spaces)
+        # Each dynamic table is an id space of its own, after the static ones; its keys live by a hash.
+        spaces += [IdSpace([t], [0], t.dim, t.vocabulary_size, Workspace()) for t in dynamic]
         # Lookups stack the tables of equal dim into one id space each, their rows held by their owners.
         self._index_tables(spaces)
-        self._rotation = {t.name: rotation(t.name, self.world_size) for t in tables}
+        self._rotation = {t.name: rotation(t.name, self.world_size) for t in static}
         self.shards = {t.name: shard_of(t.vocabulary_size, self.world_size, self.rank, self._rotation[t.name])
-                       for t in tables}
+                       for t in static}
         # This rank's rows: physical tables over the shards (stacked as usual), filled with the values the
         # whole tables would hold. The owner's update sees each received sum as one occurrence of gain 1.
-        self._physical = physical_tables(
-            tables, optimizer, seed=self.seed, tuning=self.tuning, unit_gains=lambda table: True,
-            shards={name: (s.first, s.stride, s.rows) for name, s in self.shards.items()})
-        self._layout = Layout(self._spaces, tables, self._rotation, self._physical, self.world_size)
+        unit = lambda table: True  # noqa: E731
+        self._shard_tables = physical_tables(
+            static, optimizer, seed=self.seed, tuning=self.tuning, unit_gains=unit,
+            shards={name: (s.first, s.stride, s.rows) for name, s in self.shards.items()}) if static else ()
+        owned = physical_tables([rank_config(t, self.world_size) for t in dynamic], optimizer, seed=self.seed,
+                                tuning=self.tuning, unit_gains=unit) if dynamic else ()
+        engine = weakref.ref(self)
+        for table in owned:  # views of TTL tables hide the rows expired at the engine's current step
+            table.clock = lambda: getattr(engine(), "step", 0)
+        self._physical = self._shard_tables + owned
+        self._dynamic = DynamicShards(spaces[self._n_static:], owned, self._n_static, self.world_size, self.rank,
+                                      self.tuning)
+        self._layout = Layout(self._spaces[:self._n_static], static, self._rotation, self._shard_tables,
+                              self.world_size)
         self._workspace = Workspace()
-        self._batch_workspaces = [Workspace() for _ in spaces]  # a lookup's table batches, kept for its update
+        # a lookup's table batches, kept for its update
+        self._batch_workspaces = [Workspace() for _ in spaces[:self._n_static]]
         self._constants = _Constants()
         self._lookups = 0
         self._pending = None  # weak reference to the last lookup's route while its gradients are not applied
@@ -225,7 +246,10 @@ class ShardedEmbedding(TrainingEngine):
     # -- state -------------------------------------------------------------------------------------------
     @property
     def embedding_tables(self) -> dict:
-        """Table name -> this rank's rows of the table (global rows ``shards[name].global_rows()``)."""
+        """Table name -> this rank's rows of the table (global rows ``shards[name].global_rows()``); for a
+        dynamic table, a :class:`~embedcore.tables.dynamic.DynamicTableView` of the keys this rank owns
+        (:func:`~embedcore.distributed.dynamic.key_owners`): ``len``, ``keys()`` and ``in`` count only those;
+        ``view[k]`` of a key held elsewhere reads its initial value. :meth:`gather_tables` merges them."""
         return super().embedding_tables
 
     @property
@@ -243,7 +267,9 @@ class ShardedEmbedding(TrainingEngine):
         return self._rotation[table]
 
     def gather_tables(self, root: int = 0):
-        """The whole tables and slots on ``root`` (``None`` elsewhere): ``{name: (weights, {slot: array})}``.
+        """The whole tables and slots on ``root`` (``None`` elsewhere): ``{name: (weights, {slot: array})}``;
+        for a dynamic table ``{name: (keys, weights, {slot: array})}``: the keys every rank holds (int64 bit
+        patterns, increasing) and their rows and slots' values, row ``i`` of key ``keys[i]``.
 
         For tests and small tables: it holds everything on ``root``.
         """
@@ -252,7 +278,9 @@ class ShardedEmbedding(TrainingEngine):
 
     def __repr__(self):
         return (f"ShardedEmbedding(rank {self.rank} of {self.world_size}; " +
-                ", ".join(f"{n}: {s.rows} of {s.vocabulary_size} rows" for n, s in self.shards.items()) +
+                ", ".join([f"{n}: {s.rows} of {s.vocabulary_size} rows" for n, s in self.shards.items()] +
+                          [f"{t.name}: {len(t.key_map)} keys of {t.key_map.capacity} (dynamic)"
+                           for t in self._dynamic.tables]) +
                 f"; step={self.step})")
 
     # -- checkpoints -------------------------------------------------------------------------------------
@@ -302,27 +330,54 @@ class ShardedEmbedding(TrainingEngine):
             pending.detach()
         self._pending = None
 
+        n_static = self._n_static
+
         def requests():
             slots, parts = self._prepare(features, weights)
-            batches = [inputs.build_table_batch(p, w, self.tuning) for p, w in zip(parts, self._batch_workspaces)]
-            return slots, *route_requests(layout, self._spaces, batches, ws, self._lookups + 1)
+            batches = [inputs.build_table_batch(p, w, self.tuning)
+                       for p, w in zip(parts[:n_static], self._batch_workspaces)]
+            dynamic = self._dynamic.request(parts[n_static:]) if self._dynamic else (None, None)
+            return slots, *route_requests(layout, self._spaces[:n_static], batches, ws, self._lookups + 1), *dynamic
         result, error, exc = _attempt(requests)
         try:
             route = result[1] if result else None
             route_ids_from = ex.counts(route.ids_to if route else None, error, "lookup")
-            ex.check_sizes(max(int(route.ids_to.sum()), int(route_ids_from.sum())) * layout.max_dim, "lookup")
+            elements = max(int(route.ids_to.sum()), int(route_ids_from.sum())) * layout.max_dim
+            if self._dynamic:
+                elements = max(elements, self._dynamic.sizes(result[3]))
+            ex.check_sizes(elements, "lookup")
         except DistributedError as e:
             raise e from exc
-        slots, route, send_ids = result
+        slots, route, send_ids, dynamic_route, send_keys = result
         route.ids_from = route_ids_from
+        acts = []
+        if self._dynamic:
+            acts = self._lookup_dynamic(dynamic_route, send_keys)
         with self._going_ahead("lookup"):
-            acts = self._fetch(route, send_ids)
+            acts = self._fetch(route, send_ids) + acts
         self._lookups = route.seq
         self._pending = weakref.ref(route)
         activations = [acts[s.group][s.out_offset:s.out_offset + s.n_rows].reshape(s.shape) for s in slots]
-        ctx = ShardedLookupContext(self._token, self._generation, [g["tb"] for g in route.groups], slots,
-                                   route=route)
+        table_batches = [g["tb"] for g in route.groups] + (
+            [r.tb for r in dynamic_route.requests] if dynamic_route else [])
+        ctx = ShardedLookupContext(self._token, self._generation, table_batches, slots, route=route,
+                                   dynamic_route=dynamic_route)
         return inputs.unflatten(self._feature_config, activations), ctx
+
+    def _lookup_dynamic(self, route, send_keys) -> list:
+        """The dynamic tables' part of a lookup (see :mod:`.dynamic`): keys to their owners, the owners' plans
+        agreed on by every rank (a refusal anywhere undoes them all), then rows back; the activations."""
+        dyn = self._dynamic
+        with self._going_ahead("lookup (dynamic keys)"):
+            dyn.exchange_keys(self._exchange, route, send_keys)
+        _, error, exc = _attempt(lambda: dyn.plan(route, self.step))
+        try:
+            self._agreed(error, exc, "lookup")
+        except DistributedError:
+            dyn.cancel(route)
+            raise
+        with self._going_ahead("lookup (dynamic rows)"):
+            return dyn.commit_and_answer(self._exchange, route)
 
     def _fetch(self, route, send_ids):
         """Send the requests, answer the peers' and combine the activations from the rows that come back."""
@@ -331,13 +386,13 @@ class ShardedEmbedding(TrainingEngine):
         ex.alltoallv(send_ids, route.ids_to, recv_ids, route.ids_from, "lookup (ids)")
         resolve(layout, route, recv_ids, ws)
         answer = ws.array("answer", int(route.floats_to.sum()), np.float32)
-        for k, table in enumerate(self._physical):
+        for k, table in enumerate(self._shard_tables):
             lo, hi = route.group_ptr[k], route.group_ptr[k + 1]
             rows_to_flat(table.kernel_weights, route.own_rows[lo:hi], route.own_offset[lo:hi], answer, table.decode)
         received = ws.array("rows_in", int(route.floats_from.sum()), np.float32)
         ex.alltoallv(answer, route.floats_to, received, route.floats_from, "lookup (rows)")
         acts = []
-        for k, (space, g) in enumerate(zip(self._spaces, route.groups)):
+        for k, (space, g) in enumerate(zip(self._spaces[:self._n_static], route.groups)):
             tb = g["tb"]
             rows_u = ws.array(f"rows_{k}", (g["uniq"].shape[0], space.dim), np.float32)
             flat_to_rows(received, g["row_offset"], rows_u)
@@ -369,6 +424,10 @@ class ShardedEmbedding(TrainingEngine):
         on every rank, whether or not this rank owns rows of the batch, and a failing one refused everywhere
         with nothing changed)."""
         self._check_context(ctx, ShardedLookupContext)
+        if ctx.dynamic_route is not None:
+            stale = self._dynamic.stale(ctx.dynamic_route)
+            if stale:
+                raise inputs.InputError(stale)
         leaves = inputs.flatten_like(self._feature_config, gradients, "gradients")
         refuse = self.non_finite == "raise"
         checked = [None if grad is None else check_gradient(grad, s, refuse) for grad, s in zip(leaves, ctx.features)]
@@ -392,6 +451,10 @@ class ShardedEmbedding(TrainingEngine):
         step = self.step + 1
         with self._going_ahead("apply_gradients"):
             report, failing = self._exchange_and_update(route, checked, ctx.features, step, values)
+            if self._dynamic and not all(grad is None for grad in checked):
+                failing |= self._dynamic.update(self._exchange, ctx.dynamic_route, checked, ctx.features, step,
+                                                values, report)
+            failing = " and ".join(sorted(failing))
         self.step = step
         ctx.consumed = True
         if self._pending is not None and self._pending() is route:
@@ -418,10 +481,10 @@ class ShardedEmbedding(TrainingEngine):
         whether any of its occurrences here has a gradient, and owners update only the rows some rank says
         so of; when every one is None (on every rank, then), nothing travels and nothing is updated."""
         if all(grad is None for grad in checked):
-            return UpdateReport(step), ""
+            return UpdateReport(step), set()
         ws = self._workspace
         sums_out = ws.array("grads_out", int(route.floats_from.sum()), np.float32)
-        for k, (space, g) in enumerate(zip(self._spaces, route.groups)):
+        for k, (space, g) in enumerate(zip(self._spaces[:self._n_static], route.groups)):
             tb = g["tb"]
             d_act = gradient_rows(k, tb.n_out, space.dim, space.workspace, checked, features)
             sums = ws.array(f"sums_{k}", (g["uniq"].shape[0], space.dim), np.float32)
@@ -470,12 +533,12 @@ class ShardedEmbedding(TrainingEngine):
         ``with_gradient`` (per request, None: all) leaves out the sums of ids whose requester had no
         gradient for them (a non-lazy table still updates all its rows).
 
-        Returns the report (global row ids) and the names of the row functions that failed on some rows of
-        this rank's shards (raised, or returned rows of the wrong length: ``report.failed``), if any.
+        Returns the report (global row ids) and the set of names of the row functions that failed on some rows
+        of this rank's shards (raised, or returned rows of the wrong length: ``report.failed``), if any.
         """
         report = UpdateReport(step)
         failing = set()
-        for k, table in enumerate(self._physical):
+        for k, table in enumerate(self._shard_tables):
             lo, hi = int(route.group_ptr[k]), int(route.group_ptr[k + 1])
             rows, offsets = route.own_rows[lo:hi], route.own_offset[lo:hi]
             if with_gradient is not None:
@@ -492,4 +555,4 @@ class ShardedEmbedding(TrainingEngine):
             report.add(update)
             if update.function is not None:
                 failing.add(update.function)
-        return report, " and ".join(sorted(failing))
+        return report, failing

@@ -54,7 +54,7 @@ class Layout:
         for i, t in enumerate(tables):
             self.table_group[i], self.table_offset[i] = holder[t.name]
         self.n_local = len(local)
-        self.max_dim = int(self.table_dim.max())
+        self.max_dim = int(self.table_dim.max()) if len(tables) else 0  # an engine of dynamic tables only
 
 
 class Route:

@@ -1,0 +1,132 @@
+"""Dynamic tables in a ShardedEmbedding (mpiexec -n 1..3) against one process fed the concatenated batches:
+equal tables and activations while nothing is evicted; under eviction, every rank within its capacity and
+holding only its own keys; refusals (a full table, bad keys, a stale context) the same on every rank with
+nothing changed."""
+
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+
+import embedcore as ec
+from embedcore.distributed.dynamic import key_owners, rank_capacity
+
+pytest.importorskip("mpi4py", reason="needs the mpi extra: pip install 'embedcore[mpi]' (.ci/run installs it)")
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "workers"))
+import mpi_dynamic  # noqa: E402
+from tests.test_distributed import mpirun  # noqa: E402
+
+WORLDS = [1, 2, 3]
+
+
+def test_placement_is_a_stable_hash_of_the_key():
+    keys = np.array([0, 1, -1, 2 ** 62 + 7, -2 ** 63, 12345678901], np.int64)
+    owners = key_owners(keys, 3)
+    assert owners.dtype == np.int64 and ((owners >= 0) & (owners < 3)).all()
+    np.testing.assert_array_equal(key_owners(keys.view(np.uint64), 3), owners)  # bits, not the dtype
+    np.testing.assert_array_equal(key_owners(keys, 1), 0)
+    # Keys spread over the ranks (a hash, not the low bits): consecutive keys land everywhere.
+    counts = np.bincount(key_owners(np.arange(3000, dtype=np.int64), 3), minlength=3)
+    assert counts.min() > 900
+    assert [rank_capacity(10, k) for k in (1, 2, 3, 4)] == [10, 5, 4, 3]
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory):
+    runs = {}
+
+    def run(mode, world):
+        if (mode, world) not in runs:
+            out = tmp_path_factory.mktemp(f"{mode}{world}") / "out.npz"
+            proc = mpirun(world, "mpi_dynamic.py", mode, out, timeout=600)
+            assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+            assert proc.stdout.strip().splitlines()[-1] == "ok"
+            runs[mode, world] = out
+        return runs[mode, world]
+    return run
+
+
+def rank_positions(t, world):
+    """Where each rank's samples of step ``t`` sit in the concatenated batch the reference was fed."""
+    parts = mpi_dynamic.assignment(t, world)
+    starts = np.cumsum([0] + [p.shape[0] for p in parts])
+    return [np.arange(starts[k], starts[k + 1]) for k in range(world)]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_without_eviction_k_ranks_equal_one_process(jobs, world):
+    out = jobs("equal", world)
+    emb, acts = mpi_dynamic.reference(world)
+    exact = world == 1
+    tolerance = {"rtol": 0, "atol": 0} if exact else {"rtol": 1e-5, "atol": 1e-6}
+    ranks = [np.load(f"{out}.rank{k}.npz") for k in range(world)]
+    for t in range(mpi_dynamic.STEPS):
+        for k, positions in enumerate(rank_positions(t, world)):
+            for name, whole in acts[t].items():
+                np.testing.assert_allclose(ranks[k][f"s{t}/{name}"], whole[positions],
+                                           err_msg=f"step {t} rank {k} {name}",
+                                           **(tolerance if t else {"rtol": 0, "atol": 0}))
+    tables = np.load(out)
+    for name in ("users", "items"):
+        view = emb.embedding_tables[name]
+        keys = view.keys()
+        assert len(keys) > 5  # the batches brought many keys (and admission held some back: below)
+        np.testing.assert_array_equal(tables[f"{name}/keys"], keys, err_msg=name)
+        np.testing.assert_allclose(tables[f"{name}/weights"], view[keys], err_msg=name, **tolerance)
+        for slot, values in emb.slot_variables[name].items():
+            np.testing.assert_allclose(tables[f"{name}/{slot}"], values[keys], err_msg=f"{name}/{slot}",
+                                       **tolerance)
+        owners = key_owners(keys, world)
+        for k in range(world):  # each rank holds exactly the keys it owns, at most ceil(capacity / K)
+            held = ranks[k][f"held/{name}"]
+            np.testing.assert_array_equal(held, keys[owners == k], err_msg=f"{name} rank {k}")
+            assert len(held) <= rank_capacity(emb.tables[name].capacity, world)
+    np.testing.assert_allclose(tables["tags/weights"], emb.embedding_tables["tags"], **tolerance)
+    # Admission: each rank's sketch counts its own keys exactly as the one process's does (wide sketches).
+    sketch = next(t for t in emb.physical_tables if getattr(t, "name", None) == "users").sketch
+    for k in range(world):
+        np.testing.assert_array_equal(ranks[k]["sketch/estimates"], sketch.estimate(ranks[k]["sketch/keys"]))
+    held_back = [key for key in np.unique(mpi_dynamic.global_batch(0)[0]["user"]) if key not in emb.embedding_tables["users"]]
+    assert held_back  # some keys seen once were not admitted
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_under_eviction_every_rank_keeps_to_its_own_keys_and_capacity(jobs, world):
+    out = jobs("evict", world)
+    records = [json.load(open(f"{out}.rank{k}.json")) for k in range(world)]
+    config, _ = mpi_dynamic.config("evict")
+    evicted = 0
+    for name in ("users", "items"):
+        capacity = rank_capacity(config["user" if name == "users" else "items"].table.capacity, world)
+        for k, record in enumerate(records):
+            assert record["capacity"][name] == capacity
+        for t in range(len(records[0]["steps"])):
+            steps = [r["steps"][t] for r in records]
+            assert len({s["refused"] for s in steps}) == 1
+            used = {key for s in steps for key in s["used"][name]}
+            held_now = [np.array(s["held"][name], np.int64) for s in steps]
+            for k, held in enumerate(held_now):
+                assert len(held) <= capacity
+                assert (key_owners(held, world) == k).all()
+            if steps[0]["refused"] is None:  # the batch's keys all hold rows (no admission here)
+                assert used <= {int(x) for h in held_now for x in h}
+            if t:
+                before = {int(x) for r in records for x in r["steps"][t - 1]["held"][name]}
+                evicted += len(before - {int(x) for h in held_now for x in h})
+    assert evicted > 0  # eviction did happen
+    assert any(s["refused"] is None for s in records[0]["steps"])
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_refusals_agree_on_every_rank_and_change_nothing(jobs, world):
+    jobs("errors", world)  # the worker checks, on every rank, the messages and that nothing changed
+
+
+def test_a_sharded_checkpoint_of_dynamic_tables_is_refused_clearly():
+    from embedcore.checkpoint import CheckpointError
+    from embedcore.distributed import ShardedEmbedding
+    emb = ShardedEmbedding(*mpi_dynamic.config(), seed=1)
+    with pytest.raises(CheckpointError, match="dynamic"):
+        emb.save("/nonexistent/never-written")
