@@ -30,7 +30,8 @@ def test_placement_is_a_stable_hash_of_the_key():
     # Keys spread over the ranks (a hash, not the low bits): consecutive keys land everywhere.
     counts = np.bincount(key_owners(np.arange(3000, dtype=np.int64), 3), minlength=3)
     assert counts.min() > 900
-    assert [rank_capacity(10, k) for k in (1, 2, 3, 4)] == [10, 5, 4, 3]
+    assert [[rank_capacity(10, k, r) for r in range(k)] for k in (1, 2, 3, 4)] == [[10], [5, 5], [4, 3, 3],
+                                                                                 [3, 3, 2, 2]]
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +83,11 @@ def test_without_eviction_k_ranks_equal_one_process(jobs, world):
         for k in range(world):  # each rank holds exactly the keys it owns, at most ceil(capacity / K)
             held = ranks[k][f"held/{name}"]
             np.testing.assert_array_equal(held, keys[owners == k], err_msg=f"{name} rank {k}")
-            assert len(held) <= rank_capacity(emb.tables[name].capacity, world)
+            assert len(held) <= rank_capacity(emb.tables[name].capacity, world, k)
+        # What LRU, LFU and TTL read is the same too: each key's last-seen step and count.
+        policy = mpi_dynamic.policy_metadata(emb, name)
+        merged = np.concatenate([ranks[k][f"policy/{name}"] for k in range(world)])
+        np.testing.assert_array_equal(merged[np.argsort(merged[:, 0])], policy, err_msg=name)
     np.testing.assert_allclose(tables["tags/weights"], emb.embedding_tables["tags"], **tolerance)
     # Admission: each rank's sketch counts its own keys exactly as the one process's does (wide sketches).
     sketch = next(t for t in emb.physical_tables if getattr(t, "name", None) == "users").sketch
@@ -99,16 +104,18 @@ def test_under_eviction_every_rank_keeps_to_its_own_keys_and_capacity(jobs, worl
     config, _ = mpi_dynamic.config("evict")
     evicted = 0
     for name in ("users", "items"):
-        capacity = rank_capacity(config["user" if name == "users" else "items"].table.capacity, world)
+        total = config["user" if name == "users" else "items"].table.capacity
+        capacity = [rank_capacity(total, world, k) for k in range(world)]
+        assert sum(capacity) == total
         for k, record in enumerate(records):
-            assert record["capacity"][name] == capacity
+            assert record["capacity"][name] == capacity[k]
         for t in range(len(records[0]["steps"])):
             steps = [r["steps"][t] for r in records]
             assert len({s["refused"] for s in steps}) == 1
             used = {key for s in steps for key in s["used"][name]}
             held_now = [np.array(s["held"][name], np.int64) for s in steps]
             for k, held in enumerate(held_now):
-                assert len(held) <= capacity
+                assert len(held) <= capacity[k]
                 assert (key_owners(held, world) == k).all()
             if steps[0]["refused"] is None:  # the batch's keys all hold rows (no admission here)
                 assert used <= {int(x) for h in held_now for x in h}

@@ -7,10 +7,12 @@ Placement
     processes, runs and versions, the same for every table. The salt keeps it independent of the hash the
     key map itself buckets by (``mix64(k)``), so a rank's keys still spread over all of its buckets.
 Capacity
-    Each rank holds one :class:`~embedcore.tables.dynamic.DynamicPhysicalTable` per dynamic table, of
-    ``ceil(capacity / K)`` rows (:func:`rank_capacity`; rounded up, so the ranks together hold at least
-    ``capacity`` rows, at most ``K - 1`` more), with the table's admission and eviction. Its admission
-    sketch counts only the keys it owns (the same hashes on every rank: seed and table name).
+    Each rank holds one :class:`~embedcore.tables.dynamic.DynamicPhysicalTable` per dynamic table, with the
+    table's admission and eviction, of ``capacity // K`` rows, one more on the first ``capacity mod K`` ranks
+    (:func:`rank_capacity`: ``ceil(capacity / K)`` or ``floor``, so that the ranks together hold exactly
+    ``capacity`` rows and the merged table fits a single-process checkpoint; a table of fewer rows than
+    ranks is refused). Its admission sketch counts only the keys it owns (the same hashes on every rank:
+    seed and table name).
 
 One lookup (:class:`DynamicShards`), per dynamic table, after the engine's first agreement (bad input on any
 rank, e.g. keys of a float dtype, is refused there on every rank):
@@ -38,7 +40,7 @@ the activations agree: bit for bit on one rank; with several, up to float32 summ
 gradient sums are summed per rank, then in rank order), and an activation that mixes admitted and
 unadmitted keys of one bag is summed in one pass here (the one process adds the unadmitted part after).
 With eviction the per-rank capacity is not the global one, so the keys evicted differ from one process's;
-what holds: every rank's table holds at most ``ceil(capacity / K)`` keys, all of them its own; a new key
+what holds: every rank's table holds at most its :func:`rank_capacity` of keys, all of them its own; a new key
 evicts only keys of its own rank (never a key the batch uses); a batch with more new keys than some rank can
 take is refused on every rank with nothing changed.
 """
@@ -82,15 +84,20 @@ def key_owners(keys, world: int) -> np.ndarray:
     return out
 
 
-def rank_capacity(capacity: int, world: int) -> int:
-    """The rows each rank holds of a dynamic table of ``capacity`` rows: ``ceil(capacity / world)``."""
-    return -(-int(capacity) // int(world))
+def rank_capacity(capacity: int, world: int, rank: int) -> int:
+    """The rows ``rank`` holds of a dynamic table of ``capacity`` rows: ``capacity // world``, plus one on
+    the first ``capacity % world`` ranks (together exactly ``capacity``)."""
+    return int(capacity) // int(world) + (int(rank) < int(capacity) % int(world))
 
 
-def rank_config(config, world: int):
-    """A copy of the :class:`~embedcore.config.DynamicTableConfig` ``config`` with this rank's capacity."""
+def rank_config(config, world: int, rank: int):
+    """A copy of the :class:`~embedcore.config.DynamicTableConfig` ``config`` with ``rank``'s capacity;
+    ``ValueError`` naming the table when it has fewer rows than there are ranks."""
+    if config.capacity < world:
+        raise ValueError(f"dynamic table '{config.name}' has capacity {config.capacity}, fewer rows than the "
+                         f"{world} ranks it is sharded over (each rank holds capacity // ranks rows of its own keys)")
     mine = copy.copy(config)
-    mine.capacity = mine.vocabulary_size = rank_capacity(config.capacity, world)
+    mine.capacity = mine.vocabulary_size = rank_capacity(config.capacity, world, rank)
     return mine
 
 

@@ -21,6 +21,11 @@ occurrences first and then the ranks' sums in rank order. With one rank the resu
 otherwise they agree to float32 rounding (tested at rtol 1e-5). Everything else is exact: initial values
 (counter-based), the rows each update touches, and the optimizer's step count.
 
+Dynamic tables (:class:`~embedcore.DynamicTableConfig`) are placed by a hash of the key, not by rows: each
+rank holds a dynamic table of about ``capacity / K`` rows of the keys it owns, and a lookup sends every
+unique key (with its occurrence count) to its owner, which applies the table's admission and eviction; see
+:mod:`.dynamic` for the exchanges and for what K ranks share with one process.
+
 Errors are collective: bad input on any rank is refused on every rank before anything changes, so no rank
 is left waiting inside an exchange; a peer that dies or stops answering makes the others raise
 :class:`~embedcore.distributed.exchange.DistributedError` within ``timeout`` seconds.
@@ -200,7 +205,7 @@ class ShardedEmbedding(TrainingEngine):
         self._shard_tables = physical_tables(
             static, optimizer, seed=self.seed, tuning=self.tuning, unit_gains=unit,
             shards={name: (s.first, s.stride, s.rows) for name, s in self.shards.items()}) if static else ()
-        owned = physical_tables([rank_config(t, self.world_size) for t in dynamic], optimizer, seed=self.seed,
+        owned = physical_tables([rank_config(t, self.world_size, self.rank) for t in dynamic], optimizer, seed=self.seed,
                                 tuning=self.tuning, unit_gains=unit) if dynamic else ()
         engine = weakref.ref(self)
         for table in owned:  # views of TTL tables hide the rows expired at the engine's current step

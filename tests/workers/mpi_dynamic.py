@@ -102,6 +102,16 @@ def reference(world, mode="equal"):
     return emb, acts
 
 
+def policy_metadata(emb, name):
+    """``[n, 3]`` int64: each key held (increasing as int64), its last-seen step and its count."""
+    table = next(t for t in emb.physical_tables if getattr(t, "name", None) == name)
+    keys, rows = table.key_map.items()
+    keys = np.asarray(keys).view(np.int64)
+    order = np.argsort(keys)
+    return np.stack([keys[order], table.key_map.last_seen[rows[order]].astype(np.int64),
+                     table.key_map.counts[rows[order]].astype(np.int64)], axis=1)
+
+
 def save_tables(emb, path):
     tables = emb.gather_tables()
     if emb.rank == 0:
@@ -130,6 +140,7 @@ def run_equal(emb, rank, world, out):
     arrays["sketch/keys"], arrays["sketch/estimates"] = owned, users.sketch.estimate(owned)
     for name in ("users", "items"):
         arrays[f"held/{name}"] = emb.embedding_tables[name].keys()
+        arrays[f"policy/{name}"] = policy_metadata(emb, name)
     np.savez(f"{out}.rank{rank}.npz", **arrays)
     save_tables(emb, out)
 
@@ -200,7 +211,8 @@ def expect_refused(comm, emb, call, *needles):
 
 def run_errors(emb, rank, world, comm):
     users, items = (next(t for t in emb.physical_tables if getattr(t, "name", None) == n) for n in ("users", "items"))
-    assert users.key_map.capacity == -(-100 // world) and items.key_map.capacity == -(-200 // world)
+    assert users.key_map.capacity == 100 // world + (rank < 100 % world)
+    assert items.key_map.capacity == 200 // world + (rank < 200 % world)
     step(emb, 0, assignment(0, world)[rank])
     # Too many new keys for rank 0's table of ceil(200 / K) rows: its first sample of step 1 brings 250 keys
     # that rank 0 owns (rank 0 has samples at step 1 in every world size).
@@ -220,10 +232,22 @@ def run_errors(emb, rank, world, comm):
     step(emb, 1, assignment(1, world)[rank])
 
 
+def too_small(comm, world):
+    """A dynamic table of fewer rows than ranks is refused on every rank."""
+    from embedcore.distributed import DistributedError, ShardedEmbedding
+    table = ec.DynamicTableConfig(4, world - 1, name="small")
+    try:
+        ShardedEmbedding({"f": ec.FeatureConfig(table)}, ec.SGD(0.1))
+    except DistributedError as e:
+        assert "table 'small' has capacity" in str(e) and "fewer rows than" in str(e), str(e)
+    else:
+        raise AssertionError("not refused")
+
+
 def stale_context(comm, rank, world):
     """A context whose rows a later lookup evicted (on some rank) is refused on every rank."""
     from embedcore.distributed import ShardedEmbedding
-    table = ec.DynamicTableConfig(4, world, name="tiny", eviction=ec.LRU(), combiner="sum")
+    table = ec.DynamicTableConfig(4, world, name="tiny", eviction=ec.LRU(), combiner="sum")  # a row a rank
     emb = ShardedEmbedding({"f": ec.FeatureConfig(table)}, ec.SGD(0.1), seed=SEED)
     rng = np.random.default_rng(2)
     candidates = rng.integers(-2 ** 63, 2 ** 63, 400)
@@ -250,5 +274,7 @@ if __name__ == "__main__":
     else:
         run_errors(emb, rank, world, comm)
         stale_context(comm, rank, world)
+        if world > 1:
+            too_small(comm, world)
     if rank == 0:
         print("ok")
