@@ -38,7 +38,7 @@ from ..engine import NON_FINITE_POLICIES
 from .errors import CheckpointError
 
 __all__ = ["encode_engine_config", "decode_engine_config", "check_config", "function_path", "import_function",
-           "FunctionResolver"]
+           "FunctionResolver", "decode_initializer"]
 
 _OPTIMIZERS = {name: getattr(_optimizers, name) for name in _optimizers.__all__ if name != "Optimizer"}
 _INITIALIZERS = {name: getattr(_initializers, name) for name in
@@ -366,6 +366,18 @@ def _decode_dynamic(t: dict, where: str, resolve, with_functions: bool) -> dict:
         else:
             eviction = getattr(policies, policy)()
     return {"admission": admission, "eviction": eviction}
+
+
+def decode_initializer(config: dict, table: str, resolve: FunctionResolver | None = None):
+    """The initializer of table ``table`` of a checked configuration (None when it stored none); built-in
+    initializers need no import, others only what ``resolve`` allows (default: nothing)."""
+    stored = next(t for t in config["tables"] if t["name"] == table)
+    try:
+        return _decode(stored["initializer"], f"table '{table}' initializer", resolve or FunctionResolver())
+    except CheckpointError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise CheckpointError(f"the checkpoint's configuration is malformed: {type(e).__name__}: {e}") from None
 
 
 def decode_engine_config(config: dict, resolve: FunctionResolver | None = None, with_optimizers: bool = True):

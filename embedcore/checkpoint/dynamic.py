@@ -38,7 +38,7 @@ from ..tables.dynamic import DynamicTableState
 from .errors import CheckpointError
 
 __all__ = ["state_tensors", "state_from_tensors", "write_dynamic_table", "check_dynamic_entry",
-           "check_dynamic_config", "read_state",
+           "check_dynamic_config", "read_state", "check_keys",
            "check_state_contents", "dynamic_file_name", "is_dynamic_entry"]
 
 _ENTRY_KEYS = {"dynamic", "capacity", "n", "vocabulary_size", "dim", "slots", "shards"}
@@ -176,16 +176,20 @@ def check_dynamic_config(name, entry, files: dict, table_config: dict, manifest_
                    f"{'none' if want is None else want}")
 
 
-def check_state_contents(state: DynamicTableState, where: str, step: int) -> None:
-    """What the manifest cannot say about a state read from a file: keys strictly increasing (so distinct),
-    ``counts >= 0``, ``0 <= last_seen <= step``, ``rows`` and ``free`` exactly ``0 .. n + f - 1``."""
-    keys = np.asarray(state.keys)
+def check_keys(keys: np.ndarray, where: str) -> None:
+    """Refuse stored keys that are not strictly increasing (as uint64), so distinct."""
     if keys.shape[0] > 1:
         bad = np.flatnonzero(keys[1:] <= keys[:-1])
         if bad.size:
             key = int(keys[bad[0] + 1:bad[0] + 2].view(np.int64)[0])
             raise CheckpointError(f"corrupt checkpoint: {where}: key {key} is out of order or given twice (keys are "
                                   f"stored distinct and increasing)")
+
+
+def check_state_contents(state: DynamicTableState, where: str, step: int) -> None:
+    """What the manifest cannot say about a state read from a file: keys strictly increasing (so distinct),
+    ``counts >= 0``, ``0 <= last_seen <= step``, ``rows`` and ``free`` exactly ``0 .. n + f - 1``."""
+    check_keys(np.asarray(state.keys), where)
     counts = np.asarray(state.counts)
     if counts.size and counts.min() < 0:
         raise CheckpointError(f"corrupt checkpoint: {where}: counts hold {int(counts.min())}; counts are >= 0")
