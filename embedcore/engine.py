@@ -167,7 +167,10 @@ class Embedding(TrainingEngine):
         The write is atomic (a crash leaves the previous checkpoint in place) and every tensor is
         checksummed; see :mod:`embedcore.checkpoint`. ``extra`` (name -> array) and ``metadata`` (a JSON
         value) are stored alongside, e.g. a dense model's parameters and a data position. The previous
-        snapshot in ``path`` is deleted once the new one is in place.
+        snapshot in ``path`` is deleted once the new one is in place. Dynamic tables are stored as their keys,
+        rows, slots and the policies' state (:mod:`embedcore.checkpoint.dynamic`), so an engine loaded from
+        the checkpoint continues exactly as this one; a TTL table first drops the rows expired at ``step``
+        (which no view or lookup shows any more).
         """
         from .checkpoint import save
         with self._exclusive("save"):
@@ -181,7 +184,10 @@ class Embedding(TrainingEngine):
         Tables or slots stored in another dtype than this engine's (say a float32 checkpoint into bfloat16
         tables) are refused unless ``convert_dtypes``, which rounds them to nearest.
         Contexts of lookups made before a successful ``load`` are refused by :meth:`apply_gradients` (their
-        activations came from the replaced tables).
+        activations came from the replaced tables). A dynamic table's keys, rows, slots, metadata and
+        admission counts replace the table's whole state; the engine must have the checkpoint's seed and a
+        capacity of at least the keys saved (``strict=False`` lets the capacity differ), else
+        :class:`~embedcore.CheckpointError`, with nothing changed.
         """
         from .checkpoint import load_into
         with self._exclusive("load"):
@@ -209,12 +215,18 @@ class Embedding(TrainingEngine):
         Everything is checked first (names, shapes, dtypes, NaN/Inf, ``step`` an int >= 0): a problem raises
         ``ValueError`` listing every one, and nothing changes. Contexts of earlier lookups are refused
         afterwards, as after :meth:`load`.
+
+        Dynamic tables are not set here (``ValueError``): a dynamic table is more than arrays of rows (its
+        keys, row slots, metadata and admission counts belong together); load it from a checkpoint with
+        :meth:`load` or :meth:`restore`.
         """
         current, current_slots = self.embedding_tables, self.slot_variables
         staged, problems = [], []
         dynamic = {t.name for t in self._table_configs.values() if isinstance(t, DynamicTableConfig)}
         for name in sorted(dynamic & (set(tables or {}) | set(slots or {}))):
-            problems.append(f"table '{name}' is dynamic: set_state does not set dynamic tables yet")
+            problems.append(f"table '{name}' is dynamic: set_state sets static tables only (a dynamic table's keys, "
+                            f"rows, metadata and admission counts belong together: load them with emb.load(path) "
+                            f"or Embedding.restore(path))")
         tables = {n: v for n, v in (tables or {}).items() if n not in dynamic}
         slots = {n: v for n, v in (slots or {}).items() if n not in dynamic}
 
