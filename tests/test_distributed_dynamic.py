@@ -1,7 +1,7 @@
 """Dynamic tables in a ShardedEmbedding (mpiexec -n 1..3) against one process fed the concatenated batches:
 equal tables and activations while nothing is evicted; under eviction, every rank within its capacity and
 holding only its own keys; refusals (a full table, bad keys, a stale context) the same on every rank with
-nothing changed."""
+nothing changed; checkpoints that move between world sizes and one process."""
 
 import json
 import os
@@ -131,9 +131,55 @@ def test_refusals_agree_on_every_rank_and_change_nothing(jobs, world):
     jobs("errors", world)  # the worker checks, on every rank, the messages and that nothing changed
 
 
-def test_a_sharded_checkpoint_of_dynamic_tables_is_refused_clearly():
-    from embedcore.checkpoint import CheckpointError
-    from embedcore.distributed import ShardedEmbedding
-    emb = ShardedEmbedding(*mpi_dynamic.config(), seed=1)
-    with pytest.raises(CheckpointError, match="dynamic"):
-        emb.save("/nonexistent/never-written")
+def assert_same_engines(a, b, exact):
+    """Two single-process engines hold the same tables: keys, rows, slots, policy metadata, sketch counters
+    (rows and slots bit for bit, or to float32 summation order)."""
+    tolerance = {"rtol": 0, "atol": 0} if exact else {"rtol": 1e-5, "atol": 1e-6}
+    for name in ("users", "items"):
+        view, other = a.embedding_tables[name], b.embedding_tables[name]
+        keys = view.keys()
+        np.testing.assert_array_equal(other.keys(), keys, err_msg=name)
+        np.testing.assert_allclose(other[keys], view[keys], err_msg=name, **tolerance)
+        for slot, values in a.slot_variables[name].items():
+            np.testing.assert_allclose(b.slot_variables[name][slot][keys], values[keys], err_msg=f"{name}/{slot}",
+                                       **tolerance)
+        np.testing.assert_array_equal(mpi_dynamic.policy_metadata(b, name), mpi_dynamic.policy_metadata(a, name))
+    sketches = [next(t for t in e.physical_tables if getattr(t, "name", None) == "users").sketch.counters
+                for e in (a, b)]
+    np.testing.assert_array_equal(sketches[1], sketches[0])  # the ranks' counts add up to one process's
+    np.testing.assert_allclose(b.embedding_tables["tags"], a.embedding_tables["tags"], **tolerance)
+    assert a.step == b.step
+
+
+def assert_same_npz(a, b):
+    a, b = np.load(a), np.load(b)
+    assert sorted(a.files) == sorted(b.files)
+    for key in a.files:
+        np.testing.assert_array_equal(b[key], a[key], err_msg=key)
+
+
+def reshard(world, out, stop, ckpt, resume=None):
+    proc = mpirun(world, "mpi_dynamic.py", "reshard", out, stop, ckpt, *([resume] if resume else []), timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+
+
+def test_sharded_checkpoints_of_dynamic_tables_reshard_2_to_3_to_1(tmp_path):
+    reshard(2, tmp_path / "a.npz", 2, tmp_path / "ckpt_a")
+    reshard(3, tmp_path / "b.npz", 4, tmp_path / "ckpt_b", tmp_path / "ckpt_a")
+    assert_same_npz(tmp_path / "a.npz", tmp_path / "b.npz.loaded.npz")  # 3 ranks loaded what 2 saved
+    # Each checkpoint is one process's: restored in one, it holds what one process fed the same batches holds.
+    for ckpt, worlds in (("ckpt_a", (2, 2)), ("ckpt_b", (2, 2, 3, 3))):
+        reference, _ = mpi_dynamic.reference(worlds, stop=len(worlds))
+        assert_same_engines(reference, ec.Embedding.restore(tmp_path / ckpt), exact=False)
+
+
+def test_a_single_process_checkpoint_loads_on_two_ranks_and_back(tmp_path):
+    reference, _ = mpi_dynamic.reference(1, stop=2)
+    reference.save(tmp_path / "one")
+    reshard(2, tmp_path / "two.npz", 2, tmp_path / "back", tmp_path / "one")
+    loaded = np.load(tmp_path / "two.npz.loaded.npz")
+    for name in ("users", "items"):
+        keys = reference.embedding_tables[name].keys()
+        np.testing.assert_array_equal(loaded[f"{name}/keys"], keys)
+        np.testing.assert_array_equal(loaded[f"{name}/weights"], reference.embedding_tables[name][keys])
+    assert_same_engines(reference, ec.Embedding.restore(tmp_path / "back"), exact=True)

@@ -33,9 +33,10 @@ admitted keys' rows, summing one key's sums in rank order, and drops the unadmit
 refused on every rank (nothing updated) once a later lookup evicted or expired rows of a table on any rank.
 
 K ranks and one process fed the concatenated batches: the initial values (a function of the seed, the
-table and the key) and the keys seen are the same, so **while no table evicts** (and the admission sketches
-count exactly: a sketch wide enough that no two keys seen share all their counters, per rank and in the one
-process alike), the tables hold the same keys with the same rows, slots, last-seen steps and counts, and
+table and the key) and the keys seen are the same, so **while no table evicts to make room** (TTL expiry
+is the same either way: it depends only on a key's last-seen step), and while the admission sketches count
+exactly (wide enough that every key seen has a counter no other key seen shares; a rank's sketch sees only
+its own keys, so its estimate is at most the one process's, and both are exact then), the tables hold the same keys with the same rows, slots, last-seen steps and counts, and
 the activations agree: bit for bit on one rank; with several, up to float32 summation order (one key's
 gradient sums are summed per rank, then in rank order), and an activation that mixes admitted and
 unadmitted keys of one bag is summed in one pass here (the one process adds the unadmitted part after).
@@ -43,6 +44,10 @@ With eviction the per-rank capacity is not the global one, so the keys evicted d
 what holds: every rank's table holds at most its :func:`rank_capacity` of keys, all of them its own; a new key
 evicts only keys of its own rank (never a key the batch uses); a batch with more new keys than some rank can
 take is refused on every rank with nothing changed.
+
+Checkpoints (:mod:`embedcore.distributed.checkpoint`) store a dynamic table as one process does, the ranks'
+keys merged, and reshard them K -> M by :func:`key_owners` on load; ``sketch_bases`` keeps the sketches
+additive across such moves.
 """
 
 from __future__ import annotations
@@ -168,6 +173,12 @@ class DynamicShards:
         self.spaces, self.tables = list(spaces), list(tables)
         self.first_space, self.world, self.rank, self.tuning = first_space, world, rank, tuning
         self.dims = np.array([t.dim for t in self.tables], np.int64)
+        # Per table, the admission sketch's counters as last loaded (the same on every rank; None: zeros), so
+        # that a save can add up what each rank counted since (see distributed/checkpoint.py).
+        self.sketch_bases = [None] * len(self.tables)
+
+    def set_sketch_base(self, d: int, counters) -> None:
+        self.sketch_bases[d] = None if counters is None else np.array(counters, np.uint32)
 
     def __len__(self):
         return len(self.tables)

@@ -294,15 +294,17 @@ class ShardedEmbedding(TrainingEngine):
 
         ``path`` must be on a file system every rank sees. ``extra`` (e.g. the dense model, replicated in
         data-parallel training) is taken from rank 0. The layout is the one single-process checkpoints use,
-        with each table in one shard per rank: it restores on any number of ranks, or on one process. If any
-        rank fails (or stops answering) before every rank has written its part, nothing is committed and the
-        previous checkpoint stays current.
+        with each table in one shard per rank: it restores on any number of ranks, or on one process. A dynamic
+        table is stored whole, as one process stores it, merged on rank 0 (see
+        :mod:`embedcore.distributed.checkpoint`). If any rank fails (or stops answering) before every rank has
+        written its part, nothing is committed and the previous checkpoint stays current.
         """
         with self._exclusive("save"):
             return _checkpoint.save(self, path, extra, metadata)
 
     def load(self, path, strict: bool = True, convert_dtypes: bool = False) -> None:
-        """Load this rank's rows of a checkpoint written by any number of ranks (or one process).
+        """Load this rank's rows of a checkpoint written by any number of ranks (or one process); of a dynamic
+        table, the keys this rank owns (refused on every rank if some rank owns more than its capacity).
 
         Verified on every rank before anything changes; refused on every rank if any rank finds it corrupt
         or incompatible, or if the ranks read different checkpoints. Contexts of lookups made before a

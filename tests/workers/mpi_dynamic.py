@@ -10,6 +10,9 @@ batches (``tests/test_distributed_dynamic.py`` checks what it writes against one
 ``evict``
     tiny capacities under LRU and TTL; writes per rank and step the keys held and the keys the batch used,
     and the tables' capacities (JSON ``OUT.rank<r>.json``).
+``reshard STOP CKPT [RESUME]``
+    from :func:`config` (or ``ShardedEmbedding.restore(RESUME)``, then ``OUT.loaded.npz``: the tables as
+    loaded) train up to step STOP, save CKPT and write ``OUT``: the tables as saved.
 ``errors``
     a batch with too many new keys for one rank, keys of a float dtype on one rank, a context made stale by a
     later eviction: each must raise the same error on every rank with nothing changed (checked here, on every
@@ -94,11 +97,13 @@ def step(emb, t, rows):
     return acts
 
 
-def reference(world, mode="equal"):
-    """One process fed the concatenated batches of a ``world``-rank job: ``(engine, activations)``, the
-    activations of step ``t`` in the order of the ranks' samples."""
+def reference(worlds, mode="equal", stop=STEPS):
+    """One process fed the concatenated batches of a job of ``worlds`` ranks (an int, or one per step) up to
+    step ``stop``: ``(engine, activations)``, the activations of step ``t`` in the order of the ranks'
+    samples."""
+    worlds = [worlds] * stop if isinstance(worlds, int) else list(worlds)
     emb = ec.Embedding(*config(mode), seed=SEED)
-    acts = [step(emb, t, np.concatenate(assignment(t, world))) for t in range(STEPS)]
+    acts = [step(emb, t, np.concatenate(assignment(t, worlds[t]))) for t in range(stop)]
     return emb, acts
 
 
@@ -271,6 +276,15 @@ if __name__ == "__main__":
         run_equal(emb, rank, world, out)
     elif mode == "evict":
         run_evict(emb, rank, world, out, comm)
+    elif mode == "reshard":
+        stop, ckpt = int(sys.argv[3]), sys.argv[4]
+        if len(sys.argv) > 5:
+            emb = ShardedEmbedding.restore(sys.argv[5])
+            save_tables(emb, out + ".loaded.npz")
+        while emb.step < stop:
+            step(emb, emb.step, assignment(emb.step, world)[rank])
+        emb.save(ckpt)
+        save_tables(emb, out)
     else:
         run_errors(emb, rank, world, comm)
         stale_context(comm, rank, world)
