@@ -93,8 +93,11 @@ def test_without_eviction_k_ranks_equal_one_process(jobs, world):
     sketch = next(t for t in emb.physical_tables if getattr(t, "name", None) == "users").sketch
     for k in range(world):
         np.testing.assert_array_equal(ranks[k]["sketch/estimates"], sketch.estimate(ranks[k]["sketch/keys"]))
-    held_back = [key for key in np.unique(mpi_dynamic.global_batch(0)[0]["user"]) if key not in emb.embedding_tables["users"]]
-    assert held_back  # some keys seen once were not admitted
+    users = emb.embedding_tables["users"]
+    assert [key for key in np.unique(mpi_dynamic.global_batch(0)[0]["user"]) if key not in users]  # not admitted
+    looked_up = {key for t in range(mpi_dynamic.STEPS) for name in ("items", "recent")
+                 for bag in mpi_dynamic.global_batch(t)[0][name] for key in bag[:3 if name == "recent" else None]}
+    assert len(emb.embedding_tables["items"]) < len(looked_up) <= emb.tables["items"].capacity  # TTL expired some
 
 
 @pytest.mark.parametrize("world", WORLDS)

@@ -160,9 +160,7 @@ class ShardedEmbedding(TrainingEngine):
             tables = self._init_features(feature_config)
             config = encode_engine_config(feature_config, tables, optimizer, seed)
             config["non_finite"] = non_finite
-            dynamic = {t.name: [t.capacity, repr(t.admission), repr(t.eviction)] for t in tables
-                       if isinstance(t, DynamicTableConfig)}
-            return tables, config, json.dumps([config, dynamic], sort_keys=True)
+            return tables, config, json.dumps(config, sort_keys=True)
         result, error, exc = _attempt(describe_config)
         self._agreed(error, exc, "building the embedding configuration")
         tables, self._config, text = result
@@ -205,8 +203,8 @@ class ShardedEmbedding(TrainingEngine):
         self._shard_tables = physical_tables(
             static, optimizer, seed=self.seed, tuning=self.tuning, unit_gains=unit,
             shards={name: (s.first, s.stride, s.rows) for name, s in self.shards.items()}) if static else ()
-        owned = physical_tables([rank_config(t, self.world_size, self.rank) for t in dynamic], optimizer, seed=self.seed,
-                                tuning=self.tuning, unit_gains=unit) if dynamic else ()
+        owned = physical_tables([rank_config(t, self.world_size, self.rank) for t in dynamic], optimizer,
+                                seed=self.seed, tuning=self.tuning, unit_gains=unit) if dynamic else ()
         engine = weakref.ref(self)
         for table in owned:  # views of TTL tables hide the rows expired at the engine's current step
             table.clock = lambda: getattr(engine(), "step", 0)
@@ -216,8 +214,7 @@ class ShardedEmbedding(TrainingEngine):
         self._layout = Layout(self._spaces[:self._n_static], static, self._rotation, self._shard_tables,
                               self.world_size)
         self._workspace = Workspace()
-        # a lookup's table batches, kept for its update
-        self._batch_workspaces = [Workspace() for _ in spaces[:self._n_static]]
+        self._batch_workspaces = [Workspace() for _ in spaces[:self._n_static]]  # a lookup's table batches
         self._constants = _Constants()
         self._lookups = 0
         self._pending = None  # weak reference to the last lookup's route while its gradients are not applied

@@ -35,11 +35,13 @@ POOL = np.array([0, -1, 2 ** 62 + 7, -2 ** 63, 12345678901, 77, 78, 79, 2 ** 40,
 
 def config(mode="equal"):
     """Two dynamic tables (one of them read by a pooled and a sequence feature) and a static table of the
-    same dim as one of them (own id space each)."""
+    same dim as one of them (own id space each). ``equal``: room for every key, admission by a sketch wide
+    enough to count exactly, TTL expiry; else tiny capacities under LRU and TTL."""
     if mode == "equal":
         users = ec.DynamicTableConfig(8, 100, name="users", combiner="sum",
                                       admission=ec.CountAdmission(2, sketch_width=2 ** 16))
-        items = ec.DynamicTableConfig(4, 200, name="items", optimizer=ec.Adam(0.01, lazy_adam=True))
+        items = ec.DynamicTableConfig(4, 200, name="items", optimizer=ec.Adam(0.01, lazy_adam=True),
+                                      eviction=ec.TTL(1))  # keys expire, none is evicted for room
     else:
         users = ec.DynamicTableConfig(8, 16, name="users", combiner="sum", eviction=ec.LRU())
         items = ec.DynamicTableConfig(4, 48, name="items", eviction=ec.TTL(1),
@@ -83,10 +85,13 @@ def take(batch, rows):
 
 
 def gradients(acts, t, rows):
+    """Gradients of the global batch's samples ``rows``; at step 2 the sequence feature has none (None)."""
     out = {}
     for k, (name, a) in enumerate(sorted(acts.items())):
         full = np.random.default_rng(900 + 10 * t + k).standard_normal((GLOBAL,) + a.shape[1:]).astype(np.float32)
         out[name] = np.ascontiguousarray(full[rows])
+    if t == 2:
+        out["recent"] = None
     return out
 
 
@@ -108,9 +113,12 @@ def reference(worlds, mode="equal", stop=STEPS):
 
 
 def policy_metadata(emb, name):
-    """``[n, 3]`` int64: each key held (increasing as int64), its last-seen step and its count."""
+    """``[n, 3]`` int64: each key held (increasing as int64; TTL expired ones are not), its last-seen step and
+    its count."""
     table = next(t for t in emb.physical_tables if getattr(t, "name", None) == name)
     keys, rows = table.key_map.items()
+    held = table.held_rows(rows)
+    keys, rows = keys[held], rows[held]
     keys = np.asarray(keys).view(np.int64)
     order = np.argsort(keys)
     return np.stack([keys[order], table.key_map.last_seen[rows[order]].astype(np.int64),
