@@ -9,6 +9,8 @@ import sys
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import embedcore as ec
 from embedcore.distributed.dynamic import key_owners, rank_capacity
@@ -32,6 +34,34 @@ def test_placement_is_a_stable_hash_of_the_key():
     assert counts.min() > 900
     assert [[rank_capacity(10, k, r) for r in range(k)] for k in (1, 2, 3, 4)] == [[10], [5, 5], [4, 3, 3],
                                                                                  [3, 3, 2, 2]]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(-2 ** 63, 2 ** 64 - 1), max_size=40), st.integers(1, 5), st.integers(1, 3))
+def test_requests_leave_for_their_owners_in_key_order(values, world, n_tables):
+    """The flat key message (:meth:`DynamicShards.request`'s layout) against a plain Python model: peer-major,
+    then table-major, keys increasing within a part; counts are occurrences."""
+    from embedcore.distributed.dynamic import DynamicShards
+    from embedcore.inputs import to_feature_batch
+    from embedcore.tuning import DEFAULT_TUNING
+
+    class Table:
+        def __init__(self, dim):
+            self.dim = dim
+    keys = np.array([v % 2 ** 64 for v in values], np.uint64).view(np.int64)  # every bit pattern
+    per_table = [keys[d::n_tables] for d in range(n_tables)]
+    parts = [[(to_feature_batch(k, None, f"f{d}", 10, check_range=False), "sum", 0, 0, 0, 10)] for d, k in
+             enumerate(per_table)]
+    shards = DynamicShards([None] * n_tables, [Table(d + 1) for d in range(n_tables)], 0, world, 0, DEFAULT_TUNING)
+    route, send = shards.request(parts)
+    expected = []
+    for peer in range(world):
+        for d, k in enumerate(per_table):
+            distinct = sorted(set(k.view(np.uint64).tolist()))
+            expected += [(key, int((k.view(np.uint64) == key).sum())) for key in distinct
+                         if key_owners(np.array([key], np.uint64), world)[0] == peer]
+    assert [(int(key), int(count)) for key, count in zip(send[:, 0].view(np.uint64), send[:, 1])] == expected
+    assert route.to.sum() == len(expected)
 
 
 @pytest.fixture(scope="module")
