@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..kernels.hash_map import is_partition
 from ..tables.dynamic import DynamicTableState
 from .errors import CheckpointError
 
@@ -200,7 +201,7 @@ def check_state_contents(state: DynamicTableState, where: str, step: int) -> Non
                               f"the checkpoint's step {step}")
     slots = np.concatenate([np.asarray(state.rows), np.asarray(state.free)])
     high = slots.shape[0]
-    if high and (slots.min() < 0 or slots.max() >= high or np.unique(slots).shape[0] != high):
+    if not is_partition(slots):
         raise CheckpointError(f"corrupt checkpoint: {where}: rows and free must together be the row slots 0 .. "
                               f"{high - 1}, each once")
 
