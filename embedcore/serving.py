@@ -120,7 +120,8 @@ class ServingEmbedding(TableLookup):
                         init = decode_initializer(config, name)
                     except CheckpointError as e:
                         raise CheckpointError(f"{e}. Serving imports no code: ServingEmbedding(path, unknown_keys="
-                                              f"'zeros') serves the keys table '{name}' does not hold as zeros") from None
+                                              f"'zeros') serves the keys table '{name}' does not hold as zeros") \
+                            from None
                 unknown[name] = unknown_rows(t, seed, unknown_keys, init)
             return snap, tables, weights, keys, unknown
 
