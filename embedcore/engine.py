@@ -272,16 +272,32 @@ class Embedding(TrainingEngine):
         return {"seed": self.seed, "stack_tables": len(self._physical) < len(self._table_configs),
                 "non_finite": self.non_finite, "tuning": self.tuning}
 
+    def _static_state(self) -> tuple:
+        """``(tables, slots)`` of the static tables, as :meth:`set_state` takes them."""
+        dynamic = {t.name for t in self._physical if t.dynamic}
+        return ({n: v for n, v in self.embedding_tables.items() if n not in dynamic},
+                {n: v for n, v in self.slot_variables.items() if n not in dynamic})
+
+    def _dynamic_states(self) -> dict:
+        """Dynamic table name -> its :class:`~embedcore.tables.dynamic.DynamicTableState` (copies)."""
+        return {t.name: t.state() for t in self._physical if t.dynamic}
+
+    def _set_dynamic_states(self, states: dict) -> None:
+        """Make ``states`` (as :meth:`_dynamic_states` gives) the dynamic tables' states, all checked first."""
+        tables = {t.name: t for t in self._physical if t.dynamic}
+        if set(states) != set(tables):
+            raise ValueError(f"dynamic tables {sorted(states)} given, the engine has {sorted(tables)}")
+        for apply in [tables[name].prepare_state(state) for name, state in states.items()]:
+            apply()
+
     def __deepcopy__(self, memo):
-        """An independent engine: configuration deep-copied (functions shared), tables, slots, ``step`` copied."""
+        """An independent engine: configuration deep-copied (functions shared), tables, slots, ``step`` copied
+        (a dynamic table's whole state: keys, row slots, metadata, admission counts)."""
         import copy
-        dynamic = sorted(t.name for t in self._table_configs.values() if isinstance(t, DynamicTableConfig))
-        if dynamic:
-            raise TypeError(f"cannot copy this {type(self).__name__}: tables {dynamic} are dynamic, whose copies "
-                            f"(keys, rows and policies' state) are not supported yet")
         feature_config, optimizer = copy.deepcopy((self._feature_config, self._optimizer), memo)
         emb = type(self)(feature_config, optimizer, fill=False, **self._copy_arguments())
-        emb.set_state(self.embedding_tables, self.slot_variables, self.step)
+        emb.set_state(*self._static_state(), self.step)
+        emb._set_dynamic_states(self._dynamic_states())
         emb.skipped_rows = dict(self.skipped_rows)
         memo[id(self)] = emb
         return emb
@@ -307,9 +323,10 @@ class Embedding(TrainingEngine):
                 f"at module level in an importable module (copy.deepcopy works without)")
         arguments = self._copy_arguments()
         arguments["tuning"] = self.tuning.replace(phase_timer=None)
+        tables, slots = self._static_state()
         state = {"version": 1, "config": config, "arguments": arguments, "step": self.step,
-                 "skipped_rows": dict(self.skipped_rows), "tables": self.embedding_tables,
-                 "slots": self.slot_variables}
+                 "skipped_rows": dict(self.skipped_rows), "tables": tables, "slots": slots,
+                 "dynamic": self._dynamic_states()}
         return type(self)._from_pickled, (state,)
 
     @staticmethod
@@ -333,6 +350,7 @@ class Embedding(TrainingEngine):
         feature_config, optimizer, _ = decode_engine_config(state["config"], FunctionResolver(allow_import=True))
         emb = cls(feature_config, optimizer, fill=False, **state["arguments"])
         emb.set_state(state["tables"], state["slots"], state["step"])
+        emb._set_dynamic_states(state.get("dynamic", {}))
         emb.skipped_rows = dict(state["skipped_rows"])
         return emb
 

@@ -467,3 +467,32 @@ def test_a_key_map_load_refuses_bad_state_and_changes_nothing():
             m.load(*args)
         for a, b in zip(before, m.state()):
             np.testing.assert_array_equal(a, b)
+
+
+def test_deepcopy_and_pickle_copy_the_whole_dynamic_state():
+    import copy
+    import pickle
+    rng = np.random.default_rng(11)
+    batches = [batch(rng) for _ in range(10)]
+    emb = make_engine(ec.TTL(2), weights_dtype="bfloat16")
+    train(emb, batches[:5])
+    copies = [copy.deepcopy(emb), pickle.loads(pickle.dumps(emb))]
+    for other in copies:
+        assert_same_state(full_state(emb), full_state(other))
+    expected = train(emb, batches[5:])
+    for other in copies:
+        for e, g in zip(expected, train(other, batches[5:])):
+            for k in e:
+                np.testing.assert_array_equal(e[k], g[k], err_msg=k)
+        assert_same_state(full_state(emb), full_state(other))
+
+
+def test_serving_refuses_repeated_keys_even_unverified(saved, tmp_path):
+    import shutil
+    path = tmp_path / "c"
+    shutil.copytree(saved, path)
+    rewrite_dynamic(path, _duplicate_key)
+    with pytest.raises(CheckpointError, match="out of order or given twice"):
+        ec.ServingEmbedding(path)
+    with pytest.raises(CheckpointError, match="is given twice"):
+        ec.ServingEmbedding(path, verify=False)
