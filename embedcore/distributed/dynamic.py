@@ -36,10 +36,11 @@ K ranks and one process fed the concatenated batches: the initial values (a func
 table and the key) and the keys seen are the same, so **while no table evicts to make room** (TTL expiry
 is the same either way: it depends only on a key's last-seen step), and while the admission sketches count
 exactly (wide enough that every key seen has a counter no other key seen shares; a rank's sketch sees only
-its own keys, so its estimate is at most the one process's, and both are exact then), the tables hold the same keys with the same rows, slots, last-seen steps and counts, and
-the activations agree: bit for bit on one rank; with several, up to float32 summation order (one key's
-gradient sums are summed per rank, then in rank order), and an activation that mixes admitted and
-unadmitted keys of one bag is summed in one pass here (the one process adds the unadmitted part after).
+its own keys, so its estimate is at most the one process's, and both are exact then), the tables hold the
+same keys with the same rows, slots, last-seen steps and counts, and the activations agree: bit for bit
+on one rank; with several, up to float32 summation order (one key's gradient sums are summed per rank,
+then in rank order), and an activation that mixes admitted and unadmitted keys of one bag is summed in one
+pass here (the one process adds the unadmitted part after).
 With eviction the per-rank capacity is not the global one, so the keys evicted differ from one process's;
 what holds: every rank's table holds at most its :func:`rank_capacity` of keys, all of them its own; a new key
 evicts only keys of its own rank (never a key the batch uses); a batch with more new keys than some rank can
@@ -167,6 +168,7 @@ class DynamicShards:
         tables: this rank's :class:`~embedcore.tables.dynamic.DynamicPhysicalTable` of each, same order.
         first_space: the index of ``spaces[0]`` among the engine's id spaces (feature slots' ``group``).
         world, rank: the communicator's size and this rank.
+        tuning: the engine's :class:`~embedcore.tuning.Tuning` (how requests' table batches are laid out).
     """
 
     def __init__(self, spaces, tables, first_space: int, world: int, rank: int, tuning):
@@ -199,8 +201,8 @@ class DynamicShards:
             mapped, at = [], 0
             for batch, combiner, seq_len, _, out_offset, _ in table_parts:
                 n = batch.ids.shape[0]
-                mapped.append((dataclasses.replace(batch, ids=inverse[at:at + n], given_ids=None), combiner, seq_len, 0, out_offset,
-                               max(distinct.shape[0], 1)))
+                local = dataclasses.replace(batch, ids=inverse[at:at + n], given_ids=None)  # distinct keys' indices
+                mapped.append((local, combiner, seq_len, 0, out_offset, max(distinct.shape[0], 1)))
                 at += n
             tb = inputs.build_table_batch(mapped, None, self.tuning)
             uniq, ptr, order = (a.copy() for a in unique_rows(tb.rows, max(distinct.shape[0], 1), Workspace()))
@@ -228,7 +230,8 @@ class DynamicShards:
         world, n_tables = self.world, len(self.tables)
         route.from_ = np.empty((world, n_tables), np.int64)
         per_peer = np.full(world, n_tables, np.int64)
-        ex.alltoallv(np.ascontiguousarray(route.to), per_peer, route.from_, per_peer, "lookup (dynamic key counts)")
+        ex.alltoallv(np.ascontiguousarray(route.to).reshape(-1), per_peer, route.from_.reshape(-1), per_peer,
+                     "lookup (dynamic key counts)")
         received = np.empty((int(route.from_.sum()), 2), np.int64)
         ex.alltoallv(send.reshape(-1), 2 * route.to.sum(axis=1), received.reshape(-1), 2 * route.from_.sum(axis=1),
                      "lookup (dynamic keys)")
@@ -244,14 +247,12 @@ class DynamicShards:
     def plan(self, route: DynamicRoute, step: int) -> None:
         """Plan every table's lookup of the keys it received (see the module docstring); on a refusal,
         undo the plans made and raise (the caller agrees on it with the other ranks)."""
-        done = []
         try:
             for table, owned in zip(self.tables, route.owned):
                 occurrences = np.repeat(owned.keys, owned.counts)
                 batch = inputs.to_feature_batch(occurrences, None, table.name, table.key_map.capacity,
                                                 check_range=False)
                 owned.plan = table.plan([(batch, "sum", 0, 0, 0, table.key_map.capacity)], step)
-                done.append((table, owned))
         except BaseException:
             self.cancel(route)
             raise
