@@ -21,6 +21,13 @@ Sections and keys (every key is optional; unknown keys are errors that list the 
     [embedding.tables.C3]      # per-table overrides: the optimizer, same keys as [embedding] (no dim), and/or
     optimizer = "sgd"          # weights_dtype, slot_dtype, stochastic_rounding (a table naming no optimizer
                                # keeps [embedding]'s; one that names one takes none of [embedding]'s arguments)
+    [embedding.tables.C7]      # a dynamic table (DynamicTableConfig): its ids are 64-bit keys, not rows
+    dynamic = true             #   csv data: hashed columns (hash_buckets) -> embedcore.hash_keys(string), no
+    capacity = 100000          #   buckets; other columns -> 64-bit integers as they are; synthetic and movielens
+    admission = {min_count = 3}  #   ids are the keys. capacity: the most rows (required); admission (optional,
+    eviction = "lru"           #   default: admit at once): min_count, sketch_width, sketch_depth (CountAdmission);
+                               #   eviction (optional, default none: a batch that does not fit is refused):
+                               #   "lru" | "lfu" | {ttl = steps}
     [model]                    # the NumPy DLRM head
     bottom = [64]
     top = [64, 32]
@@ -56,13 +63,16 @@ import numpy as np
 
 from .. import optimizers as _optimizers
 from ..config import DTYPES
+from ..kernels.hash_map import MAX_CAPACITY
+from ..tables.policies import LFU, LRU, TTL, CountAdmission
 from ..checkpoint.config_codec import constructor_parameters, import_function
 from .data import CsvClickLog, MovieLens, SyntheticClickLog
 from .data.batch import EXCERPT_CHARS
 from .models import dense_optimizers as _dense
 
 __all__ = ["ConfigError", "DEFAULTS", "load_config", "merge", "check", "build_dataset", "build_optimizer",
-           "build_dense_optimizer", "table_storage", "EMBEDDING_OPTIMIZERS", "STORAGE_KEYS", "STORAGE_DEFAULTS"]
+           "build_dense_optimizer", "table_storage", "table_dynamic", "EMBEDDING_OPTIMIZERS", "STORAGE_KEYS",
+           "STORAGE_DEFAULTS", "DYNAMIC_KEYS", "DYNAMIC_SCHEMA"]
 
 
 class ConfigError(ValueError):
@@ -318,6 +328,31 @@ DATA_SCHEMA = {
 }
 #: How tables are stored, in ``[embedding]`` and ``[embedding.tables.NAME]``.
 STORAGE_SCHEMA = {"weights_dtype": _string(DTYPES), "slot_dtype": _string(DTYPES), "stochastic_rounding": _BOOLEAN}
+#: A dynamic table, in ``[embedding.tables.NAME]``: ``dynamic = true`` and ``DynamicTableConfig``'s arguments.
+DYNAMIC_KEYS = ("dynamic", "capacity", "admission", "eviction")
+EVICTIONS = {"lru": LRU, "lfu": LFU}
+_COUNT = _integer(1, 2 ** 32 - 1)
+ADMISSION_SCHEMA = {"min_count": _COUNT, "sketch_width": _COUNT, "sketch_depth": _integer(1, 16)}
+
+
+def _admission(value, where):
+    if not isinstance(value, dict):
+        raise ConfigError(f"{where} must be a table such as {{min_count = 3}} (CountAdmission's min_count, "
+                          f"sketch_width, sketch_depth), got {_shown(value)}")
+    _check_keys(value, ADMISSION_SCHEMA, where)
+    _check_section(value, ADMISSION_SCHEMA, where)
+
+
+def _eviction(value, where):
+    if isinstance(value, str) and value in EVICTIONS:
+        return
+    if isinstance(value, dict) and list(value) == ["ttl"]:
+        return _integer(1, 2 ** 31 - 1)(value["ttl"], f"{where}.ttl")
+    raise ConfigError(f"{where} must be \"lru\", \"lfu\" or {{ttl = steps}}, got {_shown(value)}")
+
+
+DYNAMIC_SCHEMA = {"dynamic": _BOOLEAN, "capacity": _integer(1, MAX_CAPACITY), "admission": _admission,
+                  "eviction": _eviction}
 #: Rules of the optimizer arguments every optimizer shares; the others must be plain values
 #: (:func:`_plain_value`) and are checked by the optimizer's constructor.
 OPTIMIZER_SCHEMA = {"learning_rate": _number(0, lo_open=True)}
@@ -359,8 +394,9 @@ def check(config: dict) -> None:
         if not isinstance(spec, dict):
             raise ConfigError(f"{where} must be a table of optimizer and storage settings, got {_shown(spec)}")
         _check_storage(spec, where)
-        if "optimizer" in spec or set(spec) - set(STORAGE_KEYS):
-            _check_optimizer(spec, where, extra=STORAGE_KEYS)
+        _check_dynamic(spec, where)
+        if "optimizer" in spec or set(spec) - set(STORAGE_KEYS) - set(DYNAMIC_KEYS):
+            _check_optimizer(spec, where, extra=STORAGE_KEYS + DYNAMIC_KEYS)
     for section in ("model", "train"):
         _check_keys(config[section], DEFAULTS[section], section)
         missing = sorted(set(DEFAULTS[section]) - set(config[section]))
@@ -417,6 +453,40 @@ def _check_storage(spec: dict, where: str) -> None:
             STORAGE_SCHEMA[key](spec[key], f"{where}.{key}")
 
 
+def _check_dynamic(spec: dict, where: str) -> None:
+    """A table's dynamic keys: ``dynamic`` a boolean; with ``dynamic = true`` a ``capacity`` (required),
+    ``admission`` and ``eviction`` (optional); without it, none of them."""
+    if "dynamic" in spec:
+        DYNAMIC_SCHEMA["dynamic"](spec["dynamic"], f"{where}.dynamic")
+    given = [k for k in DYNAMIC_KEYS[1:] if k in spec]
+    if not spec.get("dynamic"):
+        if given:
+            raise ConfigError(f"{where}.{given[0]} (= {_shown(spec[given[0]])}) is for dynamic tables: set "
+                              f"{where}.dynamic = true, or drop it")
+        return
+    if "capacity" not in spec:
+        raise ConfigError(f"{where}.dynamic = true needs {where}.capacity: the most keys (rows) the table holds, "
+                          f"an integer in [1, {MAX_CAPACITY}]")
+    for key in given:
+        DYNAMIC_SCHEMA[key](spec[key], f"{where}.{key}")
+
+
+def table_dynamic(embedding: dict, name: str) -> dict | None:
+    """``DynamicTableConfig``'s ``capacity``, ``admission`` and ``eviction`` for table ``name`` when its
+    ``[embedding.tables.NAME]`` says ``dynamic = true``, else None."""
+    spec = embedding.get("tables", {}).get(name, {})
+    if not spec.get("dynamic"):
+        return None
+    admission = spec.get("admission")
+    eviction = spec.get("eviction")
+    if isinstance(eviction, dict):
+        eviction = TTL(eviction["ttl"])
+    elif eviction is not None:
+        eviction = EVICTIONS[eviction]()
+    return {"capacity": spec["capacity"], "admission": None if admission is None else CountAdmission(**admission),
+            "eviction": eviction}
+
+
 def table_storage(embedding: dict, name: str) -> dict:
     """``TableConfig``'s storage arguments for table ``name``: its ``[embedding.tables.NAME]`` keys over
     ``[embedding]``'s over :data:`STORAGE_DEFAULTS`."""
@@ -428,7 +498,8 @@ def _check_optimizer(spec, where, extra=()):
     if "optimizer" not in spec:
         others = sorted(set(spec) - set(extra))
         raise ConfigError(f"[{where}] needs an optimizer" + (
-            f" to take {[_clip(str(k)) for k in others[:20]]} (without one, only {list(STORAGE_KEYS)})"
+            f" to take {[_clip(str(k)) for k in others[:20]]} (without one, only "
+            f"{list(STORAGE_KEYS) + list(DYNAMIC_KEYS) if where.startswith('embedding.tables.') else list(STORAGE_KEYS)})"
             if others else ""))
     cls = _optimizer_class(spec["optimizer"], where)
     allowed = [a for a in constructor_parameters(cls) if a != "custom_computation"] + ["optimizer", *extra]
@@ -444,7 +515,7 @@ def _check_optimizer(spec, where, extra=()):
 def build_optimizer(spec: dict, where: str = "embedding") -> _optimizers.Optimizer:
     """An embedding optimizer from ``{"optimizer": name or "module:function", **arguments}``."""
     cls = _optimizer_class(spec["optimizer"], where)
-    args = {k: v for k, v in spec.items() if k not in ("optimizer", "dim", "tables", *STORAGE_KEYS)}
+    args = {k: v for k, v in spec.items() if k not in ("optimizer", "dim", "tables", *STORAGE_KEYS, *DYNAMIC_KEYS)}
     try:
         if cls is _optimizers.CustomOptimizer:
             return cls(_custom_computation(spec["optimizer"], where), **args)
@@ -459,9 +530,14 @@ def build_dense_optimizer(model: dict):
     return DENSE_OPTIMIZERS[model["dense_optimizer"]](model["dense_learning_rate"])
 
 
-def build_dataset(data: dict):
+def build_dataset(data: dict, key_columns=()):
+    """The dataset ``[data]`` describes. ``key_columns``: the features of dynamic tables, whose ids are 64-bit
+    keys: a CSV log reads their cells as keys (:class:`~embedcore.app.data.CsvClickLog`); the other readers'
+    ids are integers, keys as they are."""
     cls = DATASETS[data["kind"]]
     args = {k: v for k, v in data.items() if k != "kind"}
+    if key_columns and cls is CsvClickLog:
+        args["key_columns"] = list(key_columns)
     try:
         return cls(**args)
     except (ValueError, OSError) as e:
