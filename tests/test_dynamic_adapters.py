@@ -176,7 +176,7 @@ def test_torch_process_group_refuses_dynamic_tables_naming_one(tmp_path):
         pytest.fail("a process group is already initialized in this process")
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
-        with pytest.raises(DistributedError, match="table '(user|item)' is dynamic: sharded engines do not take dynamic"):
+        with pytest.raises(DistributedError, match="table '(user|item)' is dynamic: sharded engines do not take"):
             EmbeddingModule(make_features(), process_group=dist.group.WORLD, seed=SEED)
     finally:
         dist.destroy_process_group()
@@ -274,3 +274,17 @@ def test_keras_layer_trains_dynamic_tables_as_numpy_does(oracle, tmp_path):
         layer.save_own_variables({})
     with pytest.raises(ValueError, match="are dynamic"):
         tf.train.Checkpoint(layer=layer).write(str(tmp_path / "ckpt"))
+
+
+def test_tf_serving_lookup_keeps_negative_keys_of_dynamic_tables():
+    """TensorFlow's serving lookup drops sparse ids < 0 (``safe_embedding_lookup_sparse``); a dynamic table's
+    negative ids are keys and are looked up."""
+    tf = pytest.importorskip("tensorflow")
+    from embedcore.tensorflow import TPUEmbeddingForServing
+    table = ec.DynamicTableConfig(DIM, 8, name="t", optimizer=SGD, combiner="sum", initializer=ec.RandomUniform(-1, 1))
+    serving = TPUEmbeddingForServing({"f": ec.FeatureConfig(table)}, SGD)
+    keys = np.array([-7, 2 ** 63 - 1, -2 ** 63, 5], np.int64)
+    ids = tf.SparseTensor(indices=[[0, 0], [0, 1], [1, 0], [2, 0]], values=tf.constant(keys), dense_shape=[3, 2])
+    acts = serving({"f": ids})["f"].numpy()
+    rows = serving.engine.embedding_tables["t"][keys]
+    np.testing.assert_array_equal(acts, np.stack([rows[0] + rows[1], rows[2], rows[3]]))

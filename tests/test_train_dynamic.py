@@ -179,3 +179,21 @@ def test_train_cli_on_a_csv_file_with_string_and_64_bit_ids(tmp_path, capsys):
     first = next(dataset.batches(4))
     assert set(first.ids["C1"].tolist()) <= set(ec.hash_keys([f"user-{u}" for u in range(30)]).tolist())
     assert set(first.ids["C2"].tolist()) <= set(items.tolist())
+
+
+def test_the_memory_check_sizes_a_dynamic_table_by_its_capacity_and_key_map(monkeypatch):
+    """A key column's key space is 2**64; its table takes capacity rows, slots, the key map and the admission
+    sketch (``tables.dynamic.map_bytes``), and a refusal names the capacity key."""
+    from embedcore.app.data import FeatureSpec
+    from embedcore.app.trainer import _check_tables_fit
+    from embedcore.tables.dynamic import map_bytes
+    capacity, dim = 10 ** 6, 16
+    table = ec.DynamicTableConfig(dim, capacity, name="C1", admission=ec.CountAdmission(min_count=2))
+    need = capacity * dim * (4 + 4) + map_bytes(table)
+    adagrad = {"C1": ec.Adagrad(0.1)}
+    monkeypatch.setenv("EMBEDCORE_MEMORY_LIMIT", str(need))
+    _check_tables_fit([FeatureSpec("C1", 2 ** 64)], dim, adagrad, {"C1": table})
+    monkeypatch.setenv("EMBEDCORE_MEMORY_LIMIT", str(need - 1))
+    with pytest.raises(ConfigError, match=rf"table 'C1', 1,000,000 rows from embedding\.tables\.C1\.capacity, "
+                                          rf"{need:,} bytes"):
+        _check_tables_fit([FeatureSpec("C1", 2 ** 64)], dim, adagrad, {"C1": table})

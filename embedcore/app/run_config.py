@@ -22,12 +22,13 @@ Sections and keys (every key is optional; unknown keys are errors that list the 
     optimizer = "sgd"          # weights_dtype, slot_dtype, stochastic_rounding (a table naming no optimizer
                                # keeps [embedding]'s; one that names one takes none of [embedding]'s arguments)
     [embedding.tables.C7]      # a dynamic table (DynamicTableConfig): its ids are 64-bit keys, not rows
-    dynamic = true             #   csv data: hashed columns (hash_buckets) -> embedcore.hash_keys(string), no
-    capacity = 100000          #   buckets; other columns -> 64-bit integers as they are; synthetic and movielens
-    admission = {min_count = 3}  #   ids are the keys. capacity: the most rows (required); admission (optional,
-    eviction = "lru"           #   default: admit at once): min_count, sketch_width, sketch_depth (CountAdmission);
-                               #   eviction (optional, default none: a batch that does not fit is refused):
-                               #   "lru" | "lfu" | {ttl = steps}
+    dynamic = true             # csv data: a hashed column's ids (hash_buckets) are embedcore.hash_keys(string),
+                               # no buckets; other columns' are 64-bit integers as they are; synthetic and
+                               # movielens ids are the keys
+    capacity = 100000          # the most keys (rows) it holds; required with dynamic = true
+    admission = {min_count = 3}  # optional, CountAdmission's min_count, sketch_width, sketch_depth (default: admit
+                               # every key at once)
+    eviction = "lru"           # optional: "lru" | "lfu" | {ttl = steps} (default none: a full table refuses new keys)
     [model]                    # the NumPy DLRM head
     bottom = [64]
     top = [64, 32]
@@ -498,9 +499,7 @@ def _check_optimizer(spec, where, extra=()):
     if "optimizer" not in spec:
         others = sorted(set(spec) - set(extra))
         raise ConfigError(f"[{where}] needs an optimizer" + (
-            f" to take {[_clip(str(k)) for k in others[:20]]} (without one, only "
-            f"{list(STORAGE_KEYS) + list(DYNAMIC_KEYS) if where.startswith('embedding.tables.') else list(STORAGE_KEYS)})"
-            if others else ""))
+            f" to take {[_clip(str(k)) for k in others[:20]]} (without one, only {list(extra)})" if others else ""))
     cls = _optimizer_class(spec["optimizer"], where)
     allowed = [a for a in constructor_parameters(cls) if a != "custom_computation"] + ["optimizer", *extra]
     _check_keys(spec, allowed, f"{where}] (optimizer {spec['optimizer']!r}")

@@ -106,9 +106,12 @@ def _check_tables_fit(features, dim: int, optimizers: dict, tables: dict) -> Non
             return table.capacity, f"embedding.tables.{f.name}.capacity"
         return f.vocabulary_size, f.source
 
-    sizes = {f.name: DenseStorage.bytes_needed(rows(f)[0], dim, optimizers[f.name].slot_dims,
-                                               tables[f.name].stored_formats) +
-             (map_bytes(tables[f.name]) if isinstance(tables[f.name], DynamicTableConfig) else 0) for f in features}
+    def table_bytes(f):  # rows and slots, and a dynamic table's key map and admission sketch
+        table = tables[f.name]
+        stored = DenseStorage.bytes_needed(rows(f)[0], dim, optimizers[f.name].slot_dims, table.stored_formats)
+        return stored + (map_bytes(table) if isinstance(table, DynamicTableConfig) else 0)
+
+    sizes = {f.name: table_bytes(f) for f in features}
     if not sizes:
         return
     largest = max(features, key=lambda f: sizes[f.name])

@@ -584,7 +584,7 @@ class TPUEmbeddingForServing(_Front):
     is not). As TensorFlow's ``safe_embedding_lookup_sparse`` (its path for sparse inputs unless
     ``validate_weights_and_indices=False`` at rank 2, or a rank-2 sequence feature), sparse entries with
     negative ids are dropped, and so are entries of weight <= 0 for the ``mean`` and ``sqrtn`` combiners. The
-    optimizer may be ``None`` (no slots).
+    optimizer may be ``None`` (no slots). A dynamic table's negative ids are keys, never dropped.
     ``embedding_tables`` is keyed by the given ``TableConfig`` s.
     """
 
@@ -698,7 +698,8 @@ def _serving_prune(ids: tf.SparseTensor, weights, feature):
         return ids, weights
     if not feature.validate_weights_and_indices and rank is not None and rank <= 2:
         return ids, weights
-    keep = ids.values >= 0
+    # A dynamic table's negative ids are keys like any other (their bit patterns), not invalid rows.
+    keep = tf.ones_like(ids.values, tf.bool) if isinstance(feature.table, ec.DynamicTableConfig) else ids.values >= 0
     if weights is not None and feature.table.combiner != "sum":
         keep = tf.logical_and(keep, weights.values > 0)
     ids = tf.sparse.retain(ids, keep)
