@@ -138,6 +138,27 @@ def test_torch_module_trains_dynamic_tables_as_numpy_does(oracle):
     assert_same_tables(module.embedding, reference)
 
 
+def test_torch_compile_trains_dynamic_tables_as_numpy_does(oracle):
+    """Under ``torch.compile(fullgraph=True)`` the lookup and update are embedcore's custom ops: same results."""
+    torch = pytest.importorskip("torch")
+    from embedcore.torch import EmbeddingModule
+    want_acts, reference = oracle
+    module = EmbeddingModule(make_features(), seed=SEED)
+
+    def forward(features, grads):
+        acts = module(features)
+        return acts, sum((acts[k] * grads[k]).sum() for k in grads)
+
+    compiled = torch.compile(forward, fullgraph=True)
+    for step, (ids, grads) in enumerate(batches()):
+        acts, loss = compiled({k: (torch.from_numpy(v), torch.from_numpy(s[:-1])) for k, (v, s) in ids.items()},
+                              {k: torch.from_numpy(g) for k, g in grads.items()})
+        for name, want in want_acts[step].items():
+            np.testing.assert_array_equal(acts[name].detach().numpy(), want, err_msg=f"step {step} {name}")
+        loss.backward()
+    assert_same_tables(module.embedding, reference)
+
+
 def test_torch_state_dict_refuses_dynamic_tables_naming_them_and_the_way_out():
     torch = pytest.importorskip("torch")
     from embedcore.torch import EmbeddingModule

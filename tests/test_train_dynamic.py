@@ -8,6 +8,8 @@ import os
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import embedcore as ec
 from embedcore.app.cli import main
@@ -197,3 +199,22 @@ def test_the_memory_check_sizes_a_dynamic_table_by_its_capacity_and_key_map(monk
     with pytest.raises(ConfigError, match=rf"table 'C1', 1,000,000 rows from embedding\.tables\.C1\.capacity, "
                                           rf"{need:,} bytes"):
         _check_tables_fit([FeatureSpec("C1", 2 ** 64)], dim, adagrad, {"C1": table})
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(integers=st.lists(st.integers(-2 ** 63, 2 ** 64 - 1), min_size=1, max_size=12),
+       strings=st.lists(st.text(st.characters(blacklist_characters="|:,\r\n", blacklist_categories=("Cs",)),
+                                min_size=1, max_size=90).filter(lambda t: t.strip(" \t")), min_size=1, max_size=12))
+def test_csv_keys_are_the_integers_bit_patterns_and_the_strings_hash_keys(tmp_path, integers, strings):
+    """Any 64-bit integer (either signedness, as written) reads as its bit pattern; any string (trimmed of spaces
+    and tabs, as every field is) as ``hash_keys`` of it, whatever its length (both packing paths)."""
+    n = max(len(integers), len(strings))
+    cells = [(integers[k % len(integers)], strings[k % len(strings)]) for k in range(n)]
+    path = tmp_path / "keys.csv"
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("label,C1,C2\n" + "".join(f"{k % 2},{i},{s}\n" for k, (i, s) in enumerate(cells)))
+    log = CsvClickLog(path, hash_buckets={"C2": 7}, key_columns=["C1", "C2"], eval_fraction=0.0)
+    batch = next(log.batches(n))
+    want = np.array([i - 2 ** 64 if i >= 2 ** 63 else i for i, _ in cells], np.int64)
+    np.testing.assert_array_equal(batch.ids["C1"], want)
+    np.testing.assert_array_equal(batch.ids["C2"], ec.hash_keys([s.strip(" \t") for _, s in cells]))
