@@ -5,6 +5,7 @@ the checkpointing that dynamic tables cannot have yet, refused before anything r
 
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -218,3 +219,26 @@ def test_csv_keys_are_the_integers_bit_patterns_and_the_strings_hash_keys(tmp_pa
     want = np.array([i - 2 ** 64 if i >= 2 ** 63 else i for i, _ in cells], np.int64)
     np.testing.assert_array_equal(batch.ids["C1"], want)
     np.testing.assert_array_equal(batch.ids["C2"], ec.hash_keys([s.strip(" \t") for _, s in cells]))
+
+
+def test_demo_dynamic_variant_makes_the_tables_that_can_hold_a_batch_dynamic(tmp_path, capsys):
+    from embedcore.app.cli import DEMO_VOCABULARY_SCALE
+    from embedcore.app.data.synthetic import DEFAULT_MULTI_HOT, DEFAULT_VOCABULARY_SIZES
+    assert main(["demo", "--train-samples", "2048", "--eval-samples", "512", "--epochs", "1", "--batch-size", "64",
+                 "--dynamic", "0.5", "--output", str(tmp_path)]) == 0
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    scaled = [max(10, round(v * DEMO_VOCABULARY_SCALE)) for v in DEFAULT_VOCABULARY_SIZES]
+    want = {f"C{k + 1}": -(-v // 2) for k, v in enumerate(scaled)
+            if -(-v // 2) >= 64 * DEFAULT_MULTI_HOT.get(f"C{k + 1}", (1,))[0]}
+    got = {name: t["capacity"] for name, t in metrics["storage"]["tables"].items() if t.get("dynamic")}
+    assert got == want and len(want) > 3
+    assert metrics["final"]["auc"] is not None and "dynamic tables at 0.5" in metrics["title"]
+    assert "no checkpoint" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("fraction, match", [("0", r"--dynamic must lie in \(0, 1\], got 0"),
+                                             ("0.001", r"--dynamic 0\.001: no table's capacity")])
+def test_demo_dynamic_variant_refuses_a_fraction_that_fits_nothing(tmp_path, capsys, fraction, match):
+    assert main(["demo", "--dynamic", fraction, "--output", str(tmp_path / "out")]) == 2
+    assert re.search(match, capsys.readouterr().err)
+    assert not (tmp_path / "out").exists()
