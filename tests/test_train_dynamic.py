@@ -242,3 +242,19 @@ def test_demo_dynamic_variant_refuses_a_fraction_that_fits_nothing(tmp_path, cap
     assert main(["demo", "--dynamic", fraction, "--output", str(tmp_path / "out")]) == 2
     assert re.search(match, capsys.readouterr().err)
     assert not (tmp_path / "out").exists()
+
+
+def test_data_key_columns_may_name_only_dynamic_tables(tmp_path):
+    (tmp_path / "log.csv").write_text("label,C1,C2\n1,5,6\n0,-7,8\n")
+    data = {"kind": "csv", "path": str(tmp_path / "log.csv"), "eval_fraction": 0.0}
+    tables = {"C1": {"dynamic": True, "capacity": 4}}
+    config = merge(DEFAULTS, {"data": dict(data, key_columns=["C1", "C2"]), "embedding": {"tables": tables},
+                              "train": {"output": str(tmp_path / "out")}})
+    with pytest.raises(ConfigError, match=r"data\.key_columns names \['C2'\], whose tables are not dynamic"):
+        _build(config)
+    for given in (["C1"], None):  # naming a dynamic table's column, or not: the same key column
+        spec = dict(data, key_columns=given) if given else data
+        dataset, emb, _ = _build(merge(DEFAULTS, {"data": spec, "embedding": {"tables": tables},
+                                                  "train": {"output": str(tmp_path / "out")}}))
+        assert [f.vocabulary_size for f in dataset.features] == [2 ** 64, 9]
+        np.testing.assert_array_equal(next(dataset.batches(2)).ids["C1"], [5, -7])

@@ -5,7 +5,8 @@ Sections and keys (every key is optional; unknown keys are errors that list the 
     [data]                     # kind = "synthetic" | "movielens" | "csv"; other keys are the reader's arguments
     kind = "synthetic"         #   synthetic: n_train, n_eval, seed, vocabulary_sizes, n_dense, ... (SyntheticClickLog)
     n_train = 200000           #   movielens: path, threshold, eval_fraction, seed (MovieLens)
-                               #   csv: path, categorical, dense, label, vocabulary_sizes, hash_buckets, ... (CsvClickLog)
+                               #   csv: path, categorical, dense, label, vocabulary_sizes, hash_buckets, ... (CsvClickLog;
+                               #   key_columns need not be given: a dynamic table's column is one)
     [embedding]
     dim = 16                   # width of every table (the DLRM interaction needs one width)
     optimizer = "adagrad"      # sgd | adagrad | adagrad_momentum | adam | ftrl | rowwise_adagrad,
@@ -325,7 +326,7 @@ DATA_SCHEMA = {
                                     (lambda v: isinstance(v, dict), _mapping(_integer(1, 2 ** 32), ""))),
             "eval_fraction": _FRACTION, "delimiter": _string(length=1),
             "combiner": _string(("sum", "mean", "sqrtn")), "seed": _SEED, "chunk_bytes": _integer(1, 1 << 30),
-            "name": _string()},
+            "name": _string(), "key_columns": _NAMES},
 }
 #: How tables are stored, in ``[embedding]`` and ``[embedding.tables.NAME]``.
 STORAGE_SCHEMA = {"weights_dtype": _string(DTYPES), "slot_dtype": _string(DTYPES), "stochastic_rounding": _BOOLEAN}
@@ -536,7 +537,8 @@ def build_dataset(data: dict, key_columns=()):
     cls = DATASETS[data["kind"]]
     args = {k: v for k, v in data.items() if k != "kind"}
     if key_columns and cls is CsvClickLog:
-        args["key_columns"] = list(key_columns)
+        given = list(args.get("key_columns", []))
+        args["key_columns"] = given + [c for c in key_columns if c not in given]
     try:
         return cls(**args)
     except (ValueError, OSError) as e:

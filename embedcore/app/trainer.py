@@ -62,8 +62,13 @@ __all__ = ["run"]
 
 def _build(config: dict):
     emb_cfg, model_cfg, train = config["embedding"], config["model"], config["train"]
-    dataset = build_dataset(config["data"], key_columns=[name for name in emb_cfg["tables"]
-                                                         if table_dynamic(emb_cfg, name) is not None])
+    dynamic = [name for name in emb_cfg["tables"] if table_dynamic(emb_cfg, name) is not None]
+    static_keys = [c for c in config["data"].get("key_columns", []) if c not in dynamic]
+    if static_keys:
+        raise ConfigError(f"data.key_columns names {static_keys}, whose tables are not dynamic: a static table has "
+                          f"rows, not 64-bit keys; set [embedding.tables.{static_keys[0]}] dynamic = true and a "
+                          f"capacity (a dynamic table's column is a key column without being named here)")
+    dataset = build_dataset(config["data"], key_columns=dynamic)
     names = [f.name for f in dataset.features]
     unknown = sorted(set(emb_cfg["tables"]) - set(names))
     if unknown:
