@@ -48,6 +48,16 @@ machine this made the lookup/step/apply loop of ``examples/jax_dlrm.py`` 3 to 8 
 ``apply_gradients`` 15 to 40 times (2 shared cores, jax 0.10.2); the environment variable
 ``OMP_WAIT_POLICY=PASSIVE``, set before the first embedcore call, removes the effect.
 
+Dynamic tables (:class:`embedcore.DynamicTableConfig`) need nothing more: ids go to the engine as given, and
+a dynamic table's ids are 64-bit keys. Give them as NumPy ``int64`` or ``uint64`` arrays (or ``Ragged`` /
+``Sparse`` of them): they are read as they are. JAX arrays are 32-bit unless ``jax_enable_x64`` is on
+(``jax.config.update("jax_enable_x64", True)`` before creating them): without it ``jnp.asarray`` of a 64-bit
+key array truncates every key to its low 32 bits (with a warning) before embedcore sees it, so keep keys in
+NumPy, or enable x64. The dense step never sees keys (only activations), so x64 is not needed there. A
+lookup of a dynamic table changes it (admission counts, new rows at their initial values, evictions), also in
+evaluation: the engine has no read-only lookup of dynamic tables yet. Checkpoint dynamic tables with
+``emb.save(path)``.
+
 Requires JAX (``pip install embedcore[jax]``); importing this module without it raises ImportError.
 """
 
@@ -88,9 +98,21 @@ def lookup(emb, features, weights=None, *, device=None):
     ``[B, dim]``, ``[B, L, dim]`` or the feature's ``output_shape``) is put on ``device`` (default: JAX's
     default device) with :func:`jax.device_put`, without a copy when the backend can alias it (see the
     module docstring). Pass ``ctx`` to :func:`apply_gradients` with the gradients of these activations.
+    Ids and weights may be jax arrays (read as NumPy, without a copy on CPU) as well as NumPy arrays,
+    ``Ragged`` or ``Sparse``.
     """
-    activations, ctx = emb.lookup(features, weights)
+    activations, ctx = emb.lookup(_map(_host_input, features), None if weights is None else _map(_host_input, weights))
     return _map(lambda a: jax.device_put(a, device), activations), ctx
+
+
+def _host_input(value):
+    """A jax array of ids or weights as NumPy (the engine reads host arrays); anything else as it is."""
+    if isinstance(value, jax.core.Tracer):
+        raise InputError("ids and weights must be concrete arrays, got a JAX tracer: call embedcore.jax.lookup "
+                         "outside jax.jit / jax.grad")
+    if isinstance(value, jax.Array):
+        return np.asarray(value)
+    return value
 
 
 def _to_numpy(grad):

@@ -56,6 +56,22 @@ State, the torch way:
   copy is independent: it holds its own tables, slots, ``step``, optimizers and seed.
 * ``emb.save(path)`` / ``Embedding.restore(path)`` checkpoints are unchanged.
 
+Dynamic tables (:class:`embedcore.DynamicTableConfig`) work unchanged in forward and backward: their ids are
+64-bit keys, any int64 tensor value (negative ones too: the bit pattern is the key) or uint64 one, in every
+input form above (a ``KeyedJaggedTensor`` included). What differs:
+
+* ``state_dict()`` of a module holding a dynamic table raises ``RuntimeError`` naming the tables: a dynamic
+  table is keys, rows, slots and its policies' counters (and admission sketch), not a fixed-shape tensor that
+  ``load_state_dict`` could copy into, so its state lives in embedcore checkpoints: ``module.save(path)`` /
+  ``EmbeddingModule.restore(path)`` (or ``module.load(path)``). ``load_state_dict`` refuses entries for it the
+  same way, ``embedding_tables[name]`` is a :class:`~embedcore.tables.dynamic.DynamicTableView` (rows by key),
+  and ``torch.save(model)`` / ``copy.deepcopy`` raise as the engine's pickling and copying do for them.
+* A lookup of a dynamic table changes the table even when it updates nothing (``eval()``, ``no_grad``): keys
+  are counted for admission, admitted keys get rows at their initial values (the values they read anyway),
+  rows are marked seen and may be evicted. (The engine has no read-only lookup of dynamic tables yet.)
+* ``process_group``: the tables are built by :class:`~embedcore.distributed.ShardedEmbedding`, which refuses
+  dynamic tables (``ValueError`` naming the table) for as long as it does not shard them.
+
 ``torch.compile(model, fullgraph=True)`` compiles a model holding the module into one graph: under the
 compiler, forward is the registered custom op ``embedcore::lookup`` (a fake implementation gives the
 activations' shapes from the feature config) and its registered backward calls ``embedcore::apply_gradients``,
@@ -105,7 +121,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without torch
                       "`pip install embedcore[torch]` (or `pip install torch==2.13.0`)") from exc
 
 from . import inputs
-from .config import FeatureConfig
+from .config import DynamicTableConfig, FeatureConfig
 from .engine import Embedding
 from .inputs import InputError, Ragged
 
@@ -587,7 +603,8 @@ class EmbeddingModule(torch.nn.Module):
 
     @property
     def embedding_tables(self) -> dict:
-        """Table name -> ``[vocabulary_size, dim]`` NumPy array (the engine's storage, live)."""
+        """Table name -> ``[vocabulary_size, dim]`` NumPy array (the engine's storage, live); for a dynamic
+        table a :class:`~embedcore.tables.dynamic.DynamicTableView` (its rows by key, live)."""
         return self.embedding.embedding_tables
 
     @property
@@ -770,6 +787,16 @@ class EmbeddingModule(torch.nn.Module):
                 keys, batch)
 
     # -- state: state_dict, load_state_dict ------------------------------------------------------------
+    def _dynamic_tables(self) -> list:
+        """The names of the module's dynamic tables, sorted."""
+        return sorted(name for name, table in self.embedding.tables.items() if isinstance(table, DynamicTableConfig))
+
+    def _dynamic_state_refusal(self, prefix) -> str:
+        return (f"embedcore tables at '{prefix or '<root>'}': tables {self._dynamic_tables()} are dynamic: their "
+                f"state (keys, rows, slots, the policies' counters) is no fixed-shape tensor a state_dict holds; "
+                f"checkpoint the module with module.save(path) and EmbeddingModule.restore(path) / "
+                f"module.load(path) instead")
+
     def _state_entries(self, prefix):
         """``{key: (table, slot or None)}`` of the tables and slots in ``state_dict``; ``step`` apart."""
         entries = {}
@@ -781,6 +808,8 @@ class EmbeddingModule(torch.nn.Module):
         return entries
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
+        if self._dynamic_tables():
+            raise RuntimeError(self._dynamic_state_refusal(prefix))
         super()._save_to_state_dict(destination, prefix, keep_vars)
         tables, slots = self.embedding.embedding_tables, self.embedding.slot_variables
         for key, (name, slot) in self._state_entries(prefix).items():
@@ -794,6 +823,9 @@ class EmbeddingModule(torch.nn.Module):
         ours = set(entries) | {step_key}
         super()._load_from_state_dict({k: v for k, v in state_dict.items() if k not in ours}, prefix,
                                       local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+        if self._dynamic_tables():
+            error_msgs.append(self._dynamic_state_refusal(prefix) + " (nothing was changed)")
+            return
         current, current_slots = self.embedding.embedding_tables, self.embedding.slot_variables
         tables, slots, step, problems = {}, {}, None, []
         for key, (name, slot) in entries.items():

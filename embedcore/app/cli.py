@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 
@@ -44,6 +45,10 @@ def _parser() -> argparse.ArgumentParser:
                       help=f"scale the Criteo-like vocabularies (100 .. 10^6 rows) by this factor (default "
                            f"{DEMO_VOCABULARY_SCALE}; 1 needs far more samples to learn)")
     _storage_arguments(demo)
+    demo.add_argument("--dynamic", type=float, default=None, metavar="FRACTION",
+                      help="make dynamic every table whose capacity, FRACTION of its vocabulary, holds a batch's "
+                           "ids (admission at 2 sightings, LRU eviction); no checkpoint is written while dynamic "
+                           "tables cannot be checkpointed")
     demo.add_argument("--resume", action="store_true", help="continue from the output folder's checkpoint")
     train = sub.add_parser("train", help="train on your data with your choices, from a TOML or JSON config "
                                          "(see embedcore.app.run_config)")
@@ -80,9 +85,9 @@ def _storage(args) -> dict:
 
 
 def demo_config(output=None, epochs=None, train_samples=None, eval_samples=None, batch_size=None,
-                vocabulary_scale=DEMO_VOCABULARY_SCALE, storage=None) -> dict:
+                vocabulary_scale=DEMO_VOCABULARY_SCALE, storage=None, dynamic=None) -> dict:
     """The demo's run configuration; ``storage``: ``[embedding]``'s ``weights_dtype``, ``slot_dtype``,
-    ``stochastic_rounding`` for every table (default float32)."""
+    ``stochastic_rounding`` for every table (default float32); ``dynamic``: see :func:`demo_dynamic_tables`."""
     from .data.synthetic import DEFAULT_VOCABULARY_SIZES
     from .run_config import DEFAULTS, ConfigError, check, merge
     if not 0 < vocabulary_scale <= 1:
@@ -95,8 +100,33 @@ def demo_config(output=None, epochs=None, train_samples=None, eval_samples=None,
         if value is not None:
             config[section][key] = value
     config["embedding"].update(storage or {})
+    if dynamic is not None:
+        config["embedding"]["tables"] = demo_dynamic_tables(config["data"]["vocabulary_sizes"],
+                                                            config["train"]["batch_size"], dynamic)
     check(config)
     return config
+
+
+def demo_dynamic_tables(vocabulary_sizes, batch_size: int, fraction: float) -> dict:
+    """``[embedding.tables]`` making table ``C<k>`` dynamic, with room for ``ceil(fraction * vocabulary)``
+    keys, ``admission = {min_count = 2}`` and ``eviction = "lru"``, wherever that capacity holds the most
+    ids a batch can bring (``batch_size`` times the feature's longest bag); the other tables stay static."""
+    from .data.synthetic import DEFAULT_MULTI_HOT
+    from .run_config import ConfigError
+    if not 0 < fraction <= 1:
+        raise ConfigError(f"--dynamic must lie in (0, 1], got {fraction}")
+    tables = {}
+    for k, vocabulary in enumerate(vocabulary_sizes):
+        name = f"C{k + 1}"
+        capacity = math.ceil(fraction * vocabulary)
+        if capacity >= batch_size * DEFAULT_MULTI_HOT.get(name, (1,))[0]:
+            tables[name] = {"dynamic": True, "capacity": capacity, "admission": {"min_count": 2}, "eviction": "lru"}
+    if not tables:
+        raise ConfigError(f"--dynamic {fraction}: no table's capacity ({fraction} of its vocabulary, at most "
+                          f"{math.ceil(fraction * max(vocabulary_sizes)):,}) holds a batch's ids (batch size "
+                          f"{batch_size} times its longest bag); raise --dynamic or --vocabulary-scale, or lower "
+                          f"--batch-size")
+    return tables
 
 
 def user_errors() -> tuple:
@@ -156,7 +186,7 @@ def _command(parser, args) -> None:
     from .trainer import run
     if args.command == "demo":
         config = demo_config(args.output, args.epochs, args.train_samples, args.eval_samples, args.batch_size,
-                             args.vocabulary_scale, _storage(args))
+                             args.vocabulary_scale, _storage(args), args.dynamic)
     else:
         config = load_config(args.config)
         if args.output:
@@ -168,7 +198,8 @@ def _command(parser, args) -> None:
     if args.command == "demo":
         stored = config["embedding"].get("weights_dtype", "float32")
         title = ("embedcore demo: DLRM on the synthetic click log, TensorFlow's custom Adagrad" +
-                 ("" if stored == "float32" else f", {stored} tables"))
+                 ("" if stored == "float32" else f", {stored} tables") +
+                 ("" if args.dynamic is None else f", dynamic tables at {args.dynamic:g} of their vocabularies"))
     run(config, resume=args.resume, title=title)
 
 

@@ -5,7 +5,8 @@ Sections and keys (every key is optional; unknown keys are errors that list the 
     [data]                     # kind = "synthetic" | "movielens" | "csv"; other keys are the reader's arguments
     kind = "synthetic"         #   synthetic: n_train, n_eval, seed, vocabulary_sizes, n_dense, ... (SyntheticClickLog)
     n_train = 200000           #   movielens: path, threshold, eval_fraction, seed (MovieLens)
-                               #   csv: path, categorical, dense, label, vocabulary_sizes, hash_buckets, ... (CsvClickLog)
+                               #   csv: path, categorical, dense, label, vocabulary_sizes, hash_buckets, ... (CsvClickLog;
+                               #   key_columns need not be given: a dynamic table's column is one)
     [embedding]
     dim = 16                   # width of every table (the DLRM interaction needs one width)
     optimizer = "adagrad"      # sgd | adagrad | adagrad_momentum | adam | ftrl | rowwise_adagrad,
@@ -21,6 +22,14 @@ Sections and keys (every key is optional; unknown keys are errors that list the 
     [embedding.tables.C3]      # per-table overrides: the optimizer, same keys as [embedding] (no dim), and/or
     optimizer = "sgd"          # weights_dtype, slot_dtype, stochastic_rounding (a table naming no optimizer
                                # keeps [embedding]'s; one that names one takes none of [embedding]'s arguments)
+    [embedding.tables.C7]      # a dynamic table (DynamicTableConfig): its ids are 64-bit keys, not rows
+    dynamic = true             # csv data: a hashed column's ids (hash_buckets) are embedcore.hash_keys(string),
+                               # no buckets; other columns' are 64-bit integers as they are; synthetic and
+                               # movielens ids are the keys
+    capacity = 100000          # the most keys (rows) it holds; required with dynamic = true
+    admission = {min_count = 3}  # optional, CountAdmission's min_count, sketch_width, sketch_depth (default: admit
+                               # every key at once)
+    eviction = "lru"           # optional: "lru" | "lfu" | {ttl = steps} (default none: a full table refuses new keys)
     [model]                    # the NumPy DLRM head
     bottom = [64]
     top = [64, 32]
@@ -56,13 +65,16 @@ import numpy as np
 
 from .. import optimizers as _optimizers
 from ..config import DTYPES
+from ..kernels.hash_map import MAX_CAPACITY
+from ..tables.policies import LFU, LRU, TTL, CountAdmission
 from ..checkpoint.config_codec import constructor_parameters, import_function
 from .data import CsvClickLog, MovieLens, SyntheticClickLog
 from .data.batch import EXCERPT_CHARS
 from .models import dense_optimizers as _dense
 
 __all__ = ["ConfigError", "DEFAULTS", "load_config", "merge", "check", "build_dataset", "build_optimizer",
-           "build_dense_optimizer", "table_storage", "EMBEDDING_OPTIMIZERS", "STORAGE_KEYS", "STORAGE_DEFAULTS"]
+           "build_dense_optimizer", "table_storage", "table_dynamic", "EMBEDDING_OPTIMIZERS", "STORAGE_KEYS",
+           "STORAGE_DEFAULTS", "DYNAMIC_KEYS", "DYNAMIC_SCHEMA"]
 
 
 class ConfigError(ValueError):
@@ -314,10 +326,35 @@ DATA_SCHEMA = {
                                     (lambda v: isinstance(v, dict), _mapping(_integer(1, 2 ** 32), ""))),
             "eval_fraction": _FRACTION, "delimiter": _string(length=1),
             "combiner": _string(("sum", "mean", "sqrtn")), "seed": _SEED, "chunk_bytes": _integer(1, 1 << 30),
-            "name": _string()},
+            "name": _string(), "key_columns": _NAMES},
 }
 #: How tables are stored, in ``[embedding]`` and ``[embedding.tables.NAME]``.
 STORAGE_SCHEMA = {"weights_dtype": _string(DTYPES), "slot_dtype": _string(DTYPES), "stochastic_rounding": _BOOLEAN}
+#: A dynamic table, in ``[embedding.tables.NAME]``: ``dynamic = true`` and ``DynamicTableConfig``'s arguments.
+DYNAMIC_KEYS = ("dynamic", "capacity", "admission", "eviction")
+EVICTIONS = {"lru": LRU, "lfu": LFU}
+_COUNT = _integer(1, 2 ** 32 - 1)
+ADMISSION_SCHEMA = {"min_count": _COUNT, "sketch_width": _COUNT, "sketch_depth": _integer(1, 16)}
+
+
+def _admission(value, where):
+    if not isinstance(value, dict):
+        raise ConfigError(f"{where} must be a table such as {{min_count = 3}} (CountAdmission's min_count, "
+                          f"sketch_width, sketch_depth), got {_shown(value)}")
+    _check_keys(value, ADMISSION_SCHEMA, where)
+    _check_section(value, ADMISSION_SCHEMA, where)
+
+
+def _eviction(value, where):
+    if isinstance(value, str) and value in EVICTIONS:
+        return
+    if isinstance(value, dict) and list(value) == ["ttl"]:
+        return _integer(1, 2 ** 31 - 1)(value["ttl"], f"{where}.ttl")
+    raise ConfigError(f"{where} must be \"lru\", \"lfu\" or {{ttl = steps}}, got {_shown(value)}")
+
+
+DYNAMIC_SCHEMA = {"dynamic": _BOOLEAN, "capacity": _integer(1, MAX_CAPACITY), "admission": _admission,
+                  "eviction": _eviction}
 #: Rules of the optimizer arguments every optimizer shares; the others must be plain values
 #: (:func:`_plain_value`) and are checked by the optimizer's constructor.
 OPTIMIZER_SCHEMA = {"learning_rate": _number(0, lo_open=True)}
@@ -359,8 +396,9 @@ def check(config: dict) -> None:
         if not isinstance(spec, dict):
             raise ConfigError(f"{where} must be a table of optimizer and storage settings, got {_shown(spec)}")
         _check_storage(spec, where)
-        if "optimizer" in spec or set(spec) - set(STORAGE_KEYS):
-            _check_optimizer(spec, where, extra=STORAGE_KEYS)
+        _check_dynamic(spec, where)
+        if "optimizer" in spec or set(spec) - set(STORAGE_KEYS) - set(DYNAMIC_KEYS):
+            _check_optimizer(spec, where, extra=STORAGE_KEYS + DYNAMIC_KEYS)
     for section in ("model", "train"):
         _check_keys(config[section], DEFAULTS[section], section)
         missing = sorted(set(DEFAULTS[section]) - set(config[section]))
@@ -417,6 +455,40 @@ def _check_storage(spec: dict, where: str) -> None:
             STORAGE_SCHEMA[key](spec[key], f"{where}.{key}")
 
 
+def _check_dynamic(spec: dict, where: str) -> None:
+    """A table's dynamic keys: ``dynamic`` a boolean; with ``dynamic = true`` a ``capacity`` (required),
+    ``admission`` and ``eviction`` (optional); without it, none of them."""
+    if "dynamic" in spec:
+        DYNAMIC_SCHEMA["dynamic"](spec["dynamic"], f"{where}.dynamic")
+    given = [k for k in DYNAMIC_KEYS[1:] if k in spec]
+    if not spec.get("dynamic"):
+        if given:
+            raise ConfigError(f"{where}.{given[0]} (= {_shown(spec[given[0]])}) is for dynamic tables: set "
+                              f"{where}.dynamic = true, or drop it")
+        return
+    if "capacity" not in spec:
+        raise ConfigError(f"{where}.dynamic = true needs {where}.capacity: the most keys (rows) the table holds, "
+                          f"an integer in [1, {MAX_CAPACITY}]")
+    for key in given:
+        DYNAMIC_SCHEMA[key](spec[key], f"{where}.{key}")
+
+
+def table_dynamic(embedding: dict, name: str) -> dict | None:
+    """``DynamicTableConfig``'s ``capacity``, ``admission`` and ``eviction`` for table ``name`` when its
+    ``[embedding.tables.NAME]`` says ``dynamic = true``, else None."""
+    spec = embedding.get("tables", {}).get(name, {})
+    if not spec.get("dynamic"):
+        return None
+    admission = spec.get("admission")
+    eviction = spec.get("eviction")
+    if isinstance(eviction, dict):
+        eviction = TTL(eviction["ttl"])
+    elif eviction is not None:
+        eviction = EVICTIONS[eviction]()
+    return {"capacity": spec["capacity"], "admission": None if admission is None else CountAdmission(**admission),
+            "eviction": eviction}
+
+
 def table_storage(embedding: dict, name: str) -> dict:
     """``TableConfig``'s storage arguments for table ``name``: its ``[embedding.tables.NAME]`` keys over
     ``[embedding]``'s over :data:`STORAGE_DEFAULTS`."""
@@ -428,8 +500,7 @@ def _check_optimizer(spec, where, extra=()):
     if "optimizer" not in spec:
         others = sorted(set(spec) - set(extra))
         raise ConfigError(f"[{where}] needs an optimizer" + (
-            f" to take {[_clip(str(k)) for k in others[:20]]} (without one, only {list(STORAGE_KEYS)})"
-            if others else ""))
+            f" to take {[_clip(str(k)) for k in others[:20]]} (without one, only {list(extra)})" if others else ""))
     cls = _optimizer_class(spec["optimizer"], where)
     allowed = [a for a in constructor_parameters(cls) if a != "custom_computation"] + ["optimizer", *extra]
     _check_keys(spec, allowed, f"{where}] (optimizer {spec['optimizer']!r}")
@@ -444,7 +515,7 @@ def _check_optimizer(spec, where, extra=()):
 def build_optimizer(spec: dict, where: str = "embedding") -> _optimizers.Optimizer:
     """An embedding optimizer from ``{"optimizer": name or "module:function", **arguments}``."""
     cls = _optimizer_class(spec["optimizer"], where)
-    args = {k: v for k, v in spec.items() if k not in ("optimizer", "dim", "tables", *STORAGE_KEYS)}
+    args = {k: v for k, v in spec.items() if k not in ("optimizer", "dim", "tables", *STORAGE_KEYS, *DYNAMIC_KEYS)}
     try:
         if cls is _optimizers.CustomOptimizer:
             return cls(_custom_computation(spec["optimizer"], where), **args)
@@ -459,9 +530,15 @@ def build_dense_optimizer(model: dict):
     return DENSE_OPTIMIZERS[model["dense_optimizer"]](model["dense_learning_rate"])
 
 
-def build_dataset(data: dict):
+def build_dataset(data: dict, key_columns=()):
+    """The dataset ``[data]`` describes. ``key_columns``: the features of dynamic tables, whose ids are 64-bit
+    keys: a CSV log reads their cells as keys (:class:`~embedcore.app.data.CsvClickLog`); the other readers'
+    ids are integers, keys as they are."""
     cls = DATASETS[data["kind"]]
     args = {k: v for k, v in data.items() if k != "kind"}
+    if key_columns and cls is CsvClickLog:
+        given = list(args.get("key_columns", []))
+        args["key_columns"] = given + [c for c in key_columns if c not in given]
     try:
         return cls(**args)
     except (ValueError, OSError) as e:

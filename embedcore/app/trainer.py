@@ -19,6 +19,15 @@ scores) checked against the machine's memory; a refusal raises :class:`~embedcor
 (or the reader's :class:`~embedcore.app.data.DataFormatError`) and leaves no output folder behind. A metric that
 is undefined (AUC of an eval split with one class, any metric of an empty eval split) is ``null`` in
 ``metrics.json`` and "undefined" in the printed line; training goes on.
+
+Dynamic tables (``[embedding.tables.NAME] dynamic = true``, see :mod:`embedcore.app.run_config`) train, are
+evaluated and reported (``storage.tables.NAME``: capacity and keys held) as the others; their features' ids
+are 64-bit keys (a CSV log's hashed columns through :func:`embedcore.hash_keys`). Eval lookups go through
+the same engine, so they count keys for admission and give admitted eval keys rows at their initial values
+(possibly evicting others), as any lookup of a dynamic table does (the engine has no read-only lookup yet).
+While the engine cannot checkpoint dynamic tables (:func:`embedcore.checkpoint.engine_config` refuses them),
+such a run writes no checkpoint (it says so, and ``metrics.json`` records why under ``checkpoint``), and
+``train.checkpoint_every`` and ``resume`` are refused with that reason before anything runs.
 """
 
 from __future__ import annotations
@@ -35,7 +44,8 @@ import numpy as np
 from .. import __version__
 from .blas_threads import blas_threads
 from ..memory_budget import check_fits
-from ..checkpoint import CheckpointError, read_current, read_extra
+from ..checkpoint import CheckpointError, engine_config, read_current, read_extra
+from ..config import DynamicTableConfig
 from .data import feature_configs
 from ..engine import Embedding
 from .metrics import BinaryMetrics
@@ -43,15 +53,22 @@ from .models import DLRM, bce_with_logits, sigmoid
 from .plot import learning_curve
 from .progress import ProgressBar
 from .run_config import (STORAGE_DEFAULTS, STORAGE_KEYS, ConfigError, build_dataset, build_dense_optimizer,
-                         build_optimizer, check, table_storage)
+                         build_optimizer, check, table_dynamic, table_storage)
 from ..tables import DenseStorage
+from ..tables.dynamic import map_bytes
 
 __all__ = ["run"]
 
 
 def _build(config: dict):
-    dataset = build_dataset(config["data"])
     emb_cfg, model_cfg, train = config["embedding"], config["model"], config["train"]
+    dynamic = [name for name in emb_cfg["tables"] if table_dynamic(emb_cfg, name) is not None]
+    static_keys = [c for c in config["data"].get("key_columns", []) if c not in dynamic]
+    if static_keys:
+        raise ConfigError(f"data.key_columns names {static_keys}, whose tables are not dynamic: a static table has "
+                          f"rows, not 64-bit keys; set [embedding.tables.{static_keys[0]}] dynamic = true and a "
+                          f"capacity (a dynamic table's column is a key column without being named here)")
+    dataset = build_dataset(config["data"], key_columns=dynamic)
     names = [f.name for f in dataset.features]
     unknown = sorted(set(emb_cfg["tables"]) - set(names))
     if unknown:
@@ -62,7 +79,8 @@ def _build(config: dict):
     check_fits(9 * dataset.n_samples("eval"), f"the scores of the eval split ({dataset.n_samples('eval'):,} "
                                               f"samples, 9 bytes each for the exact AUC)", error=ConfigError)
     try:
-        features = feature_configs(dataset.features, emb_cfg["dim"], storage=lambda name: table_storage(emb_cfg, name))
+        features = feature_configs(dataset.features, emb_cfg["dim"], storage=lambda name: table_storage(emb_cfg, name),
+                                   dynamic=lambda name: table_dynamic(emb_cfg, name))
     except ValueError as e:  # a table configuration refused (TableConfig checks its sizes)
         raise ConfigError(f"[embedding]: {e}") from None
     for name, spec in emb_cfg["tables"].items():
@@ -87,17 +105,41 @@ def _build(config: dict):
 def _check_tables_fit(features, dim: int, optimizers: dict, tables: dict) -> None:
     """Refuse tables (rows and optimizer slots, in their stored dtypes) that together could not fit in memory,
     naming the largest and where its vocabulary size comes from, before the engine allocates any."""
-    sizes = {f.name: DenseStorage.bytes_needed(f.vocabulary_size, dim, optimizers[f.name].slot_dims,
-                                               tables[f.name].stored_formats) for f in features}
+    def rows(f):  # a dynamic table holds up to its capacity, whatever its key space
+        table = tables[f.name]
+        if isinstance(table, DynamicTableConfig):
+            return table.capacity, f"embedding.tables.{f.name}.capacity"
+        return f.vocabulary_size, f.source
+
+    def table_bytes(f):  # rows and slots, and a dynamic table's key map and admission sketch
+        table = tables[f.name]
+        stored = DenseStorage.bytes_needed(rows(f)[0], dim, optimizers[f.name].slot_dims, table.stored_formats)
+        return stored + (map_bytes(table) if isinstance(table, DynamicTableConfig) else 0)
+
+    sizes = {f.name: table_bytes(f) for f in features}
     if not sizes:
         return
     largest = max(features, key=lambda f: sizes[f.name])
-    source = f" from {largest.source}" if largest.source else ""
+    n_rows, source = rows(largest)
+    source = f" from {source}" if source else ""
     dtypes = sorted({tables[f.name].weights_dtype for f in features})
     check_fits(sum(sizes.values()), f"the embedding tables ({len(sizes)} tables of embedding.dim = {dim} "
                                     f"{'/'.join(dtypes)} values a row, with their optimizer slots; largest: table "
-                                    f"'{largest.name}', {largest.vocabulary_size:,} rows{source}, "
+                                    f"'{largest.name}', {n_rows:,} rows{source}, "
                                     f"{sizes[largest.name]:,} bytes)", error=ConfigError)
+
+
+def checkpoint_refusal(emb) -> str | None:
+    """Why ``emb`` cannot be checkpointed, or None: an engine with dynamic tables while checkpoints refuse
+    them (:func:`embedcore.checkpoint.engine_config` is what ``save`` writes first). Engines without dynamic
+    tables are not asked (they always could be)."""
+    if not any(isinstance(t, DynamicTableConfig) for t in emb.tables.values()):
+        return None
+    try:
+        engine_config(emb)
+    except CheckpointError as e:
+        return str(e)
+    return None
 
 
 def _train_batches(dataset, batch_size: int, epoch: int, skip: int):
@@ -228,10 +270,16 @@ def _run(config, resume, out, progress_stream, title):
     started = time.perf_counter()
     dataset, emb, model = _build(config)
     build_seconds = time.perf_counter() - started
+    no_checkpoint = checkpoint_refusal(emb)
+    if no_checkpoint and (resume or train["checkpoint_every"]):
+        what = "--resume" if resume else f"train.checkpoint_every = {train['checkpoint_every']}"
+        raise ConfigError(f"{what} needs checkpoints, and this run's cannot be written: {no_checkpoint}")
     os.makedirs(output, exist_ok=True)  # only once everything is built: a refused run writes nothing
     out(f"data: {dataset!r}")
     out(f"engine: {emb!r} (built in {build_seconds:.1f} s, Numba compilation included)")
     out(f"tables: {_storage_line(emb)}")
+    if no_checkpoint:
+        out(f"no checkpoint will be written: {no_checkpoint}")
     optimum = _defined(dataset.optimum("eval")) if hasattr(dataset, "optimum") else None
 
     batch_size, epochs = train["batch_size"], train["epochs"]
@@ -295,8 +343,10 @@ def _run(config, resume, out, progress_stream, title):
         record = _defined(record)
         state["epochs"].append(record)
         state["epoch"], state["step_in_epoch"] = epoch + 1, 0
-        _save(emb, model, checkpoint, state, config)
-        metrics = _metrics(config, dataset, emb, state, optimum, build_seconds, time.perf_counter() - started, title)
+        if not no_checkpoint:
+            _save(emb, model, checkpoint, state, config)
+        metrics = _metrics(config, dataset, emb, state, optimum, build_seconds, time.perf_counter() - started, title,
+                           no_checkpoint)
         _write_json(metrics, os.path.join(output, "metrics.json"))
         beside = (f" (teacher optimum {_number(optimum['log_loss'])})" if optimum else "")
         auc_beside = (f" (teacher optimum {_number(optimum['auc'])})" if optimum else "")
@@ -305,19 +355,26 @@ def _run(config, resume, out, progress_stream, title):
             f"{_number(result['log_loss'], why)}{beside} | AUC {_number(result['auc'], why)}{auc_beside} | "
             f"{record['train_samples_per_second']:,.0f} samples/s")
 
-    metrics = _metrics(config, dataset, emb, state, optimum, build_seconds, time.perf_counter() - started, title)
+    metrics = _metrics(config, dataset, emb, state, optimum, build_seconds, time.perf_counter() - started, title,
+                       no_checkpoint)
     _write_json(metrics, os.path.join(output, "metrics.json"))
     drawn = learning_curve(metrics, os.path.join(output, "learning_curve.png"))
     out(f"wrote {os.path.join(output, 'metrics.json')}" +
         (f" and {os.path.join(output, 'learning_curve.png')}" if drawn else
          " (no learning_curve.png: pip install 'embedcore[plot]' for matplotlib)") +
-        f"; checkpoint in {checkpoint}")
+        ("; no checkpoint (dynamic tables cannot be checkpointed yet)" if no_checkpoint else
+         f"; checkpoint in {checkpoint}"))
     return metrics
 
 
 def _storage(emb) -> dict:
     """How the tables are stored, and the bytes of their rows and slots."""
-    return {"tables": {name: {k: getattr(table, k) for k in STORAGE_KEYS} for name, table in emb.tables.items()},
+    def described(name, table):
+        info = {k: getattr(table, k) for k in STORAGE_KEYS}
+        if isinstance(table, DynamicTableConfig):
+            info.update(dynamic=True, capacity=table.capacity, keys=len(emb.embedding_tables[name]))
+        return info
+    return {"tables": {name: described(name, table) for name, table in emb.tables.items()},
             "table_bytes": sum(int(t.weights.nbytes) for t in emb.physical_tables),
             "slot_bytes": sum(int(s.nbytes) for t in emb.physical_tables for s in t.slots)}
 
@@ -341,9 +398,10 @@ def _size(n: int) -> str:
     return f"{n / 1e6:.1f} MB" if n >= 1e6 else f"{n / 1e3:.1f} kB"
 
 
-def _metrics(config, dataset, emb, state, optimum, build_seconds, total_seconds, title) -> dict:
+def _metrics(config, dataset, emb, state, optimum, build_seconds, total_seconds, title, no_checkpoint=None) -> dict:
     final = state["epochs"][-1]["eval"] if state["epochs"] else None
-    return _defined({
+    extra = {"checkpoint": {"written": False, "why_not": no_checkpoint}} if no_checkpoint else {}
+    return _defined({**extra,
         "title": title or f"embedcore {__version__}: DLRM on {dataset.name}",
         "config": config,
         "dataset": {"name": dataset.name, "train_samples": dataset.n_samples("train"),

@@ -46,6 +46,16 @@ before restoring to fix the output shapes). ``TPUEmbeddingV2``
 writes the per-table layout too (TensorFlow's SparseCore stacked checkpoints are read with
 :func:`embedcore.tensorflow.checkpoint.load_tf_checkpoint`).
 
+Dynamic tables: an embedcore :class:`~embedcore.DynamicTableConfig` in the feature config works as any
+embedcore table in lookups and updates: its ids are 64-bit keys, any ``tf.int64`` (negative values too: the
+bit pattern is the key) or ``tf.uint64`` value, dense, ragged or sparse. ``embedding_tables`` and
+``variables`` give such a table (and its slots) as a live :class:`~embedcore.tables.dynamic.DynamicTableView`
+(rows by key) instead of a tensor snapshot, and TensorFlow checkpoints of an engine holding one are refused
+(:class:`~embedcore.CheckpointError` naming the tables: TensorFlow's layout is one dense variable a table);
+checkpoint it with ``engine.save(path)``. A lookup changes a dynamic table even when it updates nothing
+(``TPUEmbeddingForServing``, ``training=False``): keys are counted for admission, admitted keys get rows at
+their initial values, rows may be evicted (the engine has no read-only lookup of dynamic tables yet).
+
 ``embedding_tables``: each table as a ``tf.Tensor`` snapshot: a copy of the rows, in the table's dtype,
 taken when the property is read (TensorFlow returns ``tf.Variable`` s; embedcore's rows live in NumPy and are
 updated in place, which a ``tf.Tensor`` -- immutable to TensorFlow, and aliased only when 64-byte aligned --
@@ -65,6 +75,7 @@ from tensorflow.python.util import nest
 from tensorflow.python.trackable import base as trackable
 
 import embedcore as ec
+from embedcore.tables.dynamic import DynamicTableView
 
 from . import checkpoint, convert, graph
 
@@ -77,9 +88,21 @@ def _convert(feature_config, optimizer):
     return converted.features, list(converted.tables), convert.optimizer(optimizer)
 
 
-def _table_tensor(array: np.ndarray) -> tf.Tensor:
-    """A snapshot of a table's (or slot's) rows as a ``tf.Tensor`` of the same dtype (a copy)."""
+def _table_tensor(array):
+    """A snapshot of a table's (or slot's) rows as a ``tf.Tensor`` of the same dtype (a copy); a dynamic
+    table's :class:`~embedcore.tables.dynamic.DynamicTableView` as it is (its rows are read by key)."""
+    if isinstance(array, DynamicTableView):
+        return array
     return tf.constant(array)
+
+
+def _physical_rows(table):
+    """``(rows, {slot: rows})`` of a physical table: its arrays, or a dynamic table's views."""
+    if getattr(table, "dynamic", False):
+        (name,) = table.table_names
+        return table.table_rows(name), table.slot_rows(name)
+    names = list(table.optimizer.slot_names) if table.optimizer is not None else []
+    return table.weights, dict(zip(names, table.slots))
 
 
 class _Front(trackable.Trackable):
@@ -123,6 +146,12 @@ class _Front(trackable.Trackable):
             if not self._built:
                 self.build()
             emb = self._engine
+            dynamic = sorted(name for name, t in emb.tables.items() if isinstance(t, ec.DynamicTableConfig))
+            if dynamic:
+                raise ec.CheckpointError(
+                    f"{type(self).__name__}: tables {dynamic} are dynamic: a TensorFlow checkpoint holds one dense "
+                    f"variable a table, and a dynamic table is keys, rows, slots and its policies' counters; "
+                    f"checkpoint the engine with {type(self).__name__}.engine.save(path) instead")
             names = {name: name for name in emb.tables}
             slots = {name: list(emb.slot_variables[name]) for name in names}
             # 16-bit tables (embedcore configs) take TensorFlow's float32 values rounded to nearest
@@ -272,7 +301,7 @@ class TPUEmbeddingV2(_Front):
     def embedding_tables(self) -> dict:
         """``{stacked table name: tf.Tensor}`` (see the class docstring)."""
         self._maybe_build()
-        return {"_".join(t.table_names): _table_tensor(t.weights) for t in self._engine.physical_tables}
+        return {"_".join(t.table_names): _table_tensor(_physical_rows(t)[0]) for t in self._engine.physical_tables}
 
     @property
     def variables(self) -> dict:
@@ -280,9 +309,9 @@ class TPUEmbeddingV2(_Front):
         self._maybe_build()
         out = {}
         for t in self._engine.physical_tables:
-            names = list(t.optimizer.slot_names) if t.optimizer is not None else []
-            slots = {n: _table_tensor(s) for n, s in zip(names, t.slots)}
-            out["_".join(t.table_names)] = {"parameters": _table_tensor(t.weights), **slots}
+            rows, slots = _physical_rows(t)
+            out["_".join(t.table_names)] = {"parameters": _table_tensor(rows),
+                                            **{n: _table_tensor(s) for n, s in slots.items()}}
         return out
 
     def __call__(self, features, weights=None):
@@ -555,7 +584,7 @@ class TPUEmbeddingForServing(_Front):
     is not). As TensorFlow's ``safe_embedding_lookup_sparse`` (its path for sparse inputs unless
     ``validate_weights_and_indices=False`` at rank 2, or a rank-2 sequence feature), sparse entries with
     negative ids are dropped, and so are entries of weight <= 0 for the ``mean`` and ``sqrtn`` combiners. The
-    optimizer may be ``None`` (no slots).
+    optimizer may be ``None`` (no slots). A dynamic table's negative ids are keys, never dropped.
     ``embedding_tables`` is keyed by the given ``TableConfig`` s.
     """
 
@@ -669,7 +698,8 @@ def _serving_prune(ids: tf.SparseTensor, weights, feature):
         return ids, weights
     if not feature.validate_weights_and_indices and rank is not None and rank <= 2:
         return ids, weights
-    keep = ids.values >= 0
+    # A dynamic table's negative ids are keys like any other (their bit patterns), not invalid rows.
+    keep = tf.ones_like(ids.values, tf.bool) if isinstance(feature.table, ec.DynamicTableConfig) else ids.values >= 0
     if weights is not None and feature.table.combiner != "sum":
         keep = tf.logical_and(keep, weights.values > 0)
     ids = tf.sparse.retain(ids, keep)

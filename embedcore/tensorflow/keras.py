@@ -51,6 +51,12 @@ Saving: ``model.save_weights(path)`` (``.weights.h5``) and ``model.load_weights(
 layer's tables, slots and ``step`` beside the dense weights (:meth:`EmbeddingLayer.save_own_variables`), and so
 does ``tf.train.Checkpoint(model=model)`` (``write``/``read``/``save``/``restore``; the tables are copied into
 tensors while it writes). Loading checks every table and slot (shape, dtype, finite) before anything changes.
+Dynamic tables (:class:`embedcore.DynamicTableConfig`) train as any other (ids: 64-bit keys, any ``tf.int64`` or
+``tf.uint64`` value); their state (keys, rows, slots, the policies' counters) has no fixed-shape weight, so
+``save_weights`` and ``tf.train.Checkpoint`` of a layer holding one are refused (``ValueError`` naming the tables)
+in favour of ``layer.embedding.save(path)``, and ``get_embedding_tables`` gives such a table as its live
+:class:`~embedcore.tables.dynamic.DynamicTableView` (rows by key). A lookup changes a dynamic table even when it
+updates nothing (``training=False``): admission counts, new rows at their initial values, evictions.
 A whole-model ``model.save("model.keras")`` would also need the layer's configuration as JSON, which feature
 configs and optimizers with Python callables do not have: ``get_config`` refuses it, naming the way out
 (rebuild the model in code and ``load_weights``). For large tables use the engine's own atomic, checksummed
@@ -69,9 +75,10 @@ except ImportError as exc:  # pragma: no cover - exercised only without TensorFl
                       "`pip install embedcore[tensorflow]` (or `pip install tensorflow-cpu==2.21.0`)") from exc
 
 from .. import inputs as ec_inputs
-from ..config import FeatureConfig
+from ..config import DynamicTableConfig, FeatureConfig
 from ..engine import Embedding
 from ..optimizers import Optimizer
+from ..tables.dynamic import DynamicTableView
 from . import graph, tensors
 
 __all__ = ["EmbeddingLayer", "DistributedEmbedding"]
@@ -145,7 +152,8 @@ class EmbeddingLayer(keras.layers.Layer):
     def get_embedding_tables(self) -> dict:
         """Table name -> a copy of its ``[vocabulary_size, dim]`` rows as NumPy (keras-rs's accessor; the
         engine's own arrays are ``layer.embedding.embedding_tables``)."""
-        return {name: np.array(rows) for name, rows in self._engine.embedding_tables.items()}
+        return {name: rows if isinstance(rows, DynamicTableView) else np.array(rows)
+                for name, rows in self._engine.embedding_tables.items()}
 
     # -- call ----------------------------------------------------------------------------------------------
     def call(self, inputs, weights=None, training=False):
@@ -197,6 +205,12 @@ class EmbeddingLayer(keras.layers.Layer):
     def _state_entries(self):
         """``(key, rows)`` of the engine's state: ``step``, ``table:<table>``, ``slot:<table>:<slot>``."""
         engine = self._engine
+        dynamic = sorted(name for name, t in engine.tables.items() if isinstance(t, DynamicTableConfig))
+        if dynamic:
+            raise ValueError(f"layer '{self.name}': tables {dynamic} are dynamic: their state (keys, rows, slots, the "
+                             f"policies' counters) is no fixed-shape weight that Keras weights files or TensorFlow "
+                             f"checkpoints hold; checkpoint the engine with layer.embedding.save(path) and "
+                             f"layer.embedding.load(path) instead")
         yield "step", np.array(engine.step, np.int64)
         for name, rows in engine.embedding_tables.items():
             yield f"table:{name}", rows
@@ -209,6 +223,7 @@ class EmbeddingLayer(keras.layers.Layer):
         :meth:`embedcore.Embedding.set_state`: everything is checked first (a missing entry, a wrong shape or
         dtype, a NaN/Inf), and on a problem nothing changes."""
         engine = self._engine
+        next(self._state_entries())  # refuses dynamic tables before anything is read
 
         def entry(key, like):
             value = read(key, like)

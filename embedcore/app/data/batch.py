@@ -89,20 +89,29 @@ class FeatureSpec:
             raise ValueError(f"feature '{self.name}': a weighted feature must be a bag")
 
 
-def feature_configs(features, dim, optimizer=None, initializer=None, storage=None) -> dict:
+def feature_configs(features, dim, optimizer=None, initializer=None, storage=None, dynamic=None) -> dict:
     """``{name: FeatureConfig}`` with one table per feature (``vocabulary_size`` rows of ``dim``, the
     feature's combiner), ready for ``Embedding(feature_configs(ds.features, dim), optimizer)``.
 
     ``storage`` says how the tables are stored: ``TableConfig``'s ``weights_dtype``, ``slot_dtype`` and
-    ``stochastic_rounding`` as one dict for every table, or a callable ``name -> dict`` (default: float32)."""
-    from ...config import FeatureConfig, TableConfig
+    ``stochastic_rounding`` as one dict for every table, or a callable ``name -> dict`` (default: float32).
+    ``dynamic``: a callable ``name -> dict or None``; a dict (``capacity``, and optionally ``admission`` and
+    ``eviction``: :class:`~embedcore.DynamicTableConfig`'s arguments) makes that feature's table dynamic, its
+    ids 64-bit keys."""
+    from ...config import DynamicTableConfig, FeatureConfig, TableConfig
 
     def stored(name):
         return (storage(name) if callable(storage) else storage) or {}
 
-    return {f.name: FeatureConfig(TableConfig(f.vocabulary_size, dim, initializer=initializer, optimizer=optimizer,
-                                              combiner=f.combiner, name=f.name, **stored(f.name)))
-            for f in features}
+    def table(f):
+        keyed = dynamic(f.name) if dynamic is not None else None
+        if keyed is not None:
+            return DynamicTableConfig(dim, name=f.name, optimizer=optimizer, initializer=initializer,
+                                      combiner=f.combiner, **keyed, **stored(f.name))
+        return TableConfig(f.vocabulary_size, dim, initializer=initializer, optimizer=optimizer,
+                           combiner=f.combiner, name=f.name, **stored(f.name))
+
+    return {f.name: FeatureConfig(table(f)) for f in features}
 
 
 # ----------------------------------------------------------------------------------------------------------

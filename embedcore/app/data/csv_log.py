@@ -16,6 +16,11 @@ delimiter; UTF-8, an optional byte-order mark is ignored; blank lines are skippe
   (below 10^18), or, when the column is hashed (``hash_buckets``), any string: its id is
   ``zlib.crc32(utf8(string)) mod buckets``. Spaces and tabs around fields, ids and weights are ignored;
   ``|`` and ``:`` are reserved.
+* key columns (``key_columns``: the columns of dynamic tables, whose ids are 64-bit keys, not rows): a hashed
+  column's id is ``embedcore.hash_keys(string)`` (BLAKE2b: all 64 bits, no buckets and no collisions beyond
+  the hash's own; the bucket count is not used), any other key column's id is a decimal integer anywhere in
+  ``-2**63 .. 2**64 - 1`` taken as its 64-bit pattern (``-1`` and ``18446744073709551615`` are one key).
+  Their features' ``vocabulary_size`` is ``2**64`` (the key space; the table's capacity bounds its rows).
 
 Column roles, unless given: ``label`` is the label; ``I<k>`` and ``dense_*`` columns are dense; ``C<k>`` and
 ``cat_*`` columns are categorical; any other column is an error. When only one of ``categorical`` /
@@ -51,6 +56,7 @@ import numpy as np
 from numba import njit
 
 from ...inputs import Ragged
+from ...keys import hash_keys
 from ...memory_budget import check_fits
 from .batch import (Batch, DataFormatError, FeatureSpec, check_batch_size, check_fraction, check_split, eval_mask,
                     EXCERPT_CHARS, excerpt, rebatch)
@@ -62,6 +68,12 @@ _CATEGORICAL_NAME = re.compile(r"C\d+|cat_.+")
 _INT = re.compile(r"\+?[0-9]+")
 _FLOAT = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")
 _MAX_ID_DIGITS = 18
+_MAX_KEY_DIGITS = 20  # 2**64 - 1 = 18446744073709551615
+_KEY = re.compile(r"[+-]?[0-9]+")
+# How _parse_ids makes an id from a token: a row below the vocabulary, crc32 mod buckets, a 64-bit integer
+# key, or a hashed key (the token's span is recorded and hashed with hash_keys after the kernel).
+_ROW_ID, _BUCKET_ID, _INTEGER_KEY, _HASHED_KEY = 0, 1, 2, 3
+KEY_SPACE = 2 ** 64
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
 MAX_LINE_BYTES = 1 << 26
 _SPACE, _TAB, _LF, _CR, _BAR, _COLON, _DOT, _PLUS, _MINUS = 32, 9, 10, 13, 124, 58, 46, 43, 45
@@ -229,9 +241,36 @@ def _count_ids(buf, starts, ends, column, lengths):
 
 
 @njit(cache=True)
-def _parse_ids(buf, starts, ends, column, splits, buckets, vocabulary, table, ids, weights):
-    """Fill ``ids``/``weights`` of every ``id[:weight]`` token. ``buckets > 0``: id = crc32(token) mod
-    buckets; else a decimal integer below ``vocabulary`` (when > 0). Returns ``(bad_row, any_weight)``."""
+def _integer_key(buf, a, b):
+    """``(ok, key)``: the decimal integer ``buf[a:b]`` (optional sign) as a 64-bit pattern (uint64), when it
+    lies in ``-2**63 .. 2**64 - 1``."""
+    negative = False
+    if buf[a] == _PLUS or buf[a] == _MINUS:
+        negative = buf[a] == _MINUS
+        a += 1
+    if a == b or b - a > _MAX_KEY_DIGITS:
+        return False, np.uint64(0)
+    value = np.uint64(0)
+    top = np.uint64(0xFFFFFFFFFFFFFFFF)
+    for j in range(a, b):
+        d = np.uint64(buf[j] - 48) if 48 <= buf[j] <= 57 else np.uint64(10)
+        if d > np.uint64(9) or value > (top - d) // np.uint64(10):
+            return False, np.uint64(0)
+        value = value * np.uint64(10) + d
+    if negative:
+        if value > np.uint64(1) << np.uint64(63):
+            return False, np.uint64(0)
+        value = (~value) + np.uint64(1)
+    return True, value
+
+
+@njit(cache=True)
+def _parse_ids(buf, starts, ends, column, splits, mode, buckets, vocabulary, table, ids, weights, spans):
+    """Fill ``ids``/``weights`` of every ``id[:weight]`` token, by ``mode``: ``_ROW_ID`` a decimal integer
+    below ``vocabulary`` (when > 0); ``_BUCKET_ID`` crc32(token) mod ``buckets``; ``_INTEGER_KEY`` a decimal
+    integer of 64 bits (:func:`_integer_key`, stored as its bit pattern); ``_HASHED_KEY`` no id: the token's
+    ``[start, end)`` goes to ``spans``. Returns ``(bad_row, any_weight)``."""
+    keys = ids.view(np.uint64)
     any_weight = False
     for r in range(splits.shape[0] - 1):
         s, e = _trim(buf, starts[r, column], ends[r, column])
@@ -258,8 +297,15 @@ def _parse_ids(buf, starts, ends, column, splits, buckets, vocabulary, table, id
             a, b = _trim(buf, token, key_end)
             if a == b:
                 return r, any_weight
-            if buckets > 0:
-                value = np.int64(_crc32(buf, a, b, table) % np.uint32(buckets)) if buckets < 2 ** 32 \
+            if mode == _INTEGER_KEY:
+                ok, key = _integer_key(buf, a, b)
+                if not ok:
+                    return r, any_weight
+                keys[k] = key
+            elif mode == _HASHED_KEY:
+                spans[k, 0], spans[k, 1] = a, b
+            elif mode == _BUCKET_ID:
+                ids[k] = np.int64(_crc32(buf, a, b, table) % np.uint32(buckets)) if buckets < 2 ** 32 \
                     else np.int64(_crc32(buf, a, b, table))
             else:
                 if buf[a] == _PLUS:
@@ -274,11 +320,28 @@ def _parse_ids(buf, starts, ends, column, splits, buckets, vocabulary, table, id
                     value = value * 10 + d
                 if vocabulary > 0 and value >= vocabulary:
                     return r, any_weight
-            ids[k] = value
+                ids[k] = value
             weights[k] = w
             k += 1
             token = i + 1
     return -1, any_weight
+
+
+def _hashed_spans(buf, spans) -> np.ndarray:
+    """``hash_keys`` of the tokens ``buf[start:end]`` (int64): packed into a fixed-width ``S`` array (one
+    vectorised pass) when the tokens are short and none ends with a NUL byte (which an ``S`` array would
+    drop), else as a list of ``bytes``."""
+    if spans.shape[0] == 0:
+        return np.zeros(0, np.int64)
+    lengths = spans[:, 1] - spans[:, 0]
+    width = int(lengths.max())
+    if width <= 64 and not np.any(buf[spans[:, 1] - 1] == 0):
+        columns = np.arange(width)
+        inside = columns[None, :] < lengths[:, None]
+        at = np.where(inside, spans[:, :1] + columns[None, :], 0)
+        packed = np.where(inside, buf[at], 0).astype(np.uint8)
+        return hash_keys(np.ascontiguousarray(packed).view(f"S{width}").reshape(-1))
+    return hash_keys([buf[a:b].tobytes() for a, b in spans.tolist()])
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -322,6 +385,11 @@ def _cell_problem(cell, col):
             return f"empty id in cell {shown}"
         if col.buckets is not None:
             continue
+        if col.keys:
+            if not _KEY.fullmatch(key) or not -2 ** 63 <= int(key) < KEY_SPACE:
+                return (f"id {excerpt(key)} in cell {shown} is not an integer in [-2**63, 2**64 - 1] (a dynamic "
+                        f"table's 64-bit key; pass hash_buckets to hash strings into keys)")
+            continue
         if not _INT.fullmatch(key):
             if key.startswith("-") and _INT.fullmatch(key[1:]):
                 return f"negative id {_plain(key)} in cell {shown}"
@@ -340,8 +408,9 @@ class _Column:
 
     name: str
     index: int
-    buckets: int | None        # hashed into this many rows
+    buckets: int | None        # hashed into this many rows (a key column: hashed into 64-bit keys)
     vocabulary: int | None     # given vocabulary size (ids must be below it)
+    keys: bool = False         # ids are a dynamic table's 64-bit keys
     one_hot: bool = True
     weighted: bool = False
     max_ids: int = 0
@@ -367,6 +436,8 @@ class CsvClickLog:
         label: the label column.
         vocabulary_sizes: ``{column: size}`` for some integer-id columns (others: largest id + 1).
         hash_buckets: an int (every categorical column is hashed) or ``{column: buckets}`` (at most 2**32).
+        key_columns: categorical columns whose ids are 64-bit keys (of dynamic tables): hashed ones with
+            :func:`embedcore.hash_keys`, the others as 64-bit integers (see the module docstring).
         eval_fraction: share of rows in the eval split (by a hash of the row index).
         delimiter: the field separator, one ASCII character.
         combiner: the combiner of the bag features.
@@ -375,7 +446,8 @@ class CsvClickLog:
     """
 
     def __init__(self, path, categorical=None, dense=None, label="label", vocabulary_sizes=None, hash_buckets=None,
-                 eval_fraction=0.1, delimiter=",", *, combiner="mean", seed=0, chunk_bytes=1 << 20, name=None):
+                 eval_fraction=0.1, delimiter=",", *, combiner="mean", seed=0, chunk_bytes=1 << 20, name=None,
+                 key_columns=()):
         self.path = os.fspath(path)
         if not isinstance(delimiter, str) or len(delimiter) != 1 or ord(delimiter) > 127 or \
                 delimiter in "|:\r\n.+-" or delimiter.isalnum():
@@ -390,7 +462,7 @@ class CsvClickLog:
         categorical, dense = self._roles(categorical, dense, label)
         self.dense_names = list(dense)
         self._dense = [self._column_index(c, "dense") for c in dense]
-        self._cats = self._categorical_columns(categorical, vocabulary_sizes, hash_buckets)
+        self._cats = self._categorical_columns(categorical, vocabulary_sizes, hash_buckets, key_columns)
         self._scan()
 
     # -- configuration -------------------------------------------------------------------------------------
@@ -465,8 +537,17 @@ class CsvClickLog:
             raise ValueError(f"columns {_names(both)} are listed as both categorical and dense")
         return categorical, dense
 
-    def _categorical_columns(self, categorical, vocabulary_sizes, hash_buckets):
+    def _categorical_columns(self, categorical, vocabulary_sizes, hash_buckets, key_columns):
         vocabulary_sizes = dict(vocabulary_sizes or {})
+        key_columns = list(key_columns or ())
+        unknown = sorted(set(key_columns) - set(categorical))
+        if unknown:
+            raise ValueError(f"key_columns (the columns of dynamic tables) names columns that are not categorical: "
+                             f"{_names(unknown)}")
+        sized = sorted(set(key_columns) & set(vocabulary_sizes))
+        if sized:
+            raise ValueError(f"vocabulary_sizes names columns {_names(sized)} whose ids are 64-bit keys (of dynamic "
+                             f"tables), which have no vocabulary: drop them from vocabulary_sizes")
         if hash_buckets is None:
             hash_buckets = {}
         elif not isinstance(hash_buckets, dict):
@@ -482,8 +563,8 @@ class CsvClickLog:
         both = sorted(set(vocabulary_sizes) & set(hash_buckets))
         if both:
             raise ValueError(f"columns {_names(both)} have both a vocabulary size and hash buckets")
-        return [_Column(c, self._column_index(c, "categorical"), hash_buckets.get(c), vocabulary_sizes.get(c))
-                for c in categorical]
+        return [_Column(c, self._column_index(c, "categorical"), hash_buckets.get(c), vocabulary_sizes.get(c),
+                        keys=c in key_columns) for c in categorical]
 
     # -- reading -------------------------------------------------------------------------------------------
     def _chunks(self):
@@ -552,10 +633,15 @@ class CsvClickLog:
             np.cumsum(lengths, out=splits[1:])
             ids = np.empty(splits[-1], np.int64)
             weights = np.empty(splits[-1], np.float32)
-            bad, weighted = _parse_ids(arr, starts, ends, col.index, splits, col.buckets or 0, col.vocabulary or 0,
-                                       _CRC_TABLE, ids, weights)
+            mode = ((_HASHED_KEY if col.buckets else _INTEGER_KEY) if col.keys else
+                    _BUCKET_ID if col.buckets else _ROW_ID)
+            spans = np.empty((splits[-1] if mode == _HASHED_KEY else 0, 2), np.int64)
+            bad, weighted = _parse_ids(arr, starts, ends, col.index, splits, mode, col.buckets or 0,
+                                       col.vocabulary or 0, _CRC_TABLE, ids, weights, spans)
             if bad >= 0:
                 raise self._error(arr, starts, ends, numbers, bad, col.index, lambda t: _cell_problem(t, col))
+            if mode == _HASHED_KEY:
+                ids = _hashed_spans(arr, spans)
             cats[col.name] = _Parsed(ids, splits, weights if weighted else None)
         return y.astype(np.float32), dense, cats
 
@@ -576,7 +662,7 @@ class CsvClickLog:
                 col.max_ids = max(col.max_ids, int(lengths.max()))
                 col.one_hot = col.one_hot and p.weights is None and bool(np.all(lengths == 1))
                 col.weighted = col.weighted or p.weights is not None
-                if p.values.shape[0]:
+                if p.values.shape[0] and not col.keys:
                     k = int(np.argmax(p.values))
                     if int(p.values[k]) > col.max_id:
                         col.max_id = int(p.values[k])
@@ -586,7 +672,11 @@ class CsvClickLog:
         self._n, self._positives = n, positives
         self.features = []
         for col in self._cats:
-            if col.vocabulary:
+            if col.keys:
+                size = KEY_SPACE
+                source = (f"column '{col.name}' holds 64-bit keys ("
+                          f"{'strings hashed with hash_keys' if col.buckets else 'integers'})")
+            elif col.vocabulary:
                 size, source = col.vocabulary, f"vocabulary_sizes['{col.name}']"
             elif col.buckets:
                 size, source = col.buckets, f"hash_buckets of column '{col.name}'"
