@@ -91,6 +91,7 @@ class SnapshotWriter:
         os.mkdir(self.dir)
         self.files = {}
         self.committed = False
+        self.manifest_sha256 = None  # of the committed manifest: what CURRENT (and a later delta) names
 
     @classmethod
     def attach(cls, path: str, name: str) -> "SnapshotWriter":
@@ -98,7 +99,7 @@ class SnapshotWriter:
         writer = cls.__new__(cls)
         writer.path, writer.name = os.fspath(path), name
         writer.dir = os.path.join(writer.path, name)
-        writer.files, writer.committed = {}, False
+        writer.files, writer.committed, writer.manifest_sha256 = {}, False, None
         if not os.path.isdir(writer.dir):
             raise CheckpointError(f"{writer.dir}: the snapshot directory is not visible here (checkpoints of "
                                   f"several processes need a file system they all share)")
@@ -110,9 +111,10 @@ class SnapshotWriter:
         self.files[file_name] = {name: {"shape": list(a.shape), "dtype": str(a.dtype), "sha256": digests[name]}
                                  for name, a in tensors.items()}
 
-    def commit(self, manifest: dict, file_format: str = FORMAT) -> str:
+    def commit(self, manifest: dict, file_format: str = FORMAT, keep=()) -> str:
         """Write ``manifest`` (``format`` = ``file_format``: :data:`FORMAT`, or :data:`SERVING_FORMAT` for a
-        serving export) and make this snapshot the current one; returns its directory."""
+        serving export) and make this snapshot the current one; returns its directory. Every other snapshot
+        is then deleted but those named in ``keep`` (the base and earlier deltas a delta snapshot needs)."""
         assert file_format in (FORMAT, SERVING_FORMAT), file_format
         manifest = dict(manifest, format=file_format, version=VERSION, files=self.files)
         text = json.dumps(manifest, indent=1, sort_keys=True).encode("utf-8")
@@ -130,8 +132,9 @@ class SnapshotWriter:
             os.fsync(f.fileno())
         os.replace(tmp, os.path.join(self.path, _CURRENT))
         self.committed = True  # from here on the new snapshot is the checkpoint: never delete it
+        self.manifest_sha256 = hashlib.sha256(text).hexdigest()
         _fsync_dir(self.path)
-        self._prune()
+        self._prune(set(keep))
         return self.dir
 
     def abort(self) -> None:
@@ -139,11 +142,12 @@ class SnapshotWriter:
         if not self.committed:
             shutil.rmtree(self.dir, ignore_errors=True)
 
-    def _prune(self) -> None:
-        """Delete every other snapshot and leftovers of crashed saves (best effort: failures are ignored)."""
+    def _prune(self, keep=frozenset()) -> None:
+        """Delete every other snapshot but ``keep`` and leftovers of crashed saves (best effort: failures are
+        ignored)."""
         for name in os.listdir(self.path):
             full = os.path.join(self.path, name)
-            if name.startswith("snapshot-") and name != self.name:
+            if name.startswith("snapshot-") and name != self.name and name not in keep:
                 shutil.rmtree(full, ignore_errors=True)
             elif name.startswith(f"{_CURRENT}.") and name.endswith(".tmp"):
                 with contextlib.suppress(OSError):
@@ -151,11 +155,22 @@ class SnapshotWriter:
 
 
 class Snapshot:
-    """A verified view of the current snapshot of a checkpoint directory."""
+    """A verified view of the current snapshot of a checkpoint directory.
 
-    def __init__(self, path: str, name: str, manifest: dict):
+    A delta snapshot (:mod:`.delta`) is seen composed: ``manifest`` is its base's (tables, shards, files)
+    with the delta's step, configuration, metadata and extra; ``file_dirs`` says where the base's files lie
+    and ``deltas`` are the delta snapshots whose changed rows apply on top, oldest first.
+    """
+
+    def __init__(self, path: str, name: str, manifest: dict, file_dirs=None, deltas=()):
         self.path, self.name, self.manifest = path, name, manifest
         self.dir = os.path.join(path, name)
+        self.file_dirs = dict(file_dirs or {})
+        self.deltas = tuple(deltas)
+
+    def file_path(self, file_name: str) -> str:
+        """Where the file ``file_name`` of the manifest lies."""
+        return os.path.join(self.file_dirs.get(file_name, self.dir), file_name)
 
     @property
     def step(self) -> int:
@@ -174,7 +189,7 @@ class Snapshot:
         if expected is None:
             raise CheckpointError(f"{self.dir}: the manifest lists no file '{file_name}'")
         names = list(expected) if names is None else list(names)
-        file_path = os.path.join(self.dir, file_name)
+        file_path = self.file_path(file_name)
         try:
             parsed = read_header(file_path)
             header = parsed[0]
@@ -268,26 +283,36 @@ def open_snapshot(path, _retry: bool = True, serving: bool = False) -> Snapshot:
     if not os.path.isdir(path):
         raise CheckpointError(f"{path}: no such checkpoint directory")
     name, digest = _read_pointer(path)
-    manifest_path = os.path.join(path, name, "manifest.json")
     try:
-        try:
-            text = read_capped(manifest_path, _MAX_MANIFEST)
-        except TensorFileError as e:
-            raise CheckpointError(f"corrupt checkpoint: {e}") from None
-        except OSError as e:
-            raise CheckpointError(f"corrupt checkpoint: {manifest_path}: {e.strerror}") from None
-        if hashlib.sha256(text).hexdigest() != digest:
-            raise CheckpointError(f"corrupt checkpoint: {manifest_path} does not match its SHA-256 in {_CURRENT}")
-        try:
-            manifest = json.loads(text.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError, RecursionError) as e:
-            raise CheckpointError(f"corrupt checkpoint: {manifest_path} is not JSON ({e})") from None
-        snap = Snapshot(path, name, check_manifest(manifest, path, manifest_path, serving))
-        _check_file_sizes(snap)
+        manifest = read_manifest(path, name, digest, serving)
+        if "delta" in manifest:
+            from .delta import compose
+            return compose(path, name, manifest)
+        snap = Snapshot(path, name, manifest)
+        check_file_sizes(snap)
         return snap
     except CheckpointError as e:
         e._snapshot = name  # for read_current: the snapshot this failure happened on
         raise
+
+
+def read_manifest(path: str, name: str, digest: str, serving: bool = False, named_by: str = _CURRENT) -> dict:
+    """The manifest of snapshot ``name`` of ``path``, verified against ``digest`` (its SHA-256, as
+    ``named_by`` records it) and checked by :func:`check_manifest`."""
+    manifest_path = os.path.join(path, name, "manifest.json")
+    try:
+        text = read_capped(manifest_path, _MAX_MANIFEST)
+    except TensorFileError as e:
+        raise CheckpointError(f"corrupt checkpoint: {e}") from None
+    except OSError as e:
+        raise CheckpointError(f"corrupt checkpoint: {manifest_path}: {e.strerror}") from None
+    if hashlib.sha256(text).hexdigest() != digest:
+        raise CheckpointError(f"corrupt checkpoint: {manifest_path} does not match its SHA-256 in {named_by}")
+    try:
+        manifest = json.loads(text.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise CheckpointError(f"corrupt checkpoint: {manifest_path} is not JSON ({e})") from None
+    return check_manifest(manifest, path, manifest_path, serving)
 
 
 def _bad(where: str, what: str, value) -> CheckpointError:
@@ -367,8 +392,12 @@ def check_manifest(manifest, path: str, manifest_path: str, serving: bool = Fals
         if extra not in files:
             raise _bad(f"{where}: extra", f"null or one of the files {sorted(files)}", extra)
     tables = _need(manifest["tables"], dict, f"{where}: tables", "an object of tables")
-    for name, entry in tables.items():
-        _check_table(name, entry, files, where, manifest_path, serving_dtype)
+    if "delta" in manifest:  # an incremental snapshot: changed rows, checked by .delta
+        from .delta import check_delta_fields
+        check_delta_fields(manifest, files, where, manifest_path, serving_dtype)
+    else:
+        for name, entry in tables.items():
+            _check_table(name, entry, files, where, manifest_path, serving_dtype)
     try:
         config = check_config(manifest["config"])
     except CheckpointError as e:
@@ -384,10 +413,10 @@ def check_manifest(manifest, path: str, manifest_path: str, serving: bool = Fals
                                   f"{stored}; its configuration needs shape {(t['vocabulary_size'], t['dim'])}")
         if serving_dtype is not None:
             continue  # stored as the export's dtype (checked by _check_table), whatever training stored
-        tensors = files[tables[name]["shards"][0]["file"]]
+        tensors = files[tables[name]["file"] if "delta" in manifest else tables[name]["shards"][0]["file"]]
         for what, dtype_key in (("weights", "weights_dtype"), ("slots", "slot_dtype")):
             held = [entry["dtype"] for key, entry in tensors.items()
-                    if (key == "weights") == (what == "weights")]  # _check_table: the slots share one dtype
+                    if (key == "weights" if what == "weights" else key.startswith("slot/"))]  # _check_table: the slots share one dtype
             want = t.get(dtype_key, "float32")
             if held and held[0] != want:
                 raise CheckpointError(f"corrupt checkpoint: {path}: table '{name}' stores its {what} as {held[0]}; "
@@ -494,13 +523,13 @@ def _check_table(name, entry, files: dict, where: str, manifest_path: str, servi
         slot_shapes = shapes
 
 
-def _check_file_sizes(snap: Snapshot) -> None:
+def check_file_sizes(snap: Snapshot) -> None:
     """Every file the manifest lists is a regular file at least as large as the tensors it declares.
 
     Declared shapes are thus bounded by bytes that exist before anyone allocates memory for them.
     """
     for file_name, tensors in snap.manifest["files"].items():
-        file_path = os.path.join(snap.dir, file_name)
+        file_path = snap.file_path(file_name)
         declared = 8 + sum(math.prod(t["shape"]) * _DTYPE_SIZES[t["dtype"]] for t in tensors.values())
         try:
             info = os.stat(file_path, follow_symlinks=False)

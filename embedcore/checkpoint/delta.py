@@ -1,0 +1,276 @@
+"""Delta snapshots: the rows an engine changed since its previous save, on top of a full snapshot.
+
+``emb.save(path, incremental=True)`` writes, instead of every row, only the rows updates touched since the
+engine's previous successful save (each physical table records them:
+:meth:`~embedcore.tables.PhysicalTable.track_changes`), as a snapshot like any other in ``path``::
+
+    path/
+      CURRENT                        names the newest snapshot, here the second delta
+      snapshot-000000000100-1a2b3c4d/  the base: a full snapshot
+      snapshot-000000000150-5e6f7a8b/  delta 1: "delta": {"base": link to the base, "previous": the same}
+        manifest.json                step, configuration, metadata, extra and files as any snapshot's
+        delta-0000.safetensors       per table: "rows" int64 [n] (increasing ids), "weights" [n, dim],
+        ...                          "slot/<name>" [n] or [n, dim], rows of the table as they were at step 150
+      snapshot-000000000200-9c0d1e2f/  delta 2: "previous": link to delta 1, "base": link to the base
+
+A link is ``{"snapshot": name, "manifest_sha256": the SHA-256 of its manifest.json}``, so the newest
+manifest (whose own SHA-256 ``CURRENT`` holds) pins every manifest of its chain, and each manifest pins its
+files' tensors. The state a delta snapshot stands for: the base's tables, then each delta's rows written over
+them, oldest first; step, configuration, metadata and extra arrays are the newest delta's own.
+
+Commits are those of full saves (:class:`~.store.SnapshotWriter`: ``CURRENT`` moves only once every file is
+durable); a delta's commit prunes every snapshot but its chain, a full save's every other snapshot (it
+compacts: a new base, the old chain deleted).
+
+Reading (:func:`compose`, called by :func:`~.store.open_snapshot` for every reader: ``load``, ``restore``,
+serving, exports, sharded engines) follows the links from the newest delta to the base, checks each
+manifest against its link and its schema (:func:`check_delta_fields`), each delta's tables against the
+base's, and returns one :class:`~.store.Snapshot` whose readers see the composed rows
+(:func:`embedcore.checkpoint.table_changes`). A missing or corrupt link is a :class:`CheckpointError`
+before anything changes.
+
+Which saves are deltas (:func:`chain_to_extend`): ``incremental=True`` when this engine's last successful
+save went to ``path`` and is still its current snapshot; an engine that has no chain (never saved since it
+was built, loaded or ``set_state``) saves in full and starts one, so a loop calling
+``save(path, incremental=True)`` works from its first call; an engine whose chain is in another directory,
+or whose last snapshot in ``path`` was replaced by another save, is refused (the delta would build on rows
+that directory does not hold). Once a save with ``incremental=True`` has started a chain, every save
+(full ones too) restarts the tracking, until ``load`` or ``set_state`` ends it.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import NamedTuple
+
+import numpy as np
+
+from .config_codec import need_int
+from .errors import CheckpointError
+from .store import (_SHA256, _SNAPSHOT_NAME, TABLE_DTYPES, Snapshot, _bad, _check_file_name, _need, _read_pointer,
+                    check_file_sizes, read_manifest)
+
+__all__ = ["DeltaChain", "check_delta_fields", "compose", "chain_to_extend", "write_changed_rows", "delta_fields",
+           "after_commit", "forget"]
+
+MAX_CHAIN = 10_000  # deltas a reader follows at most (a chain is as long as the saves since the last full one)
+_LINK_KEYS = {"snapshot", "manifest_sha256"}
+_TABLE_KEYS = {"vocabulary_size", "dim", "slots", "file", "rows"}
+
+
+class DeltaChain(NamedTuple):
+    """An engine's chain: the directory (real path) and the links of its base and deltas, oldest first."""
+
+    path: str
+    links: tuple
+
+
+# -- the schema ----------------------------------------------------------------------------------------------
+def _check_link(link, where: str) -> None:
+    if not isinstance(link, dict) or set(link) != _LINK_KEYS or not isinstance(link["snapshot"], str) or \
+            not _SNAPSHOT_NAME.fullmatch(link["snapshot"]) or not isinstance(link["manifest_sha256"], str) or \
+            not _SHA256.fullmatch(link["manifest_sha256"]):
+        raise _bad(where, "a link {snapshot: a snapshot name, manifest_sha256: 64 hex digits}", link)
+
+
+def check_delta_fields(manifest: dict, files: dict, where: str, manifest_path: str, serving_dtype=None) -> None:
+    """The fields of a delta manifest that differ from a full one's (:func:`~.store.check_manifest` checks
+    the rest), else :class:`CheckpointError` naming the field and its value:
+
+    - ``delta``: ``{"base": link, "previous": link}`` (the previous is the base for a first delta);
+    - ``tables``: name -> ``vocabulary_size`` (>= 1), ``dim`` (>= 1), ``slots`` (distinct non-empty names),
+      ``rows`` (0 to ``vocabulary_size``) and ``file``, a listed file of its own holding exactly ``rows``
+      (int64 ``[rows]``), ``weights`` (float32, float16 or bfloat16 ``[rows, dim]``) and ``slot/<name>``
+      per slot (``[rows]`` or ``[rows, dim]``, one dtype for all slots).
+    """
+    if serving_dtype is not None:
+        raise CheckpointError(f"corrupt checkpoint: {manifest_path}: a serving export cannot be a delta snapshot")
+    delta = _need(manifest["delta"], dict, f"{where}: delta", "an object with base and previous")
+    if set(delta) != {"base", "previous"}:
+        raise _bad(f"{where}: delta", "an object of exactly base and previous", delta)
+    for key in ("base", "previous"):
+        _check_link(delta[key], f"{where}: delta.{key}")
+    used = set()
+    for name, entry in manifest["tables"].items():
+        w = f"{where}: table '{name}'"
+        _need(entry, dict, w, "an object")
+        if set(entry) != _TABLE_KEYS:
+            raise _bad(w, f"an object of exactly {sorted(_TABLE_KEYS)}", sorted(entry))
+        vocabulary = need_int(entry["vocabulary_size"], f"{w}.vocabulary_size", 1, 2 ** 62, fail=_bad)
+        dim = need_int(entry["dim"], f"{w}.dim", 1, 2 ** 31 - 1, fail=_bad)
+        rows = need_int(entry["rows"], f"{w}.rows", 0, vocabulary, fail=_bad)
+        slots = _need(entry["slots"], list, f"{w}.slots", "a list of slot names")
+        if not all(isinstance(s, str) and s for s in slots) or len(set(slots)) != len(slots):
+            raise _bad(f"{w}.slots", "distinct non-empty names", slots)
+        _check_file_name(entry["file"], manifest_path)
+        if entry["file"] not in files or entry["file"] in used or entry["file"] == manifest["extra"]:
+            raise _bad(f"{w}.file", f"a file of its own among {sorted(files)}", entry["file"])
+        used.add(entry["file"])
+        stored = files[entry["file"]]
+        wanted = {"rows", "weights"} | {f"slot/{s}" for s in slots}
+        if set(stored) != wanted:
+            raise CheckpointError(f"corrupt checkpoint: {manifest_path}: table '{name}' (slots {slots}) needs the "
+                                  f"tensors {sorted(wanted)} in {entry['file']}, which holds {sorted(stored)}")
+        for key in sorted(wanted):
+            shape, dtype = tuple(stored[key]["shape"]), stored[key]["dtype"]
+            if key == "rows":
+                ok = dtype == "int64" and shape == (rows,)
+            else:
+                ok = dtype in TABLE_DTYPES and (shape == (rows, dim) if key == "weights" else
+                                                shape in ((rows,), (rows, dim)))
+            if not ok:
+                raise CheckpointError(f"corrupt checkpoint: {manifest_path}: table '{name}' tensor '{key}' in "
+                                      f"{entry['file']} is {dtype} of shape {shape}")
+        if len({stored[f"slot/{s}"]["dtype"] for s in slots}) > 1:
+            raise CheckpointError(f"corrupt checkpoint: {manifest_path}: table '{name}' has slots of different "
+                                  f"dtypes in {entry['file']}")
+
+
+# -- reading -------------------------------------------------------------------------------------------------
+def compose(path: str, name: str, manifest: dict) -> Snapshot:
+    """The snapshot ``name`` of ``path``, a delta whose checked ``manifest`` is given, composed with its
+    chain (see the module docstring); :class:`CheckpointError` if a link is missing, corrupt, loops, or a
+    delta's tables disagree with the base's."""
+    newest = Snapshot(path, name, manifest)
+    check_file_sizes(newest)
+    base_link = manifest["delta"]["base"]
+    chain, link, seen = [newest], manifest["delta"]["previous"], {name}
+    while True:
+        child = chain[-1]
+        if link["snapshot"] in seen or len(chain) > MAX_CHAIN:
+            raise CheckpointError(f"corrupt checkpoint: {child.dir}: its chain of delta snapshots "
+                                  f"{'loops back to ' + link['snapshot'] if link['snapshot'] in seen else 'is longer than ' + str(MAX_CHAIN)}")
+        seen.add(link["snapshot"])
+        try:
+            linked = read_manifest(path, link["snapshot"], link["manifest_sha256"],
+                                   named_by=os.path.join(child.dir, "manifest.json"))
+            snap = Snapshot(path, link["snapshot"], linked)
+            check_file_sizes(snap)
+        except CheckpointError as e:
+            raise CheckpointError(f"{child.dir} is a delta snapshot on top of {link['snapshot']}, which is missing "
+                                  f"or corrupt, so {name} cannot be read: {e}") from None
+        if "delta" not in linked:
+            break
+        if linked["delta"]["base"] != base_link:
+            raise CheckpointError(f"corrupt checkpoint: {snap.dir} is on base {linked['delta']['base']['snapshot']}, "
+                                  f"the newest delta {name} on {base_link['snapshot']}")
+        chain.append(snap)
+        link = linked["delta"]["previous"]
+    base = snap
+    if link != base_link:
+        raise CheckpointError(f"corrupt checkpoint: {newest.dir} names {base_link['snapshot']} as its base; its chain "
+                              f"of deltas ends at {link['snapshot']}")
+    for delta in chain:
+        _check_agrees(base, delta)
+    table_files = {shard["file"] for entry in base.manifest["tables"].values() for shard in entry["shards"]}
+    extra = manifest["extra"]
+    if extra in table_files:
+        raise CheckpointError(f"corrupt checkpoint: {newest.dir}: its extra file {extra} has the name of a file "
+                              f"of its base {base.name}")
+    files = {f: tensors for f, tensors in base.manifest["files"].items() if f in table_files}
+    if extra is not None:
+        files[extra] = manifest["files"][extra]
+    composed = dict(base.manifest, files=files, **{k: manifest.get(k) for k in
+                                                    ("step", "config", "metadata", "extra", "embedcore_version")})
+    return Snapshot(path, name, composed, {f: base.dir for f in table_files}, tuple(reversed(chain)))
+
+
+def _check_agrees(base: Snapshot, delta: Snapshot) -> None:
+    """Refuse a delta whose tables (names, shapes, slots, dtypes and slot ranks) differ from its base's."""
+    tables, base_tables = delta.manifest["tables"], base.manifest["tables"]
+    problem = None
+    if set(tables) != set(base_tables):
+        problem = f"tables {sorted(tables)}, its base {sorted(base_tables)}"
+    else:
+        for name, entry in tables.items():
+            held = base_tables[name]
+            base_tensors = base.manifest["files"][held["shards"][0]["file"]]
+            tensors = delta.manifest["files"][entry["file"]]
+            for key in ("vocabulary_size", "dim", "slots"):
+                if entry[key] != held[key]:
+                    problem = f"table '{name}' {key} {entry[key]!r:.80}, its base {held[key]!r:.80}"
+            for key, stored in base_tensors.items():
+                if problem is None and (tensors[key]["dtype"], len(tensors[key]["shape"])) != \
+                        (stored["dtype"], len(stored["shape"])):
+                    problem = (f"table '{name}' tensor '{key}' {tensors[key]['dtype']} of rank "
+                               f"{len(tensors[key]['shape'])}, its base {stored['dtype']} of rank {len(stored['shape'])}")
+            if problem:
+                break
+    if problem:
+        raise CheckpointError(f"corrupt checkpoint: the delta snapshot {delta.dir} does not fit its base "
+                              f"{base.name}: it has {problem}")
+
+
+# -- writing -------------------------------------------------------------------------------------------------
+def chain_to_extend(emb, path, incremental: bool):
+    """The :class:`DeltaChain` a save of ``emb`` to ``path`` extends with a delta, or None for a full save.
+
+    None unless ``incremental``; None when ``emb`` has no chain (a full save starts one). Refused
+    (:class:`CheckpointError`, nothing written) for dynamic tables, a chain in another directory, or a
+    ``path`` whose current snapshot is not the one ``emb`` saved last.
+    """
+    if not incremental:
+        return None
+    dynamic = sorted(name for t in emb._physical if t.dynamic for name in t.table_names)
+    if dynamic:
+        raise CheckpointError(f"tables {dynamic} are dynamic: incremental saves of dynamic tables (changed keys, "
+                              f"evicted keys) are not supported yet; save(path) without incremental=True")
+    chain = getattr(emb, "_delta_chain", None)
+    if chain is None:
+        return None
+    where = os.fspath(path)
+    if os.path.realpath(where) != chain.path:
+        raise CheckpointError(f"cannot save incrementally to {where}: this engine's last save went to {chain.path}, "
+                              f"and a delta holds only the rows changed since that save. Save to {where} with "
+                              f"incremental=False first (a full snapshot, on which later deltas build)")
+    last = chain.links[-1]
+    try:
+        current = _read_pointer(where)
+    except CheckpointError as e:
+        raise CheckpointError(f"cannot save incrementally to {where}: {e}") from None
+    if current != (last["snapshot"], last["manifest_sha256"]):
+        raise CheckpointError(f"cannot save incrementally to {where}: its current snapshot is {current[0]}, not "
+                              f"{last['snapshot']}, which this engine saved last (another save replaced it), so a "
+                              f"delta would build on rows this engine does not know; save with incremental=False")
+    return chain
+
+
+def write_changed_rows(writer, emb) -> dict:
+    """Write each table's changed rows (ids, weights, slots) as one file each; the manifest's ``tables``."""
+    changed = {name: t.changed_rows(name) for t in emb._physical for name in t.table_names}
+    tables, slots = emb.embedding_tables, emb.slot_variables
+    entries = {}
+    for k, (name, config) in enumerate(emb.tables.items()):
+        rows = changed[name]
+        tensors = {"rows": rows, "weights": tables[name][rows]}
+        tensors.update({f"slot/{s}": v[rows] for s, v in slots[name].items()})
+        file_name = f"delta-{k:04d}.safetensors"
+        writer.add(file_name, tensors, {"table": name})
+        entries[name] = {"vocabulary_size": config.vocabulary_size, "dim": config.dim, "slots": list(slots[name]),
+                         "file": file_name, "rows": int(rows.size)}
+    return entries
+
+
+def delta_fields(chain: DeltaChain) -> dict:
+    """The manifest's ``delta`` field of the next delta of ``chain``."""
+    return {"base": dict(chain.links[0]), "previous": dict(chain.links[-1])}
+
+
+def after_commit(emb, path, writer, chain, incremental: bool) -> None:
+    """After ``writer`` committed a save of ``emb`` (a delta of ``chain``, or a full one when ``chain`` is
+    None): restart the tracking of changed rows and record the chain, when ``incremental`` or a chain was
+    already kept; otherwise nothing (an engine that never saves incrementally tracks nothing)."""
+    if not incremental and getattr(emb, "_delta_chain", None) is None:
+        return
+    link = {"snapshot": writer.name, "manifest_sha256": writer.manifest_sha256}
+    links = (chain.links if chain is not None else ()) + (link,)
+    for table in emb._physical:
+        table.track_changes()
+    emb._delta_chain = DeltaChain(os.path.realpath(os.fspath(path)), links)
+
+
+def forget(emb) -> None:
+    """End ``emb``'s chain (its tables were replaced as a whole): its next save is full."""
+    emb._delta_chain = None
+    for table in emb._physical:
+        table.stop_tracking()
