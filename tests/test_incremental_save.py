@@ -290,7 +290,7 @@ def test_a_failure_after_the_commit_keeps_the_new_chain(tmp_path, monkeypatch):
     oracle.save(path, incremental=True)
     oracle.train(rng, 1)
 
-    def fail(self, keep=()):
+    def fail(self):
         raise OSError("pruning failed")
     monkeypatch.setattr(store.SnapshotWriter, "_prune", fail)
     with pytest.raises(OSError):
@@ -405,3 +405,21 @@ def test_dynamic_tables_are_refused():
     emb = ec.Embedding({"f": ec.FeatureConfig(t)}, ec.Adagrad(0.1))
     with pytest.raises(CheckpointError, match="dynamic"):
         emb.save("/nonexistent/never-written", incremental=True)
+
+
+def test_a_sharded_engine_reads_a_chain_and_refuses_to_write_one(tmp_path):
+    from embedcore.distributed import ShardedEmbedding
+    from embedcore.distributed import checkpoint as sharded_checkpoint
+    emb = make_engine()
+    oracle = Oracle(emb)
+    rng = np.random.default_rng(31)
+    path = tmp_path / "ckpt"
+    oracle.save(path, incremental=True)
+    for _ in range(2):
+        oracle.train(rng, 2)
+        oracle.save(path, incremental=True)
+    restored = ShardedEmbedding.restore(path)  # one rank of one: its shard is every row
+    assert_holds(restored, oracle.saved[-1], "sharded restore")
+    with pytest.raises(CheckpointError, match="incremental saves of a ShardedEmbedding are not supported"):
+        sharded_checkpoint.save(restored, tmp_path / "sharded", None, None, incremental=True)
+    assert not os.path.exists(tmp_path / "sharded")

@@ -8,7 +8,8 @@
 
 A save writes a new snapshot directory and fsyncs it (files, the directory, its entry in ``path``), then
 replaces ``CURRENT`` with ``os.replace`` (atomic on POSIX), fsyncs ``path``, and only then deletes every
-other snapshot, including leftovers of crashed saves. A crash at any point leaves ``CURRENT`` naming a
+other snapshot, including leftovers of crashed saves (but, for a delta snapshot, the base and earlier
+deltas it builds on: :mod:`.delta`). A crash at any point leaves ``CURRENT`` naming a
 snapshot that is whole: the previous one or the new one. Readers trust nothing: ``CURRENT`` carries the
 manifest's hash, the manifest carries each tensor's shape and hash, every tensor file's header is checked
 against it, and file names must be plain names inside the snapshot. Two processes saving to one path at the
@@ -92,6 +93,7 @@ class SnapshotWriter:
         self.files = {}
         self.committed = False
         self.manifest_sha256 = None  # of the committed manifest: what CURRENT (and a later delta) names
+        self.keep = frozenset()  # other snapshots the commit keeps (a delta's chain)
 
     @classmethod
     def attach(cls, path: str, name: str) -> "SnapshotWriter":
@@ -99,7 +101,7 @@ class SnapshotWriter:
         writer = cls.__new__(cls)
         writer.path, writer.name = os.fspath(path), name
         writer.dir = os.path.join(writer.path, name)
-        writer.files, writer.committed, writer.manifest_sha256 = {}, False, None
+        writer.files, writer.committed, writer.manifest_sha256, writer.keep = {}, False, None, frozenset()
         if not os.path.isdir(writer.dir):
             raise CheckpointError(f"{writer.dir}: the snapshot directory is not visible here (checkpoints of "
                                   f"several processes need a file system they all share)")
@@ -134,7 +136,8 @@ class SnapshotWriter:
         self.committed = True  # from here on the new snapshot is the checkpoint: never delete it
         self.manifest_sha256 = hashlib.sha256(text).hexdigest()
         _fsync_dir(self.path)
-        self._prune(set(keep))
+        self.keep = frozenset(keep)
+        self._prune()
         return self.dir
 
     def abort(self) -> None:
@@ -142,12 +145,12 @@ class SnapshotWriter:
         if not self.committed:
             shutil.rmtree(self.dir, ignore_errors=True)
 
-    def _prune(self, keep=frozenset()) -> None:
-        """Delete every other snapshot but ``keep`` and leftovers of crashed saves (best effort: failures are
-        ignored)."""
+    def _prune(self) -> None:
+        """Delete every other snapshot but those the commit keeps and leftovers of crashed saves (best effort:
+        failures are ignored)."""
         for name in os.listdir(self.path):
             full = os.path.join(self.path, name)
-            if name.startswith("snapshot-") and name != self.name and name not in keep:
+            if name.startswith("snapshot-") and name != self.name and name not in self.keep:
                 shutil.rmtree(full, ignore_errors=True)
             elif name.startswith(f"{_CURRENT}.") and name.endswith(".tmp"):
                 with contextlib.suppress(OSError):
@@ -340,6 +343,9 @@ def check_manifest(manifest, path: str, manifest_path: str, serving: bool = Fals
       stride implies), each in a listed file holding exactly ``weights`` (float32, float16 or bfloat16
       ``[rows, dim]``, as the configuration's ``weights_dtype`` says) and ``slot/<name>`` per slot (``[rows]``
       or ``[rows, dim]``, of the configuration's ``slot_dtype``, the same in every shard).
+
+    A delta snapshot (a ``delta`` field) has the same fields but ``tables``, checked by
+    :func:`.delta.check_delta_fields` (its chain is checked when it is opened: :func:`.delta.compose`).
 
     A serving export (``format`` :data:`SERVING_FORMAT`, accepted only with ``serving``; else refused saying
     what it is) has the same fields and ``serving``: ``{"dtype": one of SERVING_DTYPES, "source_snapshot":

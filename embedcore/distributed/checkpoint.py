@@ -7,6 +7,10 @@ on by all before the next begins; rank 0 replaces ``CURRENT`` only after every r
 shards are written (with their SHA-256), so a failure anywhere before that leaves the previous checkpoint
 current and the half-written snapshot is removed (or, if rank 0 died, pruned by the next successful save).
 
+Incremental saves (:mod:`embedcore.checkpoint.delta`) are not written by sharded engines (``incremental=True``
+is refused on every rank alike, before anything is exchanged or written); delta chains written by one
+process are read here as by every reader (:func:`~embedcore.checkpoint.table_rows` composes them).
+
 Reading checks what single-process reading checks (the whole manifest, sizes against files and memory,
 hashes, NaN/Inf, only embedcore classes called) on every rank, and the ranks agree on the outcome and on
 having read the same snapshot before any of them changes.
@@ -43,8 +47,11 @@ def _snapshot_tag(snap) -> int:
     return zlib.crc32(json.dumps([snap.name, snap.manifest], sort_keys=True, default=str).encode("utf-8"))
 
 
-def save(emb, path, extra, metadata) -> str:
+def save(emb, path, extra, metadata, incremental: bool = False) -> str:
     """See :meth:`ShardedEmbedding.save`."""
+    if incremental:  # the same argument on every rank: all refuse alike, nothing to agree on
+        raise CheckpointError(f"incremental saves of a {type(emb).__name__} are not supported: save(path) writes "
+                              f"every rank's rows (sharded engines do read delta chains saved by one process)")
     ex, rank, step = emb.exchange, emb.rank, emb.step
     writer, error, exc = None, None, None
     try:
