@@ -167,7 +167,10 @@ class Embedding(TrainingEngine):
         The write is atomic (a crash leaves the previous checkpoint in place) and every tensor is
         checksummed; see :mod:`embedcore.checkpoint`. ``extra`` (name -> array) and ``metadata`` (a JSON
         value) are stored alongside, e.g. a dense model's parameters and a data position. The previous
-        snapshot in ``path`` is deleted once the new one is in place.
+        snapshot in ``path`` is deleted once the new one is in place. Dynamic tables are stored as their keys,
+        rows, slots and the policies' state (:mod:`embedcore.checkpoint.dynamic`), so an engine loaded from
+        the checkpoint continues exactly as this one; a TTL table first drops the rows expired at ``step``
+        (which no view or lookup shows any more).
 
         ``incremental=True`` writes a *delta*: only the rows updates touched since this engine's previous
         save to ``path``, on top of it (every reader composes them; :mod:`embedcore.checkpoint.delta`).
@@ -190,7 +193,10 @@ class Embedding(TrainingEngine):
         Tables or slots stored in another dtype than this engine's (say a float32 checkpoint into bfloat16
         tables) are refused unless ``convert_dtypes``, which rounds them to nearest.
         Contexts of lookups made before a successful ``load`` are refused by :meth:`apply_gradients` (their
-        activations came from the replaced tables).
+        activations came from the replaced tables). A dynamic table's keys, rows, slots, metadata and
+        admission counts replace the table's whole state; the engine must have the checkpoint's seed and a
+        capacity of at least the keys saved (``strict=False`` lets the capacity differ), else
+        :class:`~embedcore.CheckpointError`, with nothing changed.
         """
         from .checkpoint import delta, load_into
         with self._exclusive("load"):
@@ -219,12 +225,18 @@ class Embedding(TrainingEngine):
         Everything is checked first (names, shapes, dtypes, NaN/Inf, ``step`` an int >= 0): a problem raises
         ``ValueError`` listing every one, and nothing changes. Contexts of earlier lookups are refused
         afterwards, as after :meth:`load`.
+
+        Dynamic tables are not set here (``ValueError``): a dynamic table is more than arrays of rows (its
+        keys, row slots, metadata and admission counts belong together); load it from a checkpoint with
+        :meth:`load` or :meth:`restore`.
         """
         current, current_slots = self.embedding_tables, self.slot_variables
         staged, problems = [], []
         dynamic = {t.name for t in self._table_configs.values() if isinstance(t, DynamicTableConfig)}
         for name in sorted(dynamic & (set(tables or {}) | set(slots or {}))):
-            problems.append(f"table '{name}' is dynamic: set_state does not set dynamic tables yet")
+            problems.append(f"table '{name}' is dynamic: set_state sets static tables only (a dynamic table's keys, "
+                            f"rows, metadata and admission counts belong together: load them with emb.load(path) "
+                            f"or Embedding.restore(path))")
         tables = {n: v for n, v in (tables or {}).items() if n not in dynamic}
         slots = {n: v for n, v in (slots or {}).items() if n not in dynamic}
 
@@ -272,16 +284,32 @@ class Embedding(TrainingEngine):
         return {"seed": self.seed, "stack_tables": len(self._physical) < len(self._table_configs),
                 "non_finite": self.non_finite, "tuning": self.tuning}
 
+    def _static_state(self) -> tuple:
+        """``(tables, slots)`` of the static tables, as :meth:`set_state` takes them."""
+        dynamic = {t.name for t in self._physical if t.dynamic}
+        return ({n: v for n, v in self.embedding_tables.items() if n not in dynamic},
+                {n: v for n, v in self.slot_variables.items() if n not in dynamic})
+
+    def _dynamic_states(self) -> dict:
+        """Dynamic table name -> its :class:`~embedcore.tables.dynamic.DynamicTableState` (copies)."""
+        return {t.name: t.state() for t in self._physical if t.dynamic}
+
+    def _set_dynamic_states(self, states: dict) -> None:
+        """Make ``states`` (as :meth:`_dynamic_states` gives) the dynamic tables' states, all checked first."""
+        tables = {t.name: t for t in self._physical if t.dynamic}
+        if set(states) != set(tables):
+            raise ValueError(f"dynamic tables {sorted(states)} given, the engine has {sorted(tables)}")
+        for apply in [tables[name].prepare_state(state) for name, state in states.items()]:
+            apply()
+
     def __deepcopy__(self, memo):
-        """An independent engine: configuration deep-copied (functions shared), tables, slots, ``step`` copied."""
+        """An independent engine: configuration deep-copied (functions shared), tables, slots, ``step`` copied
+        (a dynamic table's whole state: keys, row slots, metadata, admission counts)."""
         import copy
-        dynamic = sorted(t.name for t in self._table_configs.values() if isinstance(t, DynamicTableConfig))
-        if dynamic:
-            raise TypeError(f"cannot copy this {type(self).__name__}: tables {dynamic} are dynamic, whose copies "
-                            f"(keys, rows and policies' state) are not supported yet")
         feature_config, optimizer = copy.deepcopy((self._feature_config, self._optimizer), memo)
         emb = type(self)(feature_config, optimizer, fill=False, **self._copy_arguments())
-        emb.set_state(self.embedding_tables, self.slot_variables, self.step)
+        emb.set_state(*self._static_state(), self.step)
+        emb._set_dynamic_states(self._dynamic_states())
         emb.skipped_rows = dict(self.skipped_rows)
         memo[id(self)] = emb
         return emb
@@ -307,9 +335,10 @@ class Embedding(TrainingEngine):
                 f"at module level in an importable module (copy.deepcopy works without)")
         arguments = self._copy_arguments()
         arguments["tuning"] = self.tuning.replace(phase_timer=None)
+        tables, slots = self._static_state()
         state = {"version": 1, "config": config, "arguments": arguments, "step": self.step,
-                 "skipped_rows": dict(self.skipped_rows), "tables": self.embedding_tables,
-                 "slots": self.slot_variables}
+                 "skipped_rows": dict(self.skipped_rows), "tables": tables, "slots": slots,
+                 "dynamic": self._dynamic_states()}
         return type(self)._from_pickled, (state,)
 
     @staticmethod
@@ -333,6 +362,7 @@ class Embedding(TrainingEngine):
         feature_config, optimizer, _ = decode_engine_config(state["config"], FunctionResolver(allow_import=True))
         emb = cls(feature_config, optimizer, fill=False, **state["arguments"])
         emb.set_state(state["tables"], state["slots"], state["step"])
+        emb._set_dynamic_states(state.get("dynamic", {}))
         emb.skipped_rows = dict(state["skipped_rows"])
         return emb
 

@@ -24,6 +24,9 @@ How the rows are stored (``dtype``):
   (its ``scale * 255 + bias`` would overflow) is refused. About a quarter of float32's bytes for rows of
   64 values (72 bytes instead of 256).
 
+A dynamic table is exported as its keys (``keys``, uint64, increasing) and their rows (``weights``, stored as
+above, in key order; no slots, no metadata): ``ServingEmbedding`` maps keys to rows with them.
+
 int4 is not offered: rows of 64 values would take 40 bytes instead of 72, at 17 times the error of int8.
 """
 
@@ -34,12 +37,14 @@ import os
 import ml_dtypes
 import numpy as np
 
-from .checkpoint import CheckpointError, read_current, table_tensors
+from .checkpoint import CheckpointError, check_finite, read_current, table_tensors
+from .checkpoint.dynamic import dynamic_file_name, is_dynamic_entry, read_state
 from .checkpoint.store import (FUSED_INT8_EXTRA_BYTES, SERVING_DTYPES, SERVING_FORMAT, Snapshot, SnapshotWriter,
                                open_snapshot)
 from .memory_budget import check_fits
 
-__all__ = ["export_for_serving", "quantize_int8_rows", "dequantize_int8_rows", "serving_weights", "SERVING_DTYPES"]
+__all__ = ["export_for_serving", "quantize_int8_rows", "dequantize_int8_rows", "serving_weights", "serving_rows",
+           "SERVING_DTYPES"]
 
 _CHUNK_ROWS = 1 << 14  # rows converted per pass (a few MB of float64 scratch for rows of 64 values)
 _STORED = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16),
@@ -166,18 +171,27 @@ def export_for_serving(checkpoint, out, dtype: str = "int8", metadata=None) -> s
     _check_out(out, checkpoint)
 
     def read(snap: Snapshot):
-        tables = {name: table_tensors(snap, name, {"weights": (entry["vocabulary_size"], entry["dim"])})["weights"]
-                  for name, entry in snap.manifest["tables"].items()}
-        return snap, tables
+        tables, keys = {}, {}
+        for name, entry in snap.manifest["tables"].items():
+            if is_dynamic_entry(entry):
+                state = read_state(snap, name)
+                tables[name], keys[name] = state.weights, state.keys
+            else:
+                tables[name] = table_tensors(snap, name, {"weights": (entry["vocabulary_size"], entry["dim"])})["weights"]
+        return snap, tables, keys
 
-    snap, tables = read_current(checkpoint, read)
+    snap, tables, keys = read_current(checkpoint, read)
     manifest = snap.manifest
     writer = SnapshotWriter(out, snap.step)
     try:
         entries = {}
         for k, (name, rows) in enumerate(tables.items()):
-            file_name = f"table-{k:04d}.safetensors"
             stored = _convert(rows, dtype, f"{snap.dir}: table '{name}' weights")
+            if name in keys:
+                entries[name] = _write_dynamic(writer, dynamic_file_name(k), name, manifest["tables"][name],
+                                               keys[name], stored, dtype)
+                continue
+            file_name = f"table-{k:04d}.safetensors"
             writer.add(file_name, {"weights": stored}, {"table": name, "serving_dtype": dtype})
             del stored
             entries[name] = {"slots": [], "vocabulary_size": rows.shape[0], "dim": rows.shape[1],
@@ -190,6 +204,13 @@ def export_for_serving(checkpoint, out, dtype: str = "int8", metadata=None) -> s
     except BaseException:
         writer.abort()
         raise
+
+
+def _write_dynamic(writer, file_name: str, name: str, entry: dict, keys, stored, dtype: str) -> dict:
+    """Write a dynamic table's keys and exported rows; its manifest entry (the checkpoint's, without slots)."""
+    writer.add(file_name, {"keys": keys, "weights": stored}, {"table": name, "serving_dtype": dtype})
+    n = int(keys.shape[0])
+    return {**entry, "slots": [], "n": n, "shards": [{"file": file_name, "first_row": 0, "stride": 1, "rows": n}]}
 
 
 def _check_fused(fused: np.ndarray, where: str) -> None:
@@ -206,24 +227,33 @@ def _check_fused(fused: np.ndarray, where: str) -> None:
 
 
 def serving_weights(snap: Snapshot, tables, verify: bool = True) -> dict:
+    """As :func:`serving_rows`, for static tables only (``TableConfig`` s)."""
+    return serving_rows(snap, {t.name: (t.vocabulary_size, t.dim) for t in tables}, verify)
+
+
+def serving_rows(snap: Snapshot, shapes: dict, verify: bool = True) -> dict:
     """Table name -> the memory-mapped, read-only rows of a serving export (``snap.serving_dtype`` not None)
-    for ``tables`` (``TableConfig``): ``uint8 [V, dim + 8]`` fused rows for int8, else ``[V, dim]`` of the
-    export's dtype. With ``verify``, each is checked against its SHA-256, 16/32-bit rows for NaN/Inf and int8
+    for the tables of ``shapes`` (name -> ``(rows, dim)``; a dynamic table's rows are its keys'):
+    ``uint8 [rows, dim + 8]`` fused rows for int8, else ``[rows, dim]`` of the export's dtype. With ``verify``, each is checked against its SHA-256, 16/32-bit rows for NaN/Inf and int8
     scales and biases for being finite (and scales for being >= 0)."""
     dtype = snap.serving_dtype
     out = {}
-    for t in tables:
-        if dtype != "int8":
-            out[t.name] = table_tensors(snap, t.name, {"weights": (t.vocabulary_size, t.dim)}, verify=verify)["weights"]
-            continue
-        entry = snap.manifest["tables"].get(t.name)
+    for name, (n, dim) in shapes.items():
+        entry = snap.manifest["tables"].get(name)
         if entry is None:
-            raise CheckpointError(f"{snap.dir} holds no table '{t.name}' (it holds {sorted(snap.manifest['tables'])})")
-        fused = snap.tensors(entry["shards"][0]["file"], ["weights"], verify=verify)["weights"]
-        if fused.shape != (t.vocabulary_size, t.dim + FUSED_INT8_EXTRA_BYTES):  # check_manifest made sure of it
-            raise CheckpointError(f"{snap.dir}: table '{t.name}' has int8 rows of shape {fused.shape}; its "
-                                  f"configuration needs ({t.vocabulary_size}, {t.dim + FUSED_INT8_EXTRA_BYTES})")
+            raise CheckpointError(f"{snap.dir} holds no table '{name}' (it holds {sorted(snap.manifest['tables'])})")
+        if dtype != "int8" and not is_dynamic_entry(entry):
+            out[name] = table_tensors(snap, name, {"weights": (n, dim)}, verify=verify)["weights"]
+            continue
+        rows = snap.tensors(entry["shards"][0]["file"], ["weights"], verify=verify)["weights"]
+        width = dim + FUSED_INT8_EXTRA_BYTES if dtype == "int8" else dim
+        if rows.shape != (n, width):  # check_manifest made sure of it
+            raise CheckpointError(f"{snap.dir}: table '{name}' has {dtype} rows of shape {rows.shape}; its "
+                                  f"configuration needs ({n}, {width})")
         if verify:
-            _check_fused(fused, f"{snap.dir}: table '{t.name}'")
-        out[t.name] = fused
+            if dtype == "int8":
+                _check_fused(rows, f"{snap.dir}: table '{name}'")
+            else:
+                check_finite(rows, f"{snap.dir}: table '{name}' weights")
+        out[name] = rows
     return out

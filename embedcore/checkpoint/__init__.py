@@ -1,7 +1,16 @@
 """Checkpoints: tables, slots, step and configuration in a directory of safetensors files, no pickle.
 
 The layout does not depend on stacking or partitioning: each table is stored on its own, rows in id order
-(``weights`` ``[vocabulary_size, dim]`` and one ``slot/<name>`` tensor per slot). Writes are atomic and
+(``weights`` ``[vocabulary_size, dim]`` and one ``slot/<name>`` tensor per slot). A dynamic table is stored
+as its state, one file of per-key tensors in increasing key order (``keys``, ``weights``, ``slot/<name>``,
+``last_seen``, ``counts``, the row slots ``rows`` and ``free``, and ``admission/counters`` with admission;
+:mod:`.dynamic` describes the file and its manifest entry), from which a loaded engine continues
+bit-identically: every later lookup's activations, admissions, evictions (ties included) and TTL expiries,
+and every update, are those the saved engine would have made. Saving a TTL table first removes the rows
+expired at the current step (as its next lookup would; no view shows them). Loading a dynamic table needs
+the saving engine's seed (admission hashes and new keys' initial values depend on it) and a capacity of at
+least its keys (a smaller one than the saver's compacts the row slots: then only 16-bit stochastic rounding,
+keyed by the slot, can differ). Writes are atomic and
 every tensor is checksummed (:mod:`.store`); the configuration is JSON that names functions by import path
 and is imported only when the caller allows it (:mod:`.config_codec`).
 
@@ -25,24 +34,21 @@ import numpy as np
 
 from ..memory_budget import check_fits
 from .config_codec import FunctionResolver, decode_engine_config, encode_engine_config
+from .dynamic import dynamic_file_name, is_dynamic_entry, read_state, write_dynamic_table
 from .errors import CheckpointError
 from . import delta as _delta
 from .store import Snapshot, SnapshotWriter, open_snapshot, read_current
 from .tensor_file import STORABLE_DTYPES
 
 __all__ = ["CheckpointError", "save", "load_into", "restore", "read_extra", "open_snapshot", "read_current",
-           "engine_config", "table_tensors", "table_rows", "table_changes", "write_table_shards", "check_save_inputs", "manifest_of",
-           "check_compatible", "check_finite", "stored_shapes", "as_stored"]
+           "engine_config", "table_tensors", "table_rows", "table_changes", "write_table_shards", "check_save_inputs",
+           "manifest_of", "check_compatible", "check_finite", "stored_shapes", "as_stored", "dynamic_tables",
+           "write_dynamic_tables", "stage_dynamic"]
 
 _EXTRA = "extra.safetensors"
 
 
 def engine_config(emb) -> dict:
-    from ..config import DynamicTableConfig
-    dynamic = sorted(t.name for t in emb.tables.values() if isinstance(t, DynamicTableConfig))
-    if dynamic:
-        raise CheckpointError(f"tables {dynamic} are dynamic: checkpoints of dynamic tables (keys, rows, slots and "
-                              f"the policies' state) are not supported yet")
     config = encode_engine_config(emb.feature_config, list(emb.tables.values()), emb.optimizer, emb.seed)
     config["non_finite"] = emb.non_finite
     return config
@@ -87,6 +93,22 @@ def write_table_shards(writer, configs: dict, tables: dict, slots: dict, shards:
     return entries
 
 
+def dynamic_tables(emb) -> dict:
+    """Table name -> the :class:`~embedcore.tables.dynamic.DynamicPhysicalTable` of each dynamic table of ``emb``."""
+    return {t.name: t for t in emb.physical_tables if getattr(t, "dynamic", False)}
+
+
+def write_dynamic_tables(writer, configs: dict, tables: dict, step: int, suffix: str = "") -> dict:
+    """Write each dynamic table's state (``tables``: name -> its physical table) as one file; TTL tables first
+    remove the rows expired at ``step`` (as the next lookup would; views hide them already). Returns their
+    manifest entries."""
+    entries = {}
+    for k, (name, table) in enumerate(tables.items()):
+        table.remove_expired(step)
+        entries[name] = write_dynamic_table(writer, dynamic_file_name(k, suffix), configs[name], table.state())
+    return entries
+
+
 def manifest_of(step: int, config: dict, entries: dict, extra_file, metadata) -> dict:
     from .. import __version__
     return {"step": int(step), "config": config, "tables": entries, "metadata": metadata, "extra": extra_file,
@@ -102,9 +124,11 @@ def save(emb, path, extra=None, metadata=None, incremental: bool = False) -> str
     writer = SnapshotWriter(path, emb.step)
     try:
         if chain is None:
-            configs = emb.tables
+            dynamic = dynamic_tables(emb)
+            configs = {name: t for name, t in emb.tables.items() if name not in dynamic}
             whole = {name: (0, 1, t.vocabulary_size) for name, t in configs.items()}
             entries = write_table_shards(writer, configs, emb.embedding_tables, emb.slot_variables, whole)
+            entries.update(write_dynamic_tables(writer, emb.tables, dynamic, emb.step))
         else:
             entries = _delta.write_changed_rows(writer, emb)
         if extra:
@@ -199,20 +223,28 @@ def load_into(emb, path_or_snapshot, strict: bool = True, convert_dtypes: bool =
         tables, slots = emb.embedding_tables, emb.slot_variables
         check_compatible(snap, engine_config(emb) if strict else {}, {n: list(v) for n, v in slots.items()}, strict,
                          convert_dtypes)
-        staged = []
+        dynamic = dynamic_tables(emb)
+        check_dynamic_kinds(snap, dynamic, emb.seed)
+        staged, applies = [], []
         for name in snap.manifest["tables"]:
+            if name in dynamic:
+                applies.append(stage_dynamic(read_state(snap, name), f"{snap.dir}: table '{name}'", dynamic[name],
+                                             convert_dtypes))
+                continue
             targets = {"weights": tables[name]}
             targets.update({f"slot/{s}": v for s, v in slots[name].items()})
             staged += _staged_parts(snap, name, targets, convert_dtypes)
-        return staged, snap.step
+        return staged, applies, snap.step
 
     if isinstance(path_or_snapshot, Snapshot):
-        staged, step = stage(path_or_snapshot)
+        staged, applies, step = stage(path_or_snapshot)
     else:
-        staged, step = read_current(path_or_snapshot, stage)
+        staged, applies, step = read_current(path_or_snapshot, stage)
     # Everything is verified; from here on the engine changes.
     for target, rows, source in staged:
         target[rows] = source
+    for apply in applies:
+        apply()
     emb.step = step
 
 
@@ -227,6 +259,37 @@ def _staged_parts(snap: Snapshot, table: str, targets: dict, convert_dtypes: boo
         staged += [(targets[key], rows, as_stored(targets[key], values[key], f"{snap.dir}: table '{table}' "
                                                   f"{_what(key)}", convert_dtypes)) for key in targets]
     return staged
+
+
+def check_dynamic_kinds(snap: Snapshot, dynamic: dict, seed: int) -> None:
+    """Refuse a checkpoint whose tables are dynamic where the engine's are static or the other way round, or,
+    with dynamic tables, written by an engine of another seed (their admission hashes and the initial values
+    of keys to come depend on it)."""
+    for name, entry in snap.manifest["tables"].items():
+        if is_dynamic_entry(entry) != (name in dynamic):
+            kind = "a dynamic" if is_dynamic_entry(entry) else "a static"
+            raise CheckpointError(f"{snap.dir}: table '{name}' is {kind} table there, the engine's is not")
+    if dynamic and int(snap.manifest["config"]["seed"]) != int(seed):
+        raise CheckpointError(f"{snap.dir} was written by an engine of seed {snap.manifest['config']['seed']}, this "
+                              f"one has seed {seed}: the dynamic tables {sorted(dynamic)} hash admissions and give "
+                              f"new keys initial values by the seed, so they would not continue as saved; build the "
+                              f"engine with the checkpoint's seed (or use Embedding.restore)")
+
+
+def stage_dynamic(state, where: str, table, convert_dtypes: bool = False):
+    """Check ``state`` (a dynamic table's, read by :func:`.dynamic.read_state` from ``where``) against ``table``
+    (its physical table); returns the function of no arguments that loads it
+    (:meth:`~embedcore.tables.dynamic.DynamicPhysicalTable.prepare_state`). Refusals are
+    :class:`CheckpointError` and change nothing."""
+    storage = table.storage
+    state.weights = as_stored(storage.weights, state.weights, f"{where} weights", convert_dtypes)
+    names = list(table.optimizer.slot_names) if table.optimizer is not None else []
+    state.slots = {s: as_stored(target, state.slots[s], f"{where} slot '{s}'", convert_dtypes)
+                   for s, target in zip(names, storage.slots) if s in state.slots}
+    try:
+        return table.prepare_state(state)
+    except ValueError as e:
+        raise CheckpointError(f"{where}: {e}; nothing was loaded") from None
 
 
 def _shards(snap: Snapshot, table: str, keys) -> list:
@@ -363,9 +426,12 @@ def _base_tensors(snap: Snapshot, table: str, shapes: dict, verify: bool = True)
 
 
 def stored_shapes(snap: Snapshot) -> dict:
-    """Table name -> {tensor key: its whole shape ``(vocabulary_size, ...)``} as the manifest declares them."""
+    """Static table name -> {tensor key: its whole shape ``(vocabulary_size, ...)``} as the manifest declares
+    them (dynamic tables are read by :func:`.dynamic.read_state`)."""
     out = {}
     for name, entry in snap.manifest["tables"].items():
+        if is_dynamic_entry(entry):
+            continue
         stored = snap.manifest["files"][entry["shards"][0]["file"]]
         out[name] = {key: (entry["vocabulary_size"],) + tuple(stored[key]["shape"][1:])
                      for key in ["weights"] + [f"slot/{s}" for s in entry["slots"]]}
@@ -406,9 +472,11 @@ def restore(cls, path, functions=None, allow_import: bool = False, stack_tables:
         features, optimizer, seed = decode_engine_config(snap.manifest["config"], resolver)
         arrays = {name: _base_tensors(snap, name, tensors) for name, tensors in shapes.items()}
         changes = {name: table_changes(snap, name, list(tensors)) for name, tensors in shapes.items()}
-        return snap, features, optimizer, seed, arrays, changes
+        states = {name: read_state(snap, name) for name, entry in snap.manifest["tables"].items()
+                  if is_dynamic_entry(entry)}
+        return snap, features, optimizer, seed, arrays, changes, states
 
-    snap, features, optimizer, seed, arrays, changes = read_current(path, read)
+    snap, features, optimizer, seed, arrays, changes, states = read_current(path, read)
     try:
         emb = cls(features, optimizer, seed=seed, stack_tables=stack_tables, fill=False, tuning=tuning,
                   non_finite=snap.manifest["config"].get("non_finite", "raise"))
@@ -419,8 +487,12 @@ def restore(cls, path, functions=None, allow_import: bool = False, stack_tables:
     # tables, slots and shapes need checking.
     slots = emb.slot_variables
     check_compatible(snap, {}, {n: list(v) for n, v in slots.items()}, strict=False)
+    dynamic = dynamic_tables(emb)
+    applies = [stage_dynamic(states[name], f"{snap.dir}: table '{name}'", table) for name, table in dynamic.items()]
     staged = []
     for name, table in emb.embedding_tables.items():
+        if name in dynamic:
+            continue
         for key, target in [("weights", table)] + [(f"slot/{s}", v) for s, v in slots[name].items()]:
             if target.shape != arrays[name][key].shape:
                 raise CheckpointError(f"{snap.dir}: table '{name}' tensor '{key}' has shape "
@@ -431,6 +503,8 @@ def restore(cls, path, functions=None, allow_import: bool = False, stack_tables:
                        for rows, values in changes[name]]
     for target, rows, source in staged:
         target[rows] = source
+    for apply in applies:
+        apply()
     emb.step = snap.step
     return emb
 

@@ -33,12 +33,12 @@ import types
 
 from .. import initializers as _initializers
 from .. import optimizers as _optimizers
-from ..config import DTYPES, FeatureConfig, TableConfig
+from ..config import DTYPES, DynamicTableConfig, FeatureConfig, TableConfig
 from ..engine import NON_FINITE_POLICIES
 from .errors import CheckpointError
 
 __all__ = ["encode_engine_config", "decode_engine_config", "check_config", "function_path", "import_function",
-           "FunctionResolver"]
+           "FunctionResolver", "decode_initializer"]
 
 _OPTIMIZERS = {name: getattr(_optimizers, name) for name in _optimizers.__all__ if name != "Optimizer"}
 _INITIALIZERS = {name: getattr(_initializers, name) for name in
@@ -300,7 +300,8 @@ def encode_engine_config(feature_config, tables, optimizer, seed: int) -> dict:
         "features": structure(feature_config, "<root>"),
         "tables": [{"name": t.name, "vocabulary_size": t.vocabulary_size, "dim": t.dim, "combiner": t.combiner,
                     "initializer": _encode(t.initializer, f"table '{t.name}' initializer"),
-                    "optimizer": _encode(t.optimizer, f"table '{t.name}' optimizer"), **_stored(t)} for t in tables],
+                    "optimizer": _encode(t.optimizer, f"table '{t.name}' optimizer"), **_stored(t), **_dynamic(t)}
+                   for t in tables],
         "optimizer": _encode(optimizer, "the engine's optimizer"),
         "seed": int(seed),
     }
@@ -316,6 +317,69 @@ def _stored(table) -> dict:
     return {key: getattr(table, key) for key in _STORED_DEFAULTS}
 
 
+_EVICTIONS = ("LRU", "LFU", "TTL", "EvictByScore")
+
+
+def _dynamic(table) -> dict:
+    """A dynamic table's own settings, ``{"dynamic": {"capacity", "admission", "eviction"}}`` (``{}`` for a
+    static table): admission as ``CountAdmission``'s arguments, eviction as ``{"policy": "LRU" | "LFU" | "TTL" |
+    "EvictByScore"}`` with TTL's ``steps`` or EvictByScore's ``fn`` (a function, stored by import path as
+    optimizers' functions are)."""
+    if not isinstance(table, DynamicTableConfig):
+        return {}
+    admission = table.admission
+    if admission is not None:
+        admission = {"min_count": admission.min_count, "sketch_width": admission.sketch_width,
+                     "sketch_depth": admission.sketch_depth}
+    eviction = table.eviction
+    if eviction is not None:
+        policy = type(eviction).__name__
+        if policy not in _EVICTIONS or type(eviction) is not getattr(_policies(), policy):
+            raise CheckpointError(f"table '{table.name}': the eviction policy {eviction!r} is not one of embedcore's "
+                                  f"{list(_EVICTIONS)}, so a checkpoint cannot describe it")
+        eviction = {"policy": policy}
+        if policy == "TTL":
+            eviction["steps"] = table.eviction.steps
+        elif policy == "EvictByScore":
+            eviction["fn"] = _encode(table.eviction.fn, f"table '{table.name}' eviction")
+    return {"dynamic": {"capacity": table.capacity, "admission": admission, "eviction": eviction}}
+
+
+def _policies():
+    from ..tables import policies
+    return policies
+
+
+def _decode_dynamic(t: dict, where: str, resolve, with_functions: bool) -> dict:
+    """The ``DynamicTableConfig`` arguments of a stored dynamic table (``with_functions=False``: an
+    ``EvictByScore`` is left out, as serving needs no eviction and imports nothing)."""
+    stored, policies = t["dynamic"], _policies()
+    admission = None if stored["admission"] is None else policies.CountAdmission(**stored["admission"])
+    eviction = stored["eviction"]
+    if eviction is not None:
+        policy = eviction["policy"]
+        if policy == "TTL":
+            eviction = policies.TTL(eviction["steps"])
+        elif policy == "EvictByScore":
+            eviction = policies.EvictByScore(_decode(eviction["fn"], f"{where} eviction", resolve)) \
+                if with_functions else None
+        else:
+            eviction = getattr(policies, policy)()
+    return {"admission": admission, "eviction": eviction}
+
+
+def decode_initializer(config: dict, table: str, resolve: FunctionResolver | None = None):
+    """The initializer of table ``table`` of a checked configuration (None when it stored none); built-in
+    initializers need no import, others only what ``resolve`` allows (default: nothing)."""
+    stored = next(t for t in config["tables"] if t["name"] == table)
+    try:
+        return _decode(stored["initializer"], f"table '{table}' initializer", resolve or FunctionResolver())
+    except CheckpointError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise CheckpointError(f"the checkpoint's configuration is malformed: {type(e).__name__}: {e}") from None
+
+
 def decode_engine_config(config: dict, resolve: FunctionResolver | None = None, with_optimizers: bool = True):
     """``(feature_config, optimizer, seed)`` from :func:`encode_engine_config`'s output.
 
@@ -329,12 +393,16 @@ def decode_engine_config(config: dict, resolve: FunctionResolver | None = None, 
         tables = {}
         for t in config["tables"]:
             where = f"table '{t['name']}'"
-            tables[t["name"]] = TableConfig(
-                t["vocabulary_size"], t["dim"],
+            common = dict(
                 initializer=_decode(t["initializer"], f"{where} initializer", resolve) if with_optimizers else None,
                 optimizer=_decode(t["optimizer"], f"{where} optimizer", resolve) if with_optimizers else None,
                 combiner=t["combiner"], name=t["name"],
                 **{key: t.get(key, default) for key, default in _STORED_DEFAULTS.items()})
+            if "dynamic" in t:
+                tables[t["name"]] = DynamicTableConfig(t["dim"], t["dynamic"]["capacity"], **common,
+                                                       **_decode_dynamic(t, where, resolve, with_optimizers))
+            else:
+                tables[t["name"]] = TableConfig(t["vocabulary_size"], t["dim"], **common)
 
         def structure(node):
             if "dict" in node:
@@ -481,6 +549,33 @@ def _check_features(node, where: str, tables: set, depth: int = 0) -> None:
         raise _fail(where, 'an object with one key: "dict", "list", "tuple" or "feature"', node)
 
 
+def _check_dynamic(t: dict, where: str) -> None:
+    """A dynamic table's ``dynamic`` entry (see :func:`_dynamic`): its capacity is its ``vocabulary_size``."""
+    d = _need_dict(t["dynamic"], f"{where}.dynamic", ["capacity", "admission", "eviction"])
+    need_int(d["capacity"], f"{where}.dynamic.capacity", 1, 2 ** 31 - 1)
+    if d["capacity"] != t["vocabulary_size"]:
+        raise _fail(f"{where}.dynamic.capacity", f"the table's vocabulary_size ({t['vocabulary_size']})",
+                    d["capacity"])
+    if d["admission"] is not None:
+        a = _need_dict(d["admission"], f"{where}.dynamic.admission", ["min_count", "sketch_width", "sketch_depth"])
+        need_int(a["min_count"], f"{where}.dynamic.admission.min_count", 1, 2 ** 32 - 1)
+        need_int(a["sketch_width"], f"{where}.dynamic.admission.sketch_width", 1, 2 ** 32 - 1)
+        need_int(a["sketch_depth"], f"{where}.dynamic.admission.sketch_depth", 1, 16)
+    e = d["eviction"]
+    if e is not None:
+        policy = _need_dict(e, f"{where}.dynamic.eviction").get("policy")
+        if policy not in _EVICTIONS:
+            raise _fail(f"{where}.dynamic.eviction.policy", f"one of {list(_EVICTIONS)}", policy)
+        extra = {"TTL": ["steps"], "EvictByScore": ["fn"]}.get(policy, [])
+        _need_dict(e, f"{where}.dynamic.eviction", ["policy"] + extra)
+        if policy == "TTL":
+            need_int(e["steps"], f"{where}.dynamic.eviction.steps", 1, 2 ** 31 - 1)
+        elif policy == "EvictByScore":
+            if not isinstance(e["fn"], dict) or "function" not in e["fn"]:
+                raise _fail(f"{where}.dynamic.eviction.fn", "a stored function", e["fn"])
+            _check_value(e["fn"], f"{where}.dynamic.eviction.fn")
+
+
 def check_config(config) -> dict:
     """``config`` (a checkpoint's ``"config"``) if it is what :func:`encode_engine_config` writes: every field
     present, of its type and in its range; else :class:`CheckpointError` naming the field and its value. A
@@ -497,7 +592,7 @@ def check_config(config) -> dict:
     for i, t in enumerate(_need_list(config["tables"], "config.tables")):
         where = f"config.tables[{i}]"
         _need_dict(t, where, ["name", "vocabulary_size", "dim", "combiner", "initializer", "optimizer"],
-                   optional=list(_STORED_DEFAULTS))
+                   optional=list(_STORED_DEFAULTS) + ["dynamic"])
         name = _need_str(t["name"], f"{where}.name")
         if name in names:
             raise _fail(f"{where}.name", "a name no other table has", name)
@@ -513,6 +608,8 @@ def check_config(config) -> dict:
             raise _fail(f"{where}.stochastic_rounding", "true or false", t["stochastic_rounding"])
         _check_value(t["initializer"], f"{where}.initializer")
         _check_stored_object(t["optimizer"], "optimizer", f"{where}.optimizer")
+        if "dynamic" in t:
+            _check_dynamic(t, where)
     _check_features(config["features"], "config.features", names)
     _check_stored_object(config["optimizer"], "optimizer", "config.optimizer")
     return config

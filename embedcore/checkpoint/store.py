@@ -44,6 +44,7 @@ import shutil
 import stat
 
 from .config_codec import check_config, need_int
+from .dynamic import check_dynamic_config, check_dynamic_entry, is_dynamic_entry
 from .errors import CheckpointError
 from .tensor_file import (STORABLE_DTYPES, TensorFileError, read_capped, read_header, sha256_of, open_tensors,
                           write_tensors)
@@ -338,7 +339,9 @@ def check_manifest(manifest, path: str, manifest_path: str, serving: bool = Fals
       with the same ``vocabulary_size`` and ``dim``;
     - ``files``: plain ``*.safetensors`` names -> tensor name -> ``shape`` (integers >= 0), a storable
       ``dtype`` and a hex ``sha256``;
-    - ``tables``: name -> ``vocabulary_size`` (>= 1), ``dim`` (>= 1), ``slots`` (distinct non-empty names) and
+    - ``tables``: a dynamic table (``"dynamic": true``) as :func:`embedcore.checkpoint.dynamic.check_dynamic_entry`
+      says (and :func:`~embedcore.checkpoint.dynamic.check_dynamic_config`, against its configuration); any
+      other: name -> ``vocabulary_size`` (>= 1), ``dim`` (>= 1), ``slots`` (distinct non-empty names) and
       ``shards`` that partition the rows exactly (``first_row`` 0..stride-1, one stride, ``rows`` as the
       stride implies), each in a listed file holding exactly ``weights`` (float32, float16 or bfloat16
       ``[rows, dim]``, as the configuration's ``weights_dtype`` says) and ``slot/<name>`` per slot (``[rows]``
@@ -403,7 +406,10 @@ def check_manifest(manifest, path: str, manifest_path: str, serving: bool = Fals
         check_delta_fields(manifest, files, where, manifest_path, serving_dtype)
     else:
         for name, entry in tables.items():
-            _check_table(name, entry, files, where, manifest_path, serving_dtype)
+            if is_dynamic_entry(entry):
+                check_dynamic_entry(name, entry, files, manifest_path, serving_dtype)
+            else:
+                _check_table(name, entry, files, where, manifest_path, serving_dtype)
     try:
         config = check_config(manifest["config"])
     except CheckpointError as e:
@@ -417,12 +423,17 @@ def check_manifest(manifest, path: str, manifest_path: str, serving: bool = Fals
         if stored != (t["vocabulary_size"], t["dim"]):
             raise CheckpointError(f"corrupt checkpoint: {path}: table '{name}' tensor 'weights' has shape "
                                   f"{stored}; its configuration needs shape {(t['vocabulary_size'], t['dim'])}")
+        if is_dynamic_entry(tables[name]):
+            check_dynamic_config(name, tables[name], files, t, manifest_path, serving_dtype is not None)
+        elif "dynamic" in t:
+            raise CheckpointError(f"corrupt checkpoint: {path}: table '{name}' is dynamic in its configuration but "
+                                  f"stored as a static table")
         if serving_dtype is not None:
             continue  # stored as the export's dtype (checked by _check_table), whatever training stored
         tensors = files[tables[name]["file"] if "delta" in manifest else tables[name]["shards"][0]["file"]]
         for what, dtype_key in (("weights", "weights_dtype"), ("slots", "slot_dtype")):
             held = [entry["dtype"] for key, entry in tensors.items()
-                    if (key == "weights" if what == "weights" else key.startswith("slot/"))]  # _check_table: the slots share one dtype
+                    if (key == "weights" if what == "weights" else key.startswith("slot/"))]  # slots share one dtype
             want = t.get(dtype_key, "float32")
             if held and held[0] != want:
                 raise CheckpointError(f"corrupt checkpoint: {path}: table '{name}' stores its {what} as {held[0]}; "

@@ -80,7 +80,10 @@ see ordinary row ids:
 4. ``map.touch(unique rows, step, counts)`` with the rows the batch uses (the integration touches them at the
    lookup, not after the update: a lookup is a sighting, and touched rows are protected from later lookups).
 
-Checkpoints save ``map.items()`` (keys and rows, in row order) and the metadata of those rows.
+Checkpoints save :meth:`~KeyRowMap.state` (keys in increasing order, their row slots and metadata, and the free
+list) and rebuild the map with :meth:`~KeyRowMap.load`: the same rows, free list and high-water mark, so the
+loaded map assigns the same rows to later keys as the saved one would (its index may be sized differently,
+which no lookup can tell).
 """
 
 from __future__ import annotations
@@ -303,6 +306,32 @@ def _rows_out_of_range(rows, high, counts):
     return -1
 
 
+@njit(cache=True)
+def _free_rows_in_order(next_free, top, out):
+    """Walk the free list from ``top`` (``next_free``: ``row_keys`` read as int64, -1 ends it) into ``out``;
+    the number of rows walked (at most ``out``'s size)."""
+    r = top
+    i = 0
+    while r >= 0 and i < out.shape[0]:
+        out[i] = r
+        i += 1
+        r = next_free[r]
+    return i
+
+
+@njit(cache=True)
+def _place_loaded(keys, rows, row_keys, index, row_bits):
+    """Index ``keys`` at ``rows`` (``row_keys[rows]`` already holds them); the position of the first key that
+    is already indexed (a duplicate), or -1."""
+    for i in range(keys.shape[0]):
+        key = keys[i]
+        h = _hash(key)
+        if _row_in(index, row_keys, key, h, row_bits) >= 0:
+            return i
+        _place(index, h, rows[i], row_bits)
+    return -1
+
+
 # -- the Python face ----------------------------------------------------------------------------------------
 def as_keys(keys, what: str = "keys") -> np.ndarray:
     """``keys`` (any integer array-like) as a flat uint64 array of their 64-bit patterns: signed values are
@@ -481,6 +510,78 @@ class KeyRowMap:
 
     def keys(self) -> np.ndarray:
         return self.items()[0]
+
+    # -- state (checkpoints) ------------------------------------------------------------------------------
+    def free_list(self) -> np.ndarray:
+        """The free rows below :attr:`high_water`, in the order they will be reused (the last freed first;
+        int64). With the live rows they are exactly ``0 .. high_water - 1``."""
+        out = np.empty(self.high_water - len(self), np.int64)
+        walked = _free_rows_in_order(self.row_keys.view(np.int64), int(self._state[_FREE]), out)
+        assert walked == out.shape[0], "the free list is shorter than the free rows"
+        return out
+
+    def state(self) -> tuple:
+        """``(keys, rows, last_seen, counts, free)``: every key held (uint64, increasing), its row slot (int64),
+        its metadata (int32) and :meth:`free_list`; copies. :meth:`load` rebuilds an equal map from them."""
+        live = self.live_rows()
+        order = np.argsort(self.row_keys[live], kind="stable")
+        rows = live[order]
+        return (self.row_keys[rows].copy(), rows, self.last_seen[rows].copy(), self.counts[rows].copy(),
+                self.free_list())
+
+    def load(self, keys, last_seen, counts, rows=None, free=None) -> None:
+        """Replace the whole map with ``keys`` (distinct 64-bit keys) at row slots ``rows`` (default ``0 .. n -
+        1``), with their ``last_seen`` (``0 .. MAX_STEP``) and ``counts`` (>= 0), and the free list ``free``
+        (rows reused first to last; default none). ``rows`` and ``free`` together must be exactly ``0 .. h -
+        1`` for some ``h <= capacity`` (the new :attr:`high_water`), so the map then assigns rows, removes and
+        grows exactly as the map they were taken from (:meth:`state`). Everything is checked first:
+        ``ValueError`` naming the table and the offending value, and nothing changes."""
+        k = as_keys(keys, f"table '{self.name}': keys")
+        n = k.shape[0]
+        rows = np.arange(n, dtype=np.int64) if rows is None else self._int_array(rows, "rows")
+        free = np.zeros(0, np.int64) if free is None else self._int_array(free, "free")
+        last_seen = self._int_array(last_seen, "last_seen")
+        counts = self._int_array(counts, "counts")
+        for what, array in (("rows", rows), ("last_seen", last_seen), ("counts", counts)):
+            if array.shape[0] != n:
+                raise ValueError(f"table '{self.name}': {n} keys but {array.shape[0]} {what}")
+        high = n + free.shape[0]
+        if high > self.capacity:
+            raise ValueError(f"table '{self.name}': {n} keys and {free.shape[0]} free rows need {high} row slots; "
+                             f"the capacity is {self.capacity}")
+        used = np.concatenate([rows, free])
+        if used.size and (used.min() < 0 or used.max() >= high or np.unique(used).shape[0] != high):
+            raise ValueError(f"table '{self.name}': the rows and free rows must be exactly 0 .. {high - 1}, each "
+                             f"once")
+        if last_seen.size and (last_seen.min() < 0 or last_seen.max() > MAX_STEP):
+            raise ValueError(f"table '{self.name}': last_seen must be steps in 0 .. {MAX_STEP}, got "
+                             f"{int(last_seen.min() if last_seen.min() < 0 else last_seen.max())}")
+        if counts.size and (counts.min() < 0 or counts.max() > _COUNT_MAX):
+            raise ValueError(f"table '{self.name}': counts must be in 0 .. {_COUNT_MAX}, got "
+                             f"{int(counts.min() if counts.min() < 0 else counts.max())}")
+        fresh = KeyRowMap(self.capacity, self.name, initial_buckets=max(_INITIAL_BUCKETS,
+                                                                        math.floor(n / MAX_LOAD) + 1))
+        fresh.row_keys[rows] = k
+        duplicate = _place_loaded(k, rows, fresh.row_keys, fresh.index, fresh.row_bits)
+        if duplicate >= 0:
+            raise ValueError(f"table '{self.name}': key {int(k[duplicate:duplicate + 1].view(np.int64)[0])} is "
+                             f"given twice")
+        fresh.last_seen[rows] = last_seen
+        fresh.counts[rows] = counts
+        fresh.counts[free] = -1
+        links = np.append(free[1:], -1).astype(np.int64)
+        fresh.row_keys[free] = links.view(np.uint64)
+        fresh._state[:] = (n, high, free[0] if free.size else -1, 0)
+        self.__dict__.update(fresh.__dict__)
+
+    def _int_array(self, values, what: str) -> np.ndarray:
+        array = np.asarray(values)
+        if array.dtype == np.bool_ or array.dtype.kind not in "iu" or array.ndim != 1:
+            raise ValueError(f"table '{self.name}': {what} must be a 1-d integer array, got "
+                             f"{array.dtype} of shape {array.shape}")
+        if array.dtype == np.uint64 and array.size and array.max() > np.iinfo(np.int64).max:
+            raise ValueError(f"table '{self.name}': {what} holds {int(array.max())}, out of range")
+        return np.ascontiguousarray(array.astype(np.int64))
 
     # -- growth -------------------------------------------------------------------------------------------
     def _make_room(self, n_keys: int) -> None:

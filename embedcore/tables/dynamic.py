@@ -52,7 +52,7 @@ from .physical import NOTHING_FLAGGED, PhysicalTable, TablePlace, TableUpdate
 from .policies import TTL, EvictByScore, expired_rows, pick_victims
 from .storage import DenseStorage
 
-__all__ = ["DynamicPhysicalTable", "DynamicTableBatch", "DynamicTableView", "map_bytes"]
+__all__ = ["DynamicPhysicalTable", "DynamicTableBatch", "DynamicTableState", "DynamicTableView", "map_bytes"]
 
 
 def map_bytes(config) -> int:
@@ -95,6 +95,34 @@ class _Plan:
     pending_inverse: np.ndarray  # per unadmitted occurrence: its distinct key's index in pending_values
     pending_values: np.ndarray   # initial rows of the distinct unadmitted keys, stored dtype
     undo: tuple | None        # admission counters to restore on cancel
+
+
+@dataclass
+class DynamicTableState:
+    """A dynamic table's whole state as plain arrays (what checkpoints store; see :mod:`embedcore.checkpoint`),
+    row ``i`` of every per-key array belonging to ``keys[i]``:
+
+    * ``keys`` uint64 ``[n]``: the keys held, increasing (as uint64);
+    * ``weights`` ``[n, dim]`` and ``slots`` (slot name -> ``[n]`` or ``[n, dim]``), in the stored dtypes;
+    * ``last_seen``, ``counts`` int32 ``[n]``: what LRU, LFU and TTL read;
+    * ``rows`` int64 ``[n]``: each key's row slot, and ``free`` int64: the free row slots in the order they
+      will be reused. Row slots are internal, but 16-bit stochastic rounding is keyed by them and they decide
+      which slots later keys take, so a table loaded with them continues bit-identically;
+    * ``sketch``: the admission sketch's counters (uint32 ``[depth, width]``), or None without one.
+    """
+
+    keys: np.ndarray
+    weights: np.ndarray
+    slots: dict
+    last_seen: np.ndarray
+    counts: np.ndarray
+    rows: np.ndarray
+    free: np.ndarray
+    sketch: np.ndarray | None = None
+
+    @property
+    def n(self) -> int:
+        return int(self.keys.shape[0])
 
 
 class DynamicPhysicalTable(PhysicalTable):
@@ -306,6 +334,75 @@ class DynamicPhysicalTable(PhysicalTable):
         if not self._lock.acquire(blocking=False):
             raise RuntimeError(f"cannot {what} dynamic table '{self.name}': another thread is changing it")
         return _Release(self._lock)
+
+    # -- state: what checkpoints store (plain arrays) -----------------------------------------------------
+    def remove_expired(self, step: int) -> None:
+        """TTL: remove the rows expired at ``step``, as the lookup of ``step`` would first (views hide them
+        already). A save does it, so what it stores is what a lookup would see and the saved table and the
+        table loaded from it continue alike."""
+        if isinstance(self.eviction, TTL):
+            expired = expired_rows(self.key_map, int(step), self.eviction.steps)
+            if expired.size:
+                self.key_map.remove_rows(expired)
+                self.removals += 1
+
+    def state(self) -> DynamicTableState:
+        """The table's :class:`DynamicTableState` (copies; rows of expired keys included until
+        :meth:`remove_expired`)."""
+        keys, rows, last_seen, counts, free = self.key_map.state()
+        names = self.optimizer.slot_names if self.optimizer is not None else []
+        return DynamicTableState(keys, self.storage.weights[rows], {n: s[rows] for n, s in zip(names, self.storage.slots)},
+                                 last_seen, counts, rows, free,
+                                 None if self.sketch is None else self.sketch.counters.copy())
+
+    def prepare_state(self, state: DynamicTableState):
+        """Check ``state`` against this table (``ValueError`` naming the table and what differs; nothing
+        changes) and return a function of no arguments that makes it the table's state. The row slots and
+        free list are kept when they fit the capacity; else (a smaller capacity, still >= the keys held) the
+        keys take rows ``0 .. n - 1`` in key order, and only 16-bit stochastic rounding can then tell."""
+        where = f"table '{self.name}'"
+        n = state.n
+        if n > self.key_map.capacity:
+            raise ValueError(f"{where}: the state holds {n} keys; the table's capacity is {self.key_map.capacity}")
+        rows, free = state.rows, state.free
+        if n + np.shape(free)[0] > self.key_map.capacity:
+            rows, free = np.arange(n, dtype=np.int64), np.zeros(0, np.int64)
+        keys = as_keys(state.keys, f"{where}: keys")
+        if n > 1 and not (keys[1:] > keys[:-1]).all():
+            raise ValueError(f"{where}: keys must be distinct and increasing (as uint64)")
+        fresh = KeyRowMap(self.key_map.capacity, self.name)
+        fresh.load(keys, state.last_seen, state.counts, rows, free)
+        names = list(self.optimizer.slot_names) if self.optimizer is not None else []
+        if sorted(state.slots) != sorted(names):
+            raise ValueError(f"{where}: the state has slots {sorted(state.slots)}, the table's optimizer has {names}")
+        targets = [(self.storage.weights, state.weights, "weights")] + \
+            [(target, state.slots[name], f"slot '{name}'") for name, target in zip(names, self.storage.slots)]
+        for target, source, what in targets:
+            source = np.asarray(source)
+            if source.dtype != target.dtype or source.shape != (n,) + target.shape[1:]:
+                raise ValueError(f"{where}: {what} must be {target.dtype} of shape {(n,) + target.shape[1:]}, got "
+                                 f"{source.dtype} of shape {source.shape}")
+            flat = source.reshape(n, -1).astype(np.float32)
+            bad = np.flatnonzero(~np.isfinite(flat).all(axis=1))
+            if bad.size:
+                raise ValueError(f"{where}: {what} of key {int(keys[bad[:1]].view(np.int64)[0])} holds NaN or Inf")
+        sketch = state.sketch
+        have = None if self.sketch is None else self.sketch.counters
+        if (sketch is None) != (have is None) or (have is not None and (
+                np.asarray(sketch).dtype != np.uint32 or np.shape(sketch) != have.shape)):
+            described = "none" if sketch is None else f"{np.asarray(sketch).dtype} {np.shape(sketch)}"
+            raise ValueError(f"{where}: the state's admission sketch is {described}; the table's is "
+                             f"{'none' if have is None else f'uint32 {have.shape}'}")
+        new_rows = np.asarray(rows, np.int64)
+
+        def apply():
+            for target, source, _ in targets:
+                target[new_rows] = source
+            if have is not None:
+                have[...] = sketch
+            self.key_map = fresh
+            self.removals += 1  # lookups laid out before refer to the old rows
+        return apply
 
     # -- state ----------------------------------------------------------------------------------------
     def fill(self, name: str, seed: int) -> None:
