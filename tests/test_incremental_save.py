@@ -400,13 +400,6 @@ def test_bad_row_ids_are_refused(chain, rows_of):
     assert_refused(path, target, "rows must be increasing ids")
 
 
-def test_dynamic_tables_are_refused():
-    t = ec.DynamicTableConfig(4, 100, name="d", optimizer=ec.Adagrad(0.1))
-    emb = ec.Embedding({"f": ec.FeatureConfig(t)}, ec.Adagrad(0.1))
-    with pytest.raises(CheckpointError, match="dynamic"):
-        emb.save("/nonexistent/never-written", incremental=True)
-
-
 def test_a_sharded_engine_reads_a_chain_and_refuses_to_write_one(tmp_path):
     from embedcore.distributed import ShardedEmbedding
     from embedcore.distributed import checkpoint as sharded_checkpoint
@@ -423,3 +416,104 @@ def test_a_sharded_engine_reads_a_chain_and_refuses_to_write_one(tmp_path):
     with pytest.raises(CheckpointError, match="incremental saves of a ShardedEmbedding are not supported"):
         sharded_checkpoint.save(restored, tmp_path / "sharded", None, None, incremental=True)
     assert not os.path.exists(tmp_path / "sharded")
+
+
+# -- dynamic tables --------------------------------------------------------------------------------------
+from .test_dynamic_checkpoint import assert_same_state, batch, full_state, make_engine as make_dynamic_engine  # noqa: E402
+from .test_dynamic_checkpoint import train as train_dynamic  # noqa: E402
+
+
+def held_keys(emb):
+    return set(np.asarray(emb.embedding_tables["dyn"].keys()).view(np.uint64).tolist())
+
+
+@pytest.mark.parametrize("eviction, capacity, min_count", [
+    (ec.LRU(), 8, 2), (ec.LFU(), 10, None), (ec.TTL(2), 12, 2), (None, 40, None)],
+    ids=["lru", "lfu", "ttl", "none"])
+def test_dynamic_deltas_restore_the_whole_state_and_continue_alike(tmp_path, eviction, capacity, min_count):
+    rng = np.random.default_rng(37)
+    emb = make_dynamic_engine(eviction=eviction, capacity=capacity, min_count=min_count)
+    path = tmp_path / "ckpt"
+    train_dynamic(emb, [batch(rng)])  # loading a table of no keys fails (tables/dynamic.py prepare_state)
+    emb.save(path, incremental=True)
+    before = held_keys(emb)
+    for k in range(4):
+        train_dynamic(emb, [batch(rng) for _ in range(int(rng.integers(0, 4)))])
+        delta = emb.save(path, incremental=True)
+        after = held_keys(emb)  # after the save: a TTL table's expired keys are gone
+        manifest = manifest_at(delta)
+        assert "delta" in manifest
+        snap = open_snapshot(path)
+        d = snap.deltas[-1]
+        tensors = d.tensors(manifest["tables"]["dyn"]["shards"][0]["file"])
+        assert set(tensors["removed_keys"].tolist()) == before - after  # exactly the keys gone since
+        assert set(tensors["keys"].tolist()) <= after
+        assert manifest["tables"]["dyn"]["n"] == len(after)
+        before = after
+        for other in (ec.Embedding.restore(path), make_dynamic_engine(eviction=eviction, capacity=capacity,
+                                                                      min_count=min_count)):
+            if other.step != emb.step:
+                other.load(path)
+            assert_same_state(full_state(emb), full_state(other))
+    # serving and exports read the composed state as they read a full save of it
+    restored = ec.Embedding.restore(path)
+    restored.save(tmp_path / "full")
+    probe = batch(np.random.default_rng(1), n=4)
+    ec.export_for_serving(path, tmp_path / "export", dtype="float32")
+    expected = ec.ServingEmbedding(tmp_path / "full").lookup(probe)
+    for served in (ec.ServingEmbedding(path).lookup(probe), ec.ServingEmbedding(tmp_path / "export").lookup(probe)):
+        for name in expected:
+            np.testing.assert_array_equal(served[name], expected[name])
+    # the composed engine goes on exactly as the one that saved
+    batches = [batch(rng) for _ in range(3)]
+    for mine, theirs in zip(train_dynamic(emb, batches), train_dynamic(restored, batches)):
+        for name in mine:
+            np.testing.assert_array_equal(mine[name], theirs[name])
+    assert_same_state(full_state(emb), full_state(restored))
+
+
+def test_dynamic_deltas_write_only_the_keys_that_changed(tmp_path):
+    emb = make_dynamic_engine(eviction=None, capacity=40, min_count=None)
+    path = tmp_path / "ckpt"
+    rng = np.random.default_rng(41)
+    train_dynamic(emb, [batch(rng, n=8) for _ in range(3)])
+    emb.save(path, incremental=True)
+    held = held_keys(emb)
+    step = emb.step
+    ids = {"d": np.array([[1, 1]]), "s": np.array([[0, 0]]), "q": np.array([[2, 2]])}
+    train_dynamic(emb, [ids])  # keys 1 and 2 (held or new), nothing else looked up
+    delta = emb.save(path, incremental=True)
+    entry = manifest_at(delta)["tables"]["dyn"]
+    written = set(open_snapshot(path).deltas[-1].tensors(entry["shards"][0]["file"])["keys"].tolist())
+    assert {1, 2} <= written
+    # only keys looked up since the save, or at the latest step the save had seen, are written
+    last = full_state(emb)
+    latest_before = step - 1
+    allowed = {1, 2} | {int(k) for k, s in zip(last["keys"].tolist(), last["last_seen"].tolist()) if s >= latest_before}
+    assert written <= allowed and len(written) < len(held | {1, 2}), written
+    assert_same_state(full_state(emb), full_state(ec.Embedding.restore(path)))
+
+
+def test_a_corrupt_dynamic_delta_is_refused(tmp_path):
+    emb = make_dynamic_engine()
+    path = tmp_path / "ckpt"
+    rng = np.random.default_rng(43)
+    train_dynamic(emb, [batch(rng)])
+    emb.save(path, incremental=True)
+    train_dynamic(emb, [batch(rng) for _ in range(3)])
+    delta = emb.save(path, incremental=True)
+    entry = manifest_at(delta)["tables"]["dyn"]
+    file_path = os.path.join(delta, entry["shards"][0]["file"])
+    tensors, _, data_start = read_header(file_path)
+    with open(file_path, "r+b") as f:  # flip a bit of the first changed key's weights
+        f.seek(data_start + tensors["weights"]["begin"])
+        first = f.read(1)
+        f.seek(data_start + tensors["weights"]["begin"])
+        f.write(bytes([first[0] ^ 1]))
+    target = make_dynamic_engine()
+    before = full_state(target)
+    with pytest.raises(CheckpointError, match="does not match its SHA-256"):
+        target.load(path)
+    assert_same_state(before, full_state(target))
+    with pytest.raises(CheckpointError, match="does not match its SHA-256"):
+        ec.Embedding.restore(path)

@@ -130,7 +130,7 @@ def save(emb, path, extra=None, metadata=None, incremental: bool = False) -> str
             entries = write_table_shards(writer, configs, emb.embedding_tables, emb.slot_variables, whole)
             entries.update(write_dynamic_tables(writer, emb.tables, dynamic, emb.step))
         else:
-            entries = _delta.write_changed_rows(writer, emb)
+            entries = _delta.write_changed_rows(writer, emb, chain)
         if extra:
             writer.add(_EXTRA, extra)
         manifest = manifest_of(emb.step, config, entries, _EXTRA if extra else None, metadata)

@@ -13,6 +13,15 @@ engine's previous successful save (each physical table records them:
         ...                          "slot/<name>" [n] or [n, dim], rows of the table as they were at step 150
       snapshot-000000000200-9c0d1e2f/  delta 2: "previous": link to delta 1, "base": link to the base
 
+A dynamic table's delta file holds the keys whose state changed (increasing): ``keys``, ``weights``,
+``slot/<name>``, ``last_seen``, ``counts`` and ``rows`` as a full save's file (:mod:`.dynamic`) has them,
+``removed_keys`` (held at the previous save, evicted or expired since), and the whole ``free`` list and
+admission sketch (``admission/counters``); its manifest entry is a full one's, ``n`` the keys held after the
+delta and its shard's ``rows`` the keys written. A key is written when it is new, its row slot or metadata
+changed, an update touched its row, or it was seen at or after the latest step the previous save had seen
+(which catches a key evicted and admitted again, its row filled anew). Readers see the composed state as a
+file of the base's name (:class:`_ComposedState`), so every reader of dynamic tables reads it unchanged.
+
 A link is ``{"snapshot": name, "manifest_sha256": the SHA-256 of its manifest.json}``, so the newest
 manifest (whose own SHA-256 ``CURRENT`` holds) pins every manifest of its chain, and each manifest pins its
 files' tensors. The state a delta snapshot stands for: the base's tables, then each delta's rows written over
@@ -46,6 +55,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .config_codec import need_int
+from .dynamic import check_keys, is_dynamic_entry
 from .errors import CheckpointError
 from .store import (_SHA256, _SNAPSHOT_NAME, TABLE_DTYPES, Snapshot, _bad, _check_file_name, _need, _read_pointer,
                     check_file_sizes, read_manifest)
@@ -56,13 +66,34 @@ __all__ = ["DeltaChain", "check_delta_fields", "compose", "chain_to_extend", "wr
 MAX_CHAIN = 10_000  # deltas a reader follows at most (a chain is as long as the saves since the last full one)
 _LINK_KEYS = {"snapshot", "manifest_sha256"}
 _TABLE_KEYS = {"vocabulary_size", "dim", "slots", "file", "rows"}
+_DYNAMIC_KEYS = {"dynamic", "capacity", "n", "vocabulary_size", "dim", "slots", "shards"}
+_SKETCH = "admission/counters"
+_PER_KEY = ("keys", "weights", "last_seen", "counts", "rows")  # and the slots: one row per changed key
 
 
 class DeltaChain(NamedTuple):
-    """An engine's chain: the directory (real path) and the links of its base and deltas, oldest first."""
+    """An engine's chain: the directory (real path), the links of its base and deltas, oldest first, and per
+    dynamic table the :class:`KeyMarks` of its last save."""
 
     path: str
     links: tuple
+    marks: dict = {}
+
+
+class KeyMarks(NamedTuple):
+    """A dynamic table's keys (uint64, increasing) and their row slots, ``last_seen`` and ``counts`` as a save
+    stored them; ``latest`` the largest ``last_seen`` then (-1 without keys)."""
+
+    keys: np.ndarray
+    rows: np.ndarray
+    last_seen: np.ndarray
+    counts: np.ndarray
+    latest: int
+
+    @classmethod
+    def of(cls, table) -> "KeyMarks":
+        keys, rows, last_seen, counts, _ = table.key_map.state()
+        return cls(keys, rows, last_seen, counts, int(last_seen.max()) if last_seen.size else -1)
 
 
 # -- the schema ----------------------------------------------------------------------------------------------
@@ -94,6 +125,9 @@ def check_delta_fields(manifest: dict, files: dict, where: str, manifest_path: s
     for name, entry in manifest["tables"].items():
         w = f"{where}: table '{name}'"
         _need(entry, dict, w, "an object")
+        if is_dynamic_entry(entry):
+            _check_dynamic_delta(name, entry, files, w, manifest_path, used, manifest["extra"])
+            continue
         if set(entry) != _TABLE_KEYS:
             raise _bad(w, f"an object of exactly {sorted(_TABLE_KEYS)}", sorted(entry))
         vocabulary = need_int(entry["vocabulary_size"], f"{w}.vocabulary_size", 1, 2 ** 62, fail=_bad)
@@ -124,6 +158,58 @@ def check_delta_fields(manifest: dict, files: dict, where: str, manifest_path: s
         if len({stored[f"slot/{s}"]["dtype"] for s in slots}) > 1:
             raise CheckpointError(f"corrupt checkpoint: {manifest_path}: table '{name}' has slots of different "
                                   f"dtypes in {entry['file']}")
+
+
+def _check_dynamic_delta(name, entry, files, w, manifest_path, used, extra) -> None:
+    """A dynamic table's entry in a delta manifest: the full entry's fields (``n``: the keys held after this
+    delta; its one shard's ``rows``: the keys it writes) and a file of its own holding, per changed key
+    (increasing), ``keys`` uint64, ``weights``, ``slot/<name>``, ``last_seen`` and ``counts`` int32 and
+    ``rows`` int64; and ``removed_keys`` uint64 ``[r]`` (held before, not after), the whole ``free`` list
+    int64 ``[f]`` (``n + f <= capacity``) and, with admission, the whole ``admission/counters``."""
+    if set(entry) != _DYNAMIC_KEYS:
+        raise _bad(w, f"a dynamic table's entry of exactly {sorted(_DYNAMIC_KEYS)}", sorted(entry))
+    capacity = need_int(entry["capacity"], f"{w}.capacity", 1, 2 ** 31 - 1, fail=_bad)
+    n = need_int(entry["n"], f"{w}.n", 0, capacity, fail=_bad)
+    dim = need_int(entry["dim"], f"{w}.dim", 1, 2 ** 31 - 1, fail=_bad)
+    if type(entry["vocabulary_size"]) is not int or entry["vocabulary_size"] != capacity:
+        raise _bad(f"{w}.vocabulary_size", f"its capacity {capacity}", entry["vocabulary_size"])
+    slots = _need(entry["slots"], list, f"{w}.slots", "a list of slot names")
+    if not all(isinstance(x, str) and x for x in slots) or len(set(slots)) != len(slots):
+        raise _bad(f"{w}.slots", "distinct non-empty names", slots)
+    shards = entry["shards"]
+    if not isinstance(shards, list) or len(shards) != 1 or not isinstance(shards[0], dict) or \
+            set(shards[0]) != {"file", "first_row", "stride", "rows"} or shards[0]["first_row"] != 0 or \
+            shards[0]["stride"] != 1 or type(shards[0]["rows"]) is not int or not 0 <= shards[0]["rows"] <= n:
+        raise _bad(f"{w}.shards", f"one whole shard of at most its {n} keys", shards)
+    m, file_name = shards[0]["rows"], shards[0]["file"]
+    _check_file_name(file_name, manifest_path)
+    if file_name not in files or file_name in used or file_name == extra:
+        raise _bad(f"{w}.shards.file", f"a file of its own among {sorted(files)}", file_name)
+    used.add(file_name)
+    stored = files[file_name]
+    wanted = {"keys", "weights", "last_seen", "counts", "rows", "removed_keys", "free"} | {f"slot/{x}" for x in slots}
+    if set(stored) - {_SKETCH} != wanted:
+        raise CheckpointError(f"corrupt checkpoint: {manifest_path}: dynamic table '{name}' needs the tensors "
+                              f"{sorted(wanted)} (and {_SKETCH} with admission) in {file_name}, which holds "
+                              f"{sorted(stored)}")
+    removed, free = stored["removed_keys"]["shape"], stored["free"]["shape"]
+    ok = {"keys": ("uint64", [m]), "last_seen": ("int32", [m]), "counts": ("int32", [m]), "rows": ("int64", [m])}
+    for key, (dtype, shape) in ok.items():
+        if (stored[key]["dtype"], stored[key]["shape"]) != (dtype, shape):
+            raise _bad(f"{w} tensor '{key}'", f"{dtype} of shape {shape}", stored[key])
+    if stored["removed_keys"]["dtype"] != "uint64" or len(removed) != 1 or removed[0] > capacity:
+        raise _bad(f"{w} tensor 'removed_keys'", f"uint64 of shape [r], r <= {capacity}", stored["removed_keys"])
+    if stored["free"]["dtype"] != "int64" or len(free) != 1 or n + free[0] > capacity:
+        raise _bad(f"{w} tensor 'free'", f"int64 of shape [f], {n} + f <= {capacity}", stored["free"])
+    if stored["weights"]["dtype"] not in TABLE_DTYPES or stored["weights"]["shape"] != [m, dim]:
+        raise _bad(f"{w} tensor 'weights'", f"float32, float16 or bfloat16 of shape {[m, dim]}", stored["weights"])
+    slot_dtypes = {stored[f"slot/{x}"]["dtype"] for x in slots}
+    if len(slot_dtypes) > 1 or not slot_dtypes <= set(TABLE_DTYPES) or \
+            any(stored[f"slot/{x}"]["shape"] not in ([m], [m, dim]) for x in slots):
+        raise _bad(f"{w} slots", f"of one dtype among {list(TABLE_DTYPES)}, of shape [{m}] or [{m}, {dim}]",
+                   {x: stored[f"slot/{x}"] for x in slots})
+    if _SKETCH in stored and (stored[_SKETCH]["dtype"] != "uint32" or len(stored[_SKETCH]["shape"]) != 2):
+        raise _bad(f"{w} tensor '{_SKETCH}'", "uint32 of shape [depth, width]", stored[_SKETCH])
 
 
 # -- reading -------------------------------------------------------------------------------------------------
@@ -170,9 +256,76 @@ def compose(path: str, name: str, manifest: dict) -> Snapshot:
     files = {f: tensors for f, tensors in base.manifest["files"].items() if f in table_files}
     if extra is not None:
         files[extra] = manifest["files"][extra]
-    composed = dict(base.manifest, files=files, **{k: manifest.get(k) for k in
-                                                    ("step", "config", "metadata", "extra", "embedcore_version")})
-    return Snapshot(path, name, composed, {f: base.dir for f in table_files}, tuple(reversed(chain)))
+    deltas = tuple(reversed(chain))
+    tables, virtual = dict(base.manifest["tables"]), {}
+    for table, entry in base.manifest["tables"].items():
+        if is_dynamic_entry(entry):  # its state composed in memory when read: a file of the composed state
+            newest_entry = manifest["tables"][table]
+            file_name = entry["shards"][0]["file"]
+            files[file_name] = _composed_declaration(base, deltas, table)
+            tables[table] = dict(entry, n=newest_entry["n"],
+                                 shards=[dict(entry["shards"][0], rows=newest_entry["n"])])
+            virtual[file_name] = _ComposedState(base, deltas, table)
+    composed = dict(base.manifest, files=files, tables=tables, **{k: manifest.get(k) for k in
+                                                                  ("step", "config", "metadata", "extra",
+                                                                   "embedcore_version")})
+    return Snapshot(path, name, composed, {f: base.dir for f in table_files}, deltas, virtual)
+
+
+def _composed_declaration(base: Snapshot, deltas, table: str) -> dict:
+    """The tensors (shapes and dtypes; no SHA-256: they are made in memory from verified files) of dynamic
+    ``table``'s state after ``deltas``."""
+    declared = base.manifest["files"][base.manifest["tables"][table]["shards"][0]["file"]]
+    newest = deltas[-1].manifest
+    entry = newest["tables"][table]
+    stored = newest["files"][entry["shards"][0]["file"]]
+    n = entry["n"]
+    out = {}
+    for key, t in declared.items():
+        shape = stored[key]["shape"] if key in ("free", _SKETCH) else [n] + list(t["shape"][1:])
+        out[key] = {"shape": list(shape), "dtype": t["dtype"], "sha256": None}
+    return out
+
+
+class _ComposedState:
+    """The tensors of a dynamic table's state file after a chain of deltas (module docstring), made once, when
+    first read: the base's per-key rows without the keys each delta removed or rewrote, with the keys it
+    wrote, in key order; ``free`` and the sketch the newest delta's. Every file read is verified (SHA-256);
+    a delta that removes a key not held, or whose count of keys disagrees, is refused."""
+
+    def __init__(self, base: Snapshot, deltas, table: str):
+        self.base, self.deltas, self.table = base, deltas, table
+        self._tensors = None
+
+    def __call__(self) -> dict:
+        if self._tensors is None:
+            self._tensors = self._compose()
+        return self._tensors
+
+    def _compose(self) -> dict:
+        entry = self.base.manifest["tables"][self.table]
+        state = {k: np.asarray(v) for k, v in self.base.tensors(entry["shards"][0]["file"]).items()}
+        per_key = [k for k in state if k in _PER_KEY or k.startswith("slot/")]
+        for delta in self.deltas:
+            where = f"{delta.dir}: dynamic table '{self.table}'"
+            d_entry = delta.manifest["tables"][self.table]
+            d = {k: np.asarray(v) for k, v in delta.tensors(d_entry["shards"][0]["file"]).items()}
+            check_keys(d["keys"], f"{where} keys")
+            check_keys(d["removed_keys"], f"{where} removed_keys")
+            gone = np.isin(state["keys"], d["removed_keys"])
+            if int(gone.sum()) != d["removed_keys"].shape[0]:
+                raise CheckpointError(f"corrupt checkpoint: {where} removes keys the table did not hold")
+            keep = ~(gone | np.isin(state["keys"], d["keys"]))
+            merged = {k: np.concatenate([state[k][keep], d[k]]) for k in per_key}
+            order = np.argsort(merged["keys"], kind="stable")
+            state = {k: v[order] for k, v in merged.items()}
+            state["free"] = d["free"]
+            if _SKETCH in d:
+                state[_SKETCH] = d[_SKETCH]
+            if state["keys"].shape[0] != d_entry["n"]:
+                raise CheckpointError(f"corrupt checkpoint: {where} declares {d_entry['n']} keys; its chain gives "
+                                      f"{state['keys'].shape[0]}")
+        return state
 
 
 def _check_agrees(base: Snapshot, delta: Snapshot) -> None:
@@ -185,12 +338,22 @@ def _check_agrees(base: Snapshot, delta: Snapshot) -> None:
         for name, entry in tables.items():
             held = base_tables[name]
             base_tensors = base.manifest["files"][held["shards"][0]["file"]]
-            tensors = delta.manifest["files"][entry["file"]]
-            for key in ("vocabulary_size", "dim", "slots"):
+            if is_dynamic_entry(entry) != is_dynamic_entry(held):
+                problem = f"table '{name}' {'' if is_dynamic_entry(entry) else 'not '}dynamic, its base not so"
+                break
+            tensors = delta.manifest["files"][entry["shards"][0]["file"] if is_dynamic_entry(entry) else entry["file"]]
+            if is_dynamic_entry(entry):
+                base_tensors = {k: v for k, v in base_tensors.items() if k in ("weights", _SKETCH)
+                                or k.startswith("slot/")}
+                if (_SKETCH in tensors) != (_SKETCH in base_tensors) or (_SKETCH in tensors and
+                                                                        tensors[_SKETCH]["shape"] != base_tensors[_SKETCH]["shape"]):
+                    problem = f"table '{name}' an admission sketch unlike its base's"
+                    break
+            for key in ("vocabulary_size", "dim", "slots") + (("capacity",) if is_dynamic_entry(entry) else ()):
                 if entry[key] != held[key]:
                     problem = f"table '{name}' {key} {entry[key]!r:.80}, its base {held[key]!r:.80}"
             for key, stored in base_tensors.items():
-                if problem is None and (tensors[key]["dtype"], len(tensors[key]["shape"])) != \
+                if problem is None and key != _SKETCH and (tensors[key]["dtype"], len(tensors[key]["shape"])) != \
                         (stored["dtype"], len(stored["shape"])):
                     problem = (f"table '{name}' tensor '{key}' {tensors[key]['dtype']} of rank "
                                f"{len(tensors[key]['shape'])}, its base {stored['dtype']} of rank {len(stored['shape'])}")
@@ -206,15 +369,11 @@ def chain_to_extend(emb, path, incremental: bool):
     """The :class:`DeltaChain` a save of ``emb`` to ``path`` extends with a delta, or None for a full save.
 
     None unless ``incremental``; None when ``emb`` has no chain (a full save starts one). Refused
-    (:class:`CheckpointError`, nothing written) for dynamic tables, a chain in another directory, or a
-    ``path`` whose current snapshot is not the one ``emb`` saved last.
+    (:class:`CheckpointError`, nothing written) for a chain in another directory, or a ``path`` whose
+    current snapshot is not the one ``emb`` saved last.
     """
     if not incremental:
         return None
-    dynamic = sorted(name for t in emb._physical if t.dynamic for name in t.table_names)
-    if dynamic:
-        raise CheckpointError(f"tables {dynamic} are dynamic: incremental saves of dynamic tables (changed keys, "
-                              f"evicted keys) are not supported yet; save(path) without incremental=True")
     chain = getattr(emb, "_delta_chain", None)
     if chain is None:
         return None
@@ -235,12 +394,18 @@ def chain_to_extend(emb, path, incremental: bool):
     return chain
 
 
-def write_changed_rows(writer, emb) -> dict:
-    """Write each table's changed rows (ids, weights, slots) as one file each; the manifest's ``tables``."""
-    changed = {name: t.changed_rows(name) for t in emb._physical for name in t.table_names}
+def write_changed_rows(writer, emb, chain: DeltaChain) -> dict:
+    """Write each table's changes since ``chain``'s last save as one file each (a static table's changed
+    rows: ids, weights, slots; a dynamic table's: :func:`_write_dynamic_delta`); the manifest's ``tables``."""
+    dynamic = {t.table_names[0]: t for t in emb._physical if t.dynamic}
+    changed = {name: t.changed_rows(name) for t in emb._physical if not t.dynamic for name in t.table_names}
     tables, slots = emb.embedding_tables, emb.slot_variables
     entries = {}
     for k, (name, config) in enumerate(emb.tables.items()):
+        if name in dynamic:
+            entries[name] = _write_dynamic_delta(writer, f"delta-{k:04d}.safetensors", config, dynamic[name],
+                                                 chain.marks[name], emb.step)
+            continue
         rows = changed[name]
         tensors = {"rows": rows, "weights": tables[name][rows]}
         tensors.update({f"slot/{s}": v[rows] for s, v in slots[name].items()})
@@ -249,6 +414,38 @@ def write_changed_rows(writer, emb) -> dict:
         entries[name] = {"vocabulary_size": config.vocabulary_size, "dim": config.dim, "slots": list(slots[name]),
                          "file": file_name, "rows": int(rows.size)}
     return entries
+
+
+def _write_dynamic_delta(writer, file_name: str, config, table, marks: KeyMarks, step: int) -> dict:
+    """Write what changed in dynamic ``table`` since the save ``marks`` describe; returns its entry.
+
+    A TTL table first removes the rows expired at ``step``, as a full save does. A key is written when it is
+    new, its row slot or metadata differ from ``marks``, an update touched its row, or it was seen at or after
+    the latest step ``marks`` saw (so a key evicted and admitted again since, whose row was filled anew, is
+    written even if its metadata came out equal). ``removed_keys``: the keys ``marks`` held that are gone.
+    """
+    table.remove_expired(step)
+    keys, rows, last_seen, counts, free = table.key_map.state()
+    held = marks.keys
+    if held.size:
+        at = np.minimum(np.searchsorted(held, keys), held.size - 1)
+        same = (held[at] == keys) & (marks.rows[at] == rows) & (marks.last_seen[at] == last_seen) & \
+            (marks.counts[at] == counts)
+    else:
+        same = np.zeros(keys.shape, np.bool_)
+    changed = ~same | table.rows_changed(rows) | (last_seen.astype(np.int64) >= marks.latest)
+    written = rows[changed]
+    names = list(table.optimizer.slot_names) if table.optimizer is not None else []
+    tensors = {"keys": keys[changed], "weights": table.storage.weights[written]}
+    tensors.update({f"slot/{n}": s[written] for n, s in zip(names, table.storage.slots)})
+    tensors.update({"last_seen": last_seen[changed], "counts": counts[changed], "rows": written,
+                    "removed_keys": np.setdiff1d(held, keys, assume_unique=True), "free": free})
+    if table.sketch is not None:
+        tensors[_SKETCH] = table.sketch.counters.copy()
+    writer.add(file_name, tensors, {"table": config.name})
+    return {"dynamic": True, "capacity": config.capacity, "n": int(keys.size), "vocabulary_size": config.capacity,
+            "dim": config.dim, "slots": names,
+            "shards": [{"file": file_name, "first_row": 0, "stride": 1, "rows": int(written.size)}]}
 
 
 def delta_fields(chain: DeltaChain) -> dict:
@@ -266,7 +463,8 @@ def after_commit(emb, path, writer, chain, incremental: bool) -> None:
     links = (chain.links if chain is not None else ()) + (link,)
     for table in emb._physical:
         table.track_changes()
-    emb._delta_chain = DeltaChain(os.path.realpath(os.fspath(path)), links)
+    marks = {table.table_names[0]: KeyMarks.of(table) for table in emb._physical if table.dynamic}
+    emb._delta_chain = DeltaChain(os.path.realpath(os.fspath(path)), links, marks)
 
 
 def forget(emb) -> None:

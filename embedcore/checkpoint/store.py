@@ -166,11 +166,12 @@ class Snapshot:
     and ``deltas`` are the delta snapshots whose changed rows apply on top, oldest first.
     """
 
-    def __init__(self, path: str, name: str, manifest: dict, file_dirs=None, deltas=()):
+    def __init__(self, path: str, name: str, manifest: dict, file_dirs=None, deltas=(), virtual=None):
         self.path, self.name, self.manifest = path, name, manifest
         self.dir = os.path.join(path, name)
         self.file_dirs = dict(file_dirs or {})
         self.deltas = tuple(deltas)
+        self.virtual = dict(virtual or {})  # file name -> function making its tensors (a composed dynamic table)
 
     def file_path(self, file_name: str) -> str:
         """Where the file ``file_name`` of the manifest lies."""
@@ -193,6 +194,9 @@ class Snapshot:
         if expected is None:
             raise CheckpointError(f"{self.dir}: the manifest lists no file '{file_name}'")
         names = list(expected) if names is None else list(names)
+        if file_name in self.virtual:  # made from verified files, as declared
+            made = self.virtual[file_name]()
+            return {name: made[name] for name in names}
         file_path = self.file_path(file_name)
         try:
             parsed = read_header(file_path)
@@ -430,7 +434,8 @@ def check_manifest(manifest, path: str, manifest_path: str, serving: bool = Fals
                                   f"stored as a static table")
         if serving_dtype is not None:
             continue  # stored as the export's dtype (checked by _check_table), whatever training stored
-        tensors = files[tables[name]["file"] if "delta" in manifest else tables[name]["shards"][0]["file"]]
+        entry = tables[name]
+        tensors = files[entry["file"] if "delta" in manifest and "file" in entry else entry["shards"][0]["file"]]
         for what, dtype_key in (("weights", "weights_dtype"), ("slots", "slot_dtype")):
             held = [entry["dtype"] for key, entry in tensors.items()
                     if (key == "weights" if what == "weights" else key.startswith("slot/"))]  # slots share one dtype

@@ -258,6 +258,12 @@ class PhysicalTable:
         local = np.flatnonzero(self._changed[p.offset:p.offset + p.rows]).astype(np.int64)
         return p.first + p.stride * local if (p.first, p.stride) != (0, 1) else local
 
+    def rows_changed(self, rows) -> np.ndarray:
+        """Whether an update touched each of the physical ``rows`` since :meth:`track_changes` (bool array)."""
+        if self._changed is None:
+            raise RuntimeError(f"{self!r} does not track changed rows (track_changes was not called)")
+        return self._changed[rows]
+
     def _mark_changed(self, uniq) -> None:
         if self._changed is not None:
             if self._lazy:
