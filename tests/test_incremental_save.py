@@ -517,3 +517,19 @@ def test_a_corrupt_dynamic_delta_is_refused(tmp_path):
     assert_same_state(before, full_state(target))
     with pytest.raises(CheckpointError, match="does not match its SHA-256"):
         ec.Embedding.restore(path)
+
+
+def test_a_one_process_delta_chain_restores_on_two_ranks(tmp_path):
+    from .test_distributed import SAVED_AT, STEPS, assert_same_bits, mpi_train, mpirun
+    emb = ec.Embedding(*mpi_train.config(), seed=3)
+    path = tmp_path / "ckpt"
+    one_process = lambda t: np.concatenate(mpi_train.assignment(t, 1))  # noqa: E731
+    emb.save(path, incremental=True)
+    for stop in range(1, SAVED_AT + 1):
+        mpi_train.train(emb, stop, one_process)
+        emb.save(path, incremental=True)
+    assert "delta" in open_snapshot(path).deltas[-1].manifest  # a chain of SAVED_AT deltas
+    out = str(tmp_path / "resumed.npz")
+    proc = mpirun(2, "mpi_train.py", out, STEPS, "--resume", path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_same_bits(mpi_train.load_tables(out + ".loaded.npz"), emb, "restored on 2 ranks")
