@@ -419,7 +419,8 @@ def test_a_sharded_engine_reads_a_chain_and_refuses_to_write_one(tmp_path):
 
 
 # -- dynamic tables --------------------------------------------------------------------------------------
-from .test_dynamic_checkpoint import assert_same_state, batch, full_state, make_engine as make_dynamic_engine  # noqa: E402
+from .test_dynamic_checkpoint import assert_same_state, batch, full_state  # noqa: E402
+from .test_dynamic_checkpoint import make_engine as make_dynamic_engine  # noqa: E402
 from .test_dynamic_checkpoint import train as train_dynamic  # noqa: E402
 
 

@@ -224,8 +224,8 @@ def compose(path: str, name: str, manifest: dict) -> Snapshot:
     while True:
         child = chain[-1]
         if link["snapshot"] in seen or len(chain) > MAX_CHAIN:
-            raise CheckpointError(f"corrupt checkpoint: {child.dir}: its chain of delta snapshots "
-                                  f"{'loops back to ' + link['snapshot'] if link['snapshot'] in seen else 'is longer than ' + str(MAX_CHAIN)}")
+            how = f"loops back to {link['snapshot']}" if link["snapshot"] in seen else f"is longer than {MAX_CHAIN}"
+            raise CheckpointError(f"corrupt checkpoint: {child.dir}: its chain of delta snapshots {how}")
         seen.add(link["snapshot"])
         try:
             linked = read_manifest(path, link["snapshot"], link["manifest_sha256"],
@@ -329,39 +329,41 @@ class _ComposedState:
 
 
 def _check_agrees(base: Snapshot, delta: Snapshot) -> None:
-    """Refuse a delta whose tables (names, shapes, slots, dtypes and slot ranks) differ from its base's."""
+    """Refuse a delta whose tables (names, kinds, shapes, slots, dtypes and slot ranks, a dynamic table's
+    capacity and admission sketch) differ from its base's."""
     tables, base_tables = delta.manifest["tables"], base.manifest["tables"]
     problem = None
     if set(tables) != set(base_tables):
         problem = f"tables {sorted(tables)}, its base {sorted(base_tables)}"
-    else:
-        for name, entry in tables.items():
-            held = base_tables[name]
-            base_tensors = base.manifest["files"][held["shards"][0]["file"]]
-            if is_dynamic_entry(entry) != is_dynamic_entry(held):
-                problem = f"table '{name}' {'' if is_dynamic_entry(entry) else 'not '}dynamic, its base not so"
-                break
-            tensors = delta.manifest["files"][entry["shards"][0]["file"] if is_dynamic_entry(entry) else entry["file"]]
-            if is_dynamic_entry(entry):
-                base_tensors = {k: v for k, v in base_tensors.items() if k in ("weights", _SKETCH)
-                                or k.startswith("slot/")}
-                if (_SKETCH in tensors) != (_SKETCH in base_tensors) or (_SKETCH in tensors and
-                                                                        tensors[_SKETCH]["shape"] != base_tensors[_SKETCH]["shape"]):
-                    problem = f"table '{name}' an admission sketch unlike its base's"
-                    break
-            for key in ("vocabulary_size", "dim", "slots") + (("capacity",) if is_dynamic_entry(entry) else ()):
-                if entry[key] != held[key]:
-                    problem = f"table '{name}' {key} {entry[key]!r:.80}, its base {held[key]!r:.80}"
-            for key, stored in base_tensors.items():
-                if problem is None and key != _SKETCH and (tensors[key]["dtype"], len(tensors[key]["shape"])) != \
-                        (stored["dtype"], len(stored["shape"])):
-                    problem = (f"table '{name}' tensor '{key}' {tensors[key]['dtype']} of rank "
-                               f"{len(tensors[key]['shape'])}, its base {stored['dtype']} of rank {len(stored['shape'])}")
-            if problem:
-                break
+    for name in sorted(tables) if problem is None else ():
+        problem = _disagreement(name, tables[name], base_tables[name], delta.manifest["files"], base.manifest["files"])
+        if problem:
+            break
     if problem:
         raise CheckpointError(f"corrupt checkpoint: the delta snapshot {delta.dir} does not fit its base "
                               f"{base.name}: it has {problem}")
+
+
+def _disagreement(name: str, entry: dict, held: dict, files: dict, base_files: dict):
+    """How table ``name``'s delta ``entry`` differs from its base's entry ``held``, or None."""
+    dynamic = is_dynamic_entry(entry)
+    if dynamic != is_dynamic_entry(held):
+        return f"table '{name}' {'dynamic' if dynamic else 'static'}, its base's not"
+    for key in ("vocabulary_size", "dim", "slots") + (("capacity",) if dynamic else ()):
+        if entry[key] != held[key]:
+            return f"table '{name}' {key} {entry[key]!r:.80}, its base {held[key]!r:.80}"
+    tensors = files[entry["shards"][0]["file"] if dynamic else entry["file"]]
+    base_tensors = base_files[held["shards"][0]["file"]]
+    if dynamic:
+        sketch, base_sketch = (t[_SKETCH]["shape"] if _SKETCH in t else None for t in (tensors, base_tensors))
+        if sketch != base_sketch:
+            return f"table '{name}' an admission sketch of shape {sketch}, its base {base_sketch}"
+    for key in ["weights"] + [f"slot/{s}" for s in entry["slots"]]:
+        got = (tensors[key]["dtype"], len(tensors[key]["shape"]))
+        want = (base_tensors[key]["dtype"], len(base_tensors[key]["shape"]))
+        if got != want:
+            return f"table '{name}' tensor '{key}' {got[0]} of rank {got[1]}, its base {want[0]} of rank {want[1]}"
+    return None
 
 
 # -- writing -------------------------------------------------------------------------------------------------
