@@ -534,3 +534,54 @@ def test_a_one_process_delta_chain_restores_on_two_ranks(tmp_path):
     proc = mpirun(2, "mpi_train.py", out, STEPS, "--resume", path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_same_bits(mpi_train.load_tables(out + ".loaded.npz"), emb, "restored on 2 ranks")
+
+
+def test_processes_killed_while_saving_incrementally_leave_a_whole_state(tmp_path):
+    """SIGKILL a process (forked by ``workers/delta_loop.py``) at random moments while it trains and saves
+    incrementally after every step: the checkpoint restores exactly the state of its step (replayed here),
+    and the next process goes on from it; some kills leave a delta current."""
+    import importlib.util
+    import signal
+    import subprocess
+    import sys
+    import time
+    from .test_crash_safety import Lines
+    worker = os.path.join(os.path.dirname(__file__), "workers", "delta_loop.py")
+    spec = importlib.util.spec_from_file_location("embedcore_test_delta_loop", worker)
+    delta_loop = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(delta_loop)
+    path = tmp_path / "ckpt"
+    rng = np.random.default_rng(int(os.environ.get("EMBEDCORE_CRASH_SEED", "5")))
+    env = dict(os.environ, NUMBA_THREADING_LAYER="workqueue")  # children train after fork: no OpenMP there
+    proc = subprocess.Popen([sys.executable, worker, str(path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            env=env)
+    lines = Lines(proc.stdout)
+    twin = delta_loop.make_engine()  # replays the steps here
+    on_delta = 0
+    try:
+        assert lines.next(timeout=300) == "ready"
+        for _ in range(10):
+            proc.stdin.write(b"fork\n")
+            proc.stdin.flush()
+            word, pid = lines.next(timeout=120).split()
+            assert word == "started"
+            time.sleep(float(rng.uniform(0.05, 1.0)))
+            os.kill(int(pid), signal.SIGKILL)
+            while True:
+                parts = lines.next().split()
+                if parts[0] == "reaped":
+                    break
+                assert parts[0] == "saved", parts
+            if not os.path.exists(path / "CURRENT"):
+                continue  # killed before its first commit
+            restored = ec.Embedding.restore(path)
+            assert read_extra(path)[1] == {"step": restored.step}
+            while twin.step < restored.step:
+                delta_loop.train_one_step(twin)
+            assert_holds(restored, snapshot(twin), f"after a kill at step {restored.step}")
+            on_delta += bool(open_snapshot(path).deltas)
+        assert on_delta, "no kill left a delta current: the delays are too short to test deltas"
+    finally:
+        proc.stdin.close()
+        proc.kill()
+        proc.wait()
