@@ -585,3 +585,26 @@ def test_processes_killed_while_saving_incrementally_leave_a_whole_state(tmp_pat
         proc.stdin.close()
         proc.kill()
         proc.wait()
+
+
+from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(plan=st.lists(st.tuples(st.integers(0, 3), st.sampled_from(["delta", "delta", "full"])), min_size=1,
+                     max_size=6),
+       seed=st.integers(0, 2 ** 16))
+def test_any_sequence_of_full_and_delta_saves_restores_the_last(tmp_path_factory, plan, seed):
+    """Train some steps, then save in full or incrementally, in any order: every save restores exactly the
+    oracle of that save, the directory holds exactly the newest full save and the deltas after it."""
+    rng = np.random.default_rng(seed)
+    emb = make_engine()
+    oracle = Oracle(emb)
+    path = tmp_path_factory.mktemp("plan") / "ckpt"
+    chain = []
+    for steps, kind in plan:
+        oracle.train(rng, steps)
+        written, _ = oracle.save(path, incremental=kind == "delta")
+        chain = chain + [written] if "delta" in manifest_at(written) else [written]
+        assert snapshots(path) == sorted(os.path.basename(d) for d in chain)
+        assert_holds(ec.Embedding.restore(path), oracle.saved[-1], f"after {kind} save {len(oracle.saved)}")
