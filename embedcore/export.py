@@ -177,7 +177,8 @@ def export_for_serving(checkpoint, out, dtype: str = "int8", metadata=None) -> s
                 state = read_state(snap, name)
                 tables[name], keys[name] = state.weights, state.keys
             else:
-                tables[name] = table_tensors(snap, name, {"weights": (entry["vocabulary_size"], entry["dim"])})["weights"]
+                shape = (entry["vocabulary_size"], entry["dim"])
+                tables[name] = table_tensors(snap, name, {"weights": shape})["weights"]
         return snap, tables, keys
 
     snap, tables, keys = read_current(checkpoint, read)
@@ -234,8 +235,9 @@ def serving_weights(snap: Snapshot, tables, verify: bool = True) -> dict:
 def serving_rows(snap: Snapshot, shapes: dict, verify: bool = True) -> dict:
     """Table name -> the memory-mapped, read-only rows of a serving export (``snap.serving_dtype`` not None)
     for the tables of ``shapes`` (name -> ``(rows, dim)``; a dynamic table's rows are its keys'):
-    ``uint8 [rows, dim + 8]`` fused rows for int8, else ``[rows, dim]`` of the export's dtype. With ``verify``, each is checked against its SHA-256, 16/32-bit rows for NaN/Inf and int8
-    scales and biases for being finite (and scales for being >= 0)."""
+    ``uint8 [rows, dim + 8]`` fused rows for int8, else ``[rows, dim]`` of the export's dtype. With ``verify``,
+    each is checked against its SHA-256, 16/32-bit rows for NaN/Inf and int8 scales and biases for being finite
+    (and scales for being >= 0)."""
     dtype = snap.serving_dtype
     out = {}
     for name, (n, dim) in shapes.items():

@@ -20,8 +20,8 @@ opening a checkpoint while another process saves to it opens the new checkpoint 
 old one, pruned under it, as corrupt (:func:`embedcore.checkpoint.read_current`); what it serves is always
 one committed snapshot, whole.
 
-Dynamic tables are served from their stored keys (:mod:`embedcore.serving_dynamic`: a binary search of the
-memory-mapped, increasing ``keys``); a key the checkpoint does not hold reads its initial value, as in
+Dynamic tables are served from their stored keys (:mod:`embedcore.serving_dynamic`: a key map built from
+them at open); a key the checkpoint does not hold reads its initial value, as in
 training (``unknown_keys="initial"``, the default), or zeros (``unknown_keys="zeros"``).
 """
 
@@ -120,13 +120,17 @@ class ServingEmbedding(TableLookup):
                         init = decode_initializer(config, name)
                     except CheckpointError as e:
                         raise CheckpointError(f"{e}. Serving imports no code: ServingEmbedding(path, unknown_keys="
-                                              f"'zeros') serves the keys table '{name}' does not hold as zeros") from None
+                                              f"'zeros') serves the keys table '{name}' does not hold as zeros") \
+                            from None
                 unknown[name] = unknown_rows(t, seed, unknown_keys, init)
             return snap, tables, weights, keys, unknown
 
         snap, tables, weights, keys, unknown = read_current(path, read, serving=True)
-        self._physical = tuple(ServingDynamicTable(t, keys[t.name], weights[t.name], unknown[t.name], tuning)
-                               if t.name in keys else read_only_tables([t], weights, tuning)[0] for t in tables)
+        try:
+            self._physical = tuple(ServingDynamicTable(t, keys[t.name], weights[t.name], unknown[t.name], tuning)
+                                   if t.name in keys else read_only_tables([t], weights, tuning)[0] for t in tables)
+        except ValueError as e:  # a key stored twice, seen here when verify=False skipped the keys' check
+            raise CheckpointError(f"corrupt checkpoint: {snap.dir}: {e}") from None
         self.table_keys = keys
         self._index_tables(self._physical)
         self.step = snap.step

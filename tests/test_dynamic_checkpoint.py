@@ -485,3 +485,14 @@ def test_deepcopy_and_pickle_copy_the_whole_dynamic_state():
             for k in e:
                 np.testing.assert_array_equal(e[k], g[k], err_msg=k)
         assert_same_state(full_state(emb), full_state(other))
+
+
+def test_serving_refuses_repeated_keys_even_unverified(saved, tmp_path):
+    import shutil
+    path = tmp_path / "c"
+    shutil.copytree(saved, path)
+    rewrite_dynamic(path, _duplicate_key)
+    with pytest.raises(CheckpointError, match="out of order or given twice"):
+        ec.ServingEmbedding(path)
+    with pytest.raises(CheckpointError, match="is given twice"):
+        ec.ServingEmbedding(path, verify=False)

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..kernels.hash_map import is_partition
 from ..tables.dynamic import DynamicTableState
 from .errors import CheckpointError
 
@@ -124,8 +125,8 @@ def check_dynamic_entry(name, entry, files: dict, manifest_path: str, serving_dt
     names = {"keys", "weights"} if serving_dtype is not None else \
         {"keys", "weights", "last_seen", "counts", "rows", "free"} | {f"slot/{s}" for s in slots}
     if set(stored) - {_SKETCH} != names or (serving_dtype is not None and _SKETCH in stored):
-        raise fail(f"needs the tensors {sorted(names)}{'' if serving_dtype else ' (and ' + _SKETCH + ' with admission)'}"
-                   f" in {file_name}, which holds {sorted(stored)}")
+        optional = "" if serving_dtype else f" (and {_SKETCH} with admission)"
+        raise fail(f"needs the tensors {sorted(names)}{optional} in {file_name}, which holds {sorted(stored)}")
     if serving_dtype is not None:
         width = dim + 8 if serving_dtype == "int8" else dim
         want = {"keys": ("uint64", [n]), "weights": ("uint8" if serving_dtype == "int8" else serving_dtype, [n, width])}
@@ -200,7 +201,7 @@ def check_state_contents(state: DynamicTableState, where: str, step: int) -> Non
                               f"the checkpoint's step {step}")
     slots = np.concatenate([np.asarray(state.rows), np.asarray(state.free)])
     high = slots.shape[0]
-    if high and (slots.min() < 0 or slots.max() >= high or np.unique(slots).shape[0] != high):
+    if not is_partition(slots):
         raise CheckpointError(f"corrupt checkpoint: {where}: rows and free must together be the row slots 0 .. "
                               f"{high - 1}, each once")
 

@@ -332,6 +332,18 @@ def _place_loaded(keys, rows, row_keys, index, row_bits):
     return -1
 
 
+def is_partition(values: np.ndarray) -> bool:
+    """Whether the integers ``values`` are exactly ``0 .. len(values) - 1``, each once (one pass, no sort)."""
+    n = values.shape[0]
+    if n == 0:
+        return True
+    if values.min() < 0 or values.max() >= n:
+        return False
+    seen = np.zeros(n, np.bool_)
+    seen[values] = True
+    return bool(seen.all())  # n values in range covering all n slots: each once
+
+
 # -- the Python face ----------------------------------------------------------------------------------------
 def as_keys(keys, what: str = "keys") -> np.ndarray:
     """``keys`` (any integer array-like) as a flat uint64 array of their 64-bit patterns: signed values are
@@ -549,8 +561,7 @@ class KeyRowMap:
         if high > self.capacity:
             raise ValueError(f"table '{self.name}': {n} keys and {free.shape[0]} free rows need {high} row slots; "
                              f"the capacity is {self.capacity}")
-        used = np.concatenate([rows, free])
-        if used.size and (used.min() < 0 or used.max() >= high or np.unique(used).shape[0] != high):
+        if not is_partition(np.concatenate([rows, free])):
             raise ValueError(f"table '{self.name}': the rows and free rows must be exactly 0 .. {high - 1}, each "
                              f"once")
         if last_seen.size and (last_seen.min() < 0 or last_seen.max() > MAX_STEP):

@@ -351,9 +351,9 @@ class DynamicPhysicalTable(PhysicalTable):
         :meth:`remove_expired`)."""
         keys, rows, last_seen, counts, free = self.key_map.state()
         names = self.optimizer.slot_names if self.optimizer is not None else []
-        return DynamicTableState(keys, self.storage.weights[rows], {n: s[rows] for n, s in zip(names, self.storage.slots)},
-                                 last_seen, counts, rows, free,
-                                 None if self.sketch is None else self.sketch.counters.copy())
+        slots = {name: values[rows] for name, values in zip(names, self.storage.slots)}
+        sketch = None if self.sketch is None else self.sketch.counters.copy()
+        return DynamicTableState(keys, self.storage.weights[rows], slots, last_seen, counts, rows, free, sketch)
 
     def prepare_state(self, state: DynamicTableState):
         """Check ``state`` against this table (``ValueError`` naming the table and what differs; nothing
