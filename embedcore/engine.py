@@ -161,7 +161,7 @@ class Embedding(TrainingEngine):
         return f"Embedding({len(self._features)} features; {tables}; step={self.step})"
 
     # -- checkpoints -------------------------------------------------------------------------------------
-    def save(self, path, extra=None, metadata=None) -> str:
+    def save(self, path, extra=None, metadata=None, incremental: bool = False) -> str:
         """Write a checkpoint of tables, slots, ``step`` and the configuration to the directory ``path``.
 
         The write is atomic (a crash leaves the previous checkpoint in place) and every tensor is
@@ -171,10 +171,19 @@ class Embedding(TrainingEngine):
         rows, slots and the policies' state (:mod:`embedcore.checkpoint.dynamic`), so an engine loaded from
         the checkpoint continues exactly as this one; a TTL table first drops the rows expired at ``step``
         (which no view or lookup shows any more).
+
+        ``incremental=True`` writes a *delta*: only the rows updates touched since this engine's previous
+        save to ``path``, on top of it (every reader composes them; :mod:`embedcore.checkpoint.delta`).
+        When this engine has no such save to build on (its first save, or the first after ``load`` or
+        ``set_state``) it writes a full snapshot and starts tracking changed rows from there, so the same
+        call works from the first save on; a chain of this engine in another directory, or a ``path``
+        another save has replaced since, is refused (``CheckpointError``, nothing written). Snapshots the
+        newest delta builds on are kept; a full save compacts (deletes them). Rows written directly into
+        :attr:`embedding_tables` or :attr:`slot_variables` arrays are not tracked: use ``set_state``.
         """
         from .checkpoint import save
         with self._exclusive("save"):
-            return save(self, path, extra=extra, metadata=metadata)
+            return save(self, path, extra=extra, metadata=metadata, incremental=incremental)
 
     def load(self, path, strict: bool = True, convert_dtypes: bool = False) -> None:
         """Replace tables, slots and ``step`` with a checkpoint's; verified in full before anything changes.
@@ -189,10 +198,11 @@ class Embedding(TrainingEngine):
         capacity of at least the keys saved (``strict=False`` lets the capacity differ), else
         :class:`~embedcore.CheckpointError`, with nothing changed.
         """
-        from .checkpoint import load_into
+        from .checkpoint import delta, load_into
         with self._exclusive("load"):
             load_into(self, path, strict=strict, convert_dtypes=convert_dtypes)
             self._tables_replaced()
+            delta.forget(self)
 
     @classmethod
     def restore(cls, path, *, functions=None, allow_import: bool = False, stack_tables: bool = True,
@@ -266,6 +276,8 @@ class Embedding(TrainingEngine):
             if step is not None:
                 self.step = int(step)
             self._tables_replaced()
+            from .checkpoint import delta
+            delta.forget(self)
 
     def _copy_arguments(self) -> dict:
         """Constructor arguments, besides the configuration, that a copy of this engine is built with."""

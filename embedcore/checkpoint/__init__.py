@@ -15,7 +15,8 @@ every tensor is checksummed (:mod:`.store`); the configuration is JSON that name
 and is imported only when the caller allows it (:mod:`.config_codec`).
 
 Use it through the engine: ``emb.save(path)``, ``emb.load(path)``, ``Embedding.restore(path)``; serving
-reads the same files (:mod:`embedcore.serving`).
+reads the same files (:mod:`embedcore.serving`). ``emb.save(path, incremental=True)`` writes only the rows
+changed since the engine's previous save, on top of it (:mod:`.delta`); every reader here composes them.
 
 Reading trusts nothing in the directory: the manifest is checked whole against its schema and the files'
 sizes (:func:`.store.check_manifest`) before anything is allocated or changed, every size that memory is
@@ -35,12 +36,13 @@ from ..memory_budget import check_fits
 from .config_codec import FunctionResolver, decode_engine_config, encode_engine_config
 from .dynamic import dynamic_file_name, is_dynamic_entry, read_state, write_dynamic_table
 from .errors import CheckpointError
+from . import delta as _delta
 from .store import Snapshot, SnapshotWriter, open_snapshot, read_current
 from .tensor_file import STORABLE_DTYPES
 
 __all__ = ["CheckpointError", "save", "load_into", "restore", "read_extra", "open_snapshot", "read_current",
-           "engine_config", "table_tensors", "table_rows", "write_table_shards", "check_save_inputs", "manifest_of",
-           "check_compatible", "check_finite", "stored_shapes", "as_stored", "dynamic_tables",
+           "engine_config", "table_tensors", "table_rows", "table_changes", "write_table_shards", "check_save_inputs",
+           "manifest_of", "check_compatible", "check_finite", "stored_shapes", "as_stored", "dynamic_tables",
            "write_dynamic_tables", "stage_dynamic"]
 
 _EXTRA = "extra.safetensors"
@@ -113,23 +115,35 @@ def manifest_of(step: int, config: dict, entries: dict, extra_file, metadata) ->
             "embedcore_version": __version__}
 
 
-def save(emb, path, extra=None, metadata=None) -> str:
-    """Write ``emb`` to the checkpoint directory ``path`` (see :meth:`embedcore.Embedding.save`)."""
+def save(emb, path, extra=None, metadata=None, incremental: bool = False) -> str:
+    """Write ``emb`` to the checkpoint directory ``path`` (see :meth:`embedcore.Embedding.save`); with
+    ``incremental``, only the rows changed since its last save when it can (:func:`.delta.chain_to_extend`)."""
     config = engine_config(emb)
     extra = check_save_inputs(extra, metadata, emb.step)
+    chain = _delta.chain_to_extend(emb, path, incremental)
     writer = SnapshotWriter(path, emb.step)
     try:
-        dynamic = dynamic_tables(emb)
-        configs = {name: t for name, t in emb.tables.items() if name not in dynamic}
-        whole = {name: (0, 1, t.vocabulary_size) for name, t in configs.items()}
-        entries = write_table_shards(writer, configs, emb.embedding_tables, emb.slot_variables, whole)
-        entries.update(write_dynamic_tables(writer, emb.tables, dynamic, emb.step))
+        if chain is None:
+            dynamic = dynamic_tables(emb)
+            configs = {name: t for name, t in emb.tables.items() if name not in dynamic}
+            whole = {name: (0, 1, t.vocabulary_size) for name, t in configs.items()}
+            entries = write_table_shards(writer, configs, emb.embedding_tables, emb.slot_variables, whole)
+            entries.update(write_dynamic_tables(writer, emb.tables, dynamic, emb.step))
+        else:
+            entries = _delta.write_changed_rows(writer, emb, chain)
         if extra:
             writer.add(_EXTRA, extra)
-        return writer.commit(manifest_of(emb.step, config, entries, _EXTRA if extra else None, metadata))
+        manifest = manifest_of(emb.step, config, entries, _EXTRA if extra else None, metadata)
+        if chain is None:
+            return writer.commit(manifest)
+        return writer.commit(dict(manifest, delta=_delta.delta_fields(chain)),
+                             keep={link["snapshot"] for link in chain.links})
     except BaseException:
         writer.abort()
         raise
+    finally:
+        if writer.committed:  # CURRENT names the new snapshot (even if a step after the commit failed)
+            _delta.after_commit(emb, path, writer, chain, incremental)
 
 
 def _differences(saved, current, where="config"):
@@ -219,9 +233,7 @@ def load_into(emb, path_or_snapshot, strict: bool = True, convert_dtypes: bool =
                 continue
             targets = {"weights": tables[name]}
             targets.update({f"slot/{s}": v for s, v in slots[name].items()})
-            arrays = table_tensors(snap, name, {key: t.shape for key, t in targets.items()})
-            staged += [(targets[key], as_stored(targets[key], arrays[key], f"{snap.dir}: table '{name}' {_what(key)}",
-                                                convert_dtypes)) for key in targets]
+            staged += _staged_parts(snap, name, targets, convert_dtypes)
         return staged, applies, snap.step
 
     if isinstance(path_or_snapshot, Snapshot):
@@ -229,11 +241,24 @@ def load_into(emb, path_or_snapshot, strict: bool = True, convert_dtypes: bool =
     else:
         staged, applies, step = read_current(path_or_snapshot, stage)
     # Everything is verified; from here on the engine changes.
-    for target, source in staged:
-        target[...] = source
+    for target, rows, source in staged:
+        target[rows] = source
     for apply in applies:
         apply()
     emb.step = step
+
+
+def _staged_parts(snap: Snapshot, table: str, targets: dict, convert_dtypes: bool) -> list:
+    """``(target, rows, values)`` that write ``table``'s tensors of ``snap`` into ``targets`` (key -> the
+    engine's array), in order: the base's whole tensors (``rows`` = ``...``), then each delta's changed rows;
+    everything read and verified (shapes, SHA-256, NaN/Inf, dtypes as :func:`as_stored` allows)."""
+    arrays = _base_tensors(snap, table, {key: t.shape for key, t in targets.items()})
+    staged = [(targets[key], ..., as_stored(targets[key], arrays[key], f"{snap.dir}: table '{table}' {_what(key)}",
+                                            convert_dtypes)) for key in targets]
+    for rows, values in table_changes(snap, table, list(targets)):
+        staged += [(targets[key], rows, as_stored(targets[key], values[key], f"{snap.dir}: table '{table}' "
+                                                  f"{_what(key)}", convert_dtypes)) for key in targets]
+    return staged
 
 
 def check_dynamic_kinds(snap: Snapshot, dynamic: dict, seed: int) -> None:
@@ -309,10 +334,21 @@ def check_finite(array: np.ndarray, where: str, rows=None) -> None:
 
 
 def table_rows(snap: Snapshot, table: str, key: str, first: int, stride: int, n: int, verify: bool = True):
-    """Rows ``first + i * stride`` (``i < n``) of tensor ``key`` of ``table``, gathered from its shards.
+    """Rows ``first + i * stride`` (``i < n``) of tensor ``key`` of ``table``, gathered from its shards (and
+    a delta snapshot's changed rows, :func:`table_changes`).
 
     With ``verify`` each shard's tensor is checked against its SHA-256 and the rows for being finite.
     """
+    out = _base_rows(snap, table, key, first, stride, n, verify)
+    for rows, values in table_changes(snap, table, [key], verify):
+        offset = rows - first
+        mine = (offset >= 0) & (offset % stride == 0) & (offset // stride < n)
+        out[offset[mine] // stride] = values[key][mine]
+    return out
+
+
+def _base_rows(snap: Snapshot, table: str, key: str, first: int, stride: int, n: int, verify: bool = True):
+    """:func:`table_rows` of a full snapshot, or of a delta snapshot's base."""
     shards = _shards(snap, table, [key])
     entry = snap.manifest["tables"][table]
     declared = snap.manifest["files"][shards[0]["file"]][key]
@@ -334,8 +370,44 @@ def table_rows(snap: Snapshot, table: str, key: str, first: int, stride: int, n:
 def table_tensors(snap: Snapshot, table: str, shapes: dict, verify: bool = True) -> dict:
     """The whole tensors of ``table`` named in ``shapes`` (``{"weights": (V, dim), "slot/<name>": ...}``),
     each checked to be of exactly that shape (float32, float16 or bfloat16, as stored) and, if ``verify``, to match its SHA-256 and to be
-    finite. A table stored whole is memory-mapped; one stored in shards (by several processes) is
-    assembled in memory."""
+    finite. A table stored whole is memory-mapped; one stored in shards (by several processes), or changed
+    by a delta snapshot's rows (:func:`table_changes`), is assembled in memory."""
+    arrays = _base_tensors(snap, table, shapes, verify)
+    changes = table_changes(snap, table, list(shapes), verify)
+    if changes:
+        check_fits(sum(a.nbytes for a in arrays.values()), f"{snap.dir}: table '{table}' with its changed rows",
+                   error=CheckpointError)
+        arrays = {key: np.array(a) for key, a in arrays.items()}
+        for rows, values in changes:
+            for key, array in arrays.items():
+                array[rows] = values[key]
+    return arrays
+
+
+def table_changes(snap: Snapshot, table: str, keys, verify: bool = True) -> list:
+    """The rows a delta snapshot's chain changed in ``table``: ``[(rows, {key: values})]`` per delta, oldest
+    first (empty for a full snapshot): write them over the base's rows in this order. ``rows`` are checked
+    to be increasing ids of the table; with ``verify`` the tensors match their SHA-256 and are finite."""
+    out = []
+    vocabulary = snap.manifest["tables"][table]["vocabulary_size"] if snap.deltas else 0
+    for delta in snap.deltas:
+        entry = delta.manifest["tables"][table]
+        if entry["rows"] == 0:
+            continue
+        arrays = delta.tensors(entry["file"], ["rows"] + list(keys), verify=verify)
+        rows = np.asarray(arrays.pop("rows"))
+        if rows[0] < 0 or rows[-1] >= vocabulary or np.any(rows[1:] <= rows[:-1]):
+            raise CheckpointError(f"corrupt checkpoint: {delta.dir}: table '{table}' rows must be increasing ids "
+                                  f"from 0 to {vocabulary - 1}, got {rows[:5].tolist()}...")
+        if verify:
+            for key, values in arrays.items():
+                check_finite(values, f"{delta.dir}: table '{table}' {_what(key)}", rows)
+        out.append((rows, arrays))
+    return out
+
+
+def _base_tensors(snap: Snapshot, table: str, shapes: dict, verify: bool = True) -> dict:
+    """:func:`table_tensors` of a full snapshot, or of a delta snapshot's base."""
     shards = _shards(snap, table, list(shapes))
     entry = snap.manifest["tables"][table]
     for key, shape in shapes.items():
@@ -345,7 +417,7 @@ def table_tensors(snap: Snapshot, table: str, shapes: dict, verify: bool = True)
                                   f"{(entry['vocabulary_size'],) + tuple(stored[1:])}; the engine needs shape "
                                   f"{tuple(shape)}")
     if len(shards) > 1:
-        return {key: table_rows(snap, table, key, 0, 1, entry["vocabulary_size"], verify) for key in shapes}
+        return {key: _base_rows(snap, table, key, 0, 1, entry["vocabulary_size"], verify) for key in shapes}
     arrays = snap.tensors(shards[0]["file"], list(shapes), verify=verify)
     if verify:
         for key, array in arrays.items():
@@ -398,12 +470,13 @@ def restore(cls, path, functions=None, allow_import: bool = False, stack_tables:
         shapes = stored_shapes(snap)
         check_restore_fits(snap, shapes)
         features, optimizer, seed = decode_engine_config(snap.manifest["config"], resolver)
-        arrays = {name: table_tensors(snap, name, tensors) for name, tensors in shapes.items()}
+        arrays = {name: _base_tensors(snap, name, tensors) for name, tensors in shapes.items()}
+        changes = {name: table_changes(snap, name, list(tensors)) for name, tensors in shapes.items()}
         states = {name: read_state(snap, name) for name, entry in snap.manifest["tables"].items()
                   if is_dynamic_entry(entry)}
-        return snap, features, optimizer, seed, arrays, states
+        return snap, features, optimizer, seed, arrays, changes, states
 
-    snap, features, optimizer, seed, arrays, states = read_current(path, read)
+    snap, features, optimizer, seed, arrays, changes, states = read_current(path, read)
     try:
         emb = cls(features, optimizer, seed=seed, stack_tables=stack_tables, fill=False, tuning=tuning,
                   non_finite=snap.manifest["config"].get("non_finite", "raise"))
@@ -424,10 +497,12 @@ def restore(cls, path, functions=None, allow_import: bool = False, stack_tables:
             if target.shape != arrays[name][key].shape:
                 raise CheckpointError(f"{snap.dir}: table '{name}' tensor '{key}' has shape "
                                       f"{arrays[name][key].shape}; the engine needs shape {target.shape}")
-            staged.append((target, as_stored(target, arrays[name][key], f"{snap.dir}: table '{name}' {_what(key)}",
-                                             False)))
-    for target, source in staged:
-        target[...] = source
+            staged.append((target, ..., as_stored(target, arrays[name][key], f"{snap.dir}: table '{name}' "
+                                                  f"{_what(key)}", False)))
+            staged += [(target, rows, as_stored(target, values[key], f"{snap.dir}: table '{name}' {_what(key)}", False))
+                       for rows, values in changes[name]]
+    for target, rows, source in staged:
+        target[rows] = source
     for apply in applies:
         apply()
     emb.step = snap.step

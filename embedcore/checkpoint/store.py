@@ -8,7 +8,8 @@
 
 A save writes a new snapshot directory and fsyncs it (files, the directory, its entry in ``path``), then
 replaces ``CURRENT`` with ``os.replace`` (atomic on POSIX), fsyncs ``path``, and only then deletes every
-other snapshot, including leftovers of crashed saves. A crash at any point leaves ``CURRENT`` naming a
+other snapshot, including leftovers of crashed saves (but, for a delta snapshot, the base and earlier
+deltas it builds on: :mod:`.delta`). A crash at any point leaves ``CURRENT`` naming a
 snapshot that is whole: the previous one or the new one. Readers trust nothing: ``CURRENT`` carries the
 manifest's hash, the manifest carries each tensor's shape and hash, every tensor file's header is checked
 against it, and file names must be plain names inside the snapshot. Two processes saving to one path at the
@@ -92,6 +93,8 @@ class SnapshotWriter:
         os.mkdir(self.dir)
         self.files = {}
         self.committed = False
+        self.manifest_sha256 = None  # of the committed manifest: what CURRENT (and a later delta) names
+        self.keep = frozenset()  # other snapshots the commit keeps (a delta's chain)
 
     @classmethod
     def attach(cls, path: str, name: str) -> "SnapshotWriter":
@@ -99,7 +102,7 @@ class SnapshotWriter:
         writer = cls.__new__(cls)
         writer.path, writer.name = os.fspath(path), name
         writer.dir = os.path.join(writer.path, name)
-        writer.files, writer.committed = {}, False
+        writer.files, writer.committed, writer.manifest_sha256, writer.keep = {}, False, None, frozenset()
         if not os.path.isdir(writer.dir):
             raise CheckpointError(f"{writer.dir}: the snapshot directory is not visible here (checkpoints of "
                                   f"several processes need a file system they all share)")
@@ -111,9 +114,10 @@ class SnapshotWriter:
         self.files[file_name] = {name: {"shape": list(a.shape), "dtype": str(a.dtype), "sha256": digests[name]}
                                  for name, a in tensors.items()}
 
-    def commit(self, manifest: dict, file_format: str = FORMAT) -> str:
+    def commit(self, manifest: dict, file_format: str = FORMAT, keep=()) -> str:
         """Write ``manifest`` (``format`` = ``file_format``: :data:`FORMAT`, or :data:`SERVING_FORMAT` for a
-        serving export) and make this snapshot the current one; returns its directory."""
+        serving export) and make this snapshot the current one; returns its directory. Every other snapshot
+        is then deleted but those named in ``keep`` (the base and earlier deltas a delta snapshot needs)."""
         assert file_format in (FORMAT, SERVING_FORMAT), file_format
         manifest = dict(manifest, format=file_format, version=VERSION, files=self.files)
         text = json.dumps(manifest, indent=1, sort_keys=True).encode("utf-8")
@@ -131,7 +135,9 @@ class SnapshotWriter:
             os.fsync(f.fileno())
         os.replace(tmp, os.path.join(self.path, _CURRENT))
         self.committed = True  # from here on the new snapshot is the checkpoint: never delete it
+        self.manifest_sha256 = hashlib.sha256(text).hexdigest()
         _fsync_dir(self.path)
+        self.keep = frozenset(keep)
         self._prune()
         return self.dir
 
@@ -141,10 +147,11 @@ class SnapshotWriter:
             shutil.rmtree(self.dir, ignore_errors=True)
 
     def _prune(self) -> None:
-        """Delete every other snapshot and leftovers of crashed saves (best effort: failures are ignored)."""
+        """Delete every other snapshot but those the commit keeps and leftovers of crashed saves (best effort:
+        failures are ignored)."""
         for name in os.listdir(self.path):
             full = os.path.join(self.path, name)
-            if name.startswith("snapshot-") and name != self.name:
+            if name.startswith("snapshot-") and name != self.name and name not in self.keep:
                 shutil.rmtree(full, ignore_errors=True)
             elif name.startswith(f"{_CURRENT}.") and name.endswith(".tmp"):
                 with contextlib.suppress(OSError):
@@ -152,11 +159,23 @@ class SnapshotWriter:
 
 
 class Snapshot:
-    """A verified view of the current snapshot of a checkpoint directory."""
+    """A verified view of the current snapshot of a checkpoint directory.
 
-    def __init__(self, path: str, name: str, manifest: dict):
+    A delta snapshot (:mod:`.delta`) is seen composed: ``manifest`` is its base's (tables, shards, files)
+    with the delta's step, configuration, metadata and extra; ``file_dirs`` says where the base's files lie
+    and ``deltas`` are the delta snapshots whose changed rows apply on top, oldest first.
+    """
+
+    def __init__(self, path: str, name: str, manifest: dict, file_dirs=None, deltas=(), virtual=None):
         self.path, self.name, self.manifest = path, name, manifest
         self.dir = os.path.join(path, name)
+        self.file_dirs = dict(file_dirs or {})
+        self.deltas = tuple(deltas)
+        self.virtual = dict(virtual or {})  # file name -> function making its tensors (a composed dynamic table)
+
+    def file_path(self, file_name: str) -> str:
+        """Where the file ``file_name`` of the manifest lies."""
+        return os.path.join(self.file_dirs.get(file_name, self.dir), file_name)
 
     @property
     def step(self) -> int:
@@ -175,7 +194,10 @@ class Snapshot:
         if expected is None:
             raise CheckpointError(f"{self.dir}: the manifest lists no file '{file_name}'")
         names = list(expected) if names is None else list(names)
-        file_path = os.path.join(self.dir, file_name)
+        if file_name in self.virtual:  # made from verified files, as declared
+            made = self.virtual[file_name]()
+            return {name: made[name] for name in names}
+        file_path = self.file_path(file_name)
         try:
             parsed = read_header(file_path)
             header = parsed[0]
@@ -269,26 +291,36 @@ def open_snapshot(path, _retry: bool = True, serving: bool = False) -> Snapshot:
     if not os.path.isdir(path):
         raise CheckpointError(f"{path}: no such checkpoint directory")
     name, digest = _read_pointer(path)
-    manifest_path = os.path.join(path, name, "manifest.json")
     try:
-        try:
-            text = read_capped(manifest_path, _MAX_MANIFEST)
-        except TensorFileError as e:
-            raise CheckpointError(f"corrupt checkpoint: {e}") from None
-        except OSError as e:
-            raise CheckpointError(f"corrupt checkpoint: {manifest_path}: {e.strerror}") from None
-        if hashlib.sha256(text).hexdigest() != digest:
-            raise CheckpointError(f"corrupt checkpoint: {manifest_path} does not match its SHA-256 in {_CURRENT}")
-        try:
-            manifest = json.loads(text.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError, RecursionError) as e:
-            raise CheckpointError(f"corrupt checkpoint: {manifest_path} is not JSON ({e})") from None
-        snap = Snapshot(path, name, check_manifest(manifest, path, manifest_path, serving))
-        _check_file_sizes(snap)
+        manifest = read_manifest(path, name, digest, serving)
+        if "delta" in manifest:
+            from .delta import compose
+            return compose(path, name, manifest)
+        snap = Snapshot(path, name, manifest)
+        check_file_sizes(snap)
         return snap
     except CheckpointError as e:
         e._snapshot = name  # for read_current: the snapshot this failure happened on
         raise
+
+
+def read_manifest(path: str, name: str, digest: str, serving: bool = False, named_by: str = _CURRENT) -> dict:
+    """The manifest of snapshot ``name`` of ``path``, verified against ``digest`` (its SHA-256, as
+    ``named_by`` records it) and checked by :func:`check_manifest`."""
+    manifest_path = os.path.join(path, name, "manifest.json")
+    try:
+        text = read_capped(manifest_path, _MAX_MANIFEST)
+    except TensorFileError as e:
+        raise CheckpointError(f"corrupt checkpoint: {e}") from None
+    except OSError as e:
+        raise CheckpointError(f"corrupt checkpoint: {manifest_path}: {e.strerror}") from None
+    if hashlib.sha256(text).hexdigest() != digest:
+        raise CheckpointError(f"corrupt checkpoint: {manifest_path} does not match its SHA-256 in {named_by}")
+    try:
+        manifest = json.loads(text.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise CheckpointError(f"corrupt checkpoint: {manifest_path} is not JSON ({e})") from None
+    return check_manifest(manifest, path, manifest_path, serving)
 
 
 def _bad(where: str, what: str, value) -> CheckpointError:
@@ -318,6 +350,9 @@ def check_manifest(manifest, path: str, manifest_path: str, serving: bool = Fals
       stride implies), each in a listed file holding exactly ``weights`` (float32, float16 or bfloat16
       ``[rows, dim]``, as the configuration's ``weights_dtype`` says) and ``slot/<name>`` per slot (``[rows]``
       or ``[rows, dim]``, of the configuration's ``slot_dtype``, the same in every shard).
+
+    A delta snapshot (a ``delta`` field) has the same fields but ``tables``, checked by
+    :func:`.delta.check_delta_fields` (its chain is checked when it is opened: :func:`.delta.compose`).
 
     A serving export (``format`` :data:`SERVING_FORMAT`, accepted only with ``serving``; else refused saying
     what it is) has the same fields and ``serving``: ``{"dtype": one of SERVING_DTYPES, "source_snapshot":
@@ -370,11 +405,15 @@ def check_manifest(manifest, path: str, manifest_path: str, serving: bool = Fals
         if extra not in files:
             raise _bad(f"{where}: extra", f"null or one of the files {sorted(files)}", extra)
     tables = _need(manifest["tables"], dict, f"{where}: tables", "an object of tables")
-    for name, entry in tables.items():
-        if is_dynamic_entry(entry):
-            check_dynamic_entry(name, entry, files, manifest_path, serving_dtype)
-        else:
-            _check_table(name, entry, files, where, manifest_path, serving_dtype)
+    if "delta" in manifest:  # an incremental snapshot: changed rows, checked by .delta
+        from .delta import check_delta_fields
+        check_delta_fields(manifest, files, where, manifest_path, serving_dtype)
+    else:
+        for name, entry in tables.items():
+            if is_dynamic_entry(entry):
+                check_dynamic_entry(name, entry, files, manifest_path, serving_dtype)
+            else:
+                _check_table(name, entry, files, where, manifest_path, serving_dtype)
     try:
         config = check_config(manifest["config"])
     except CheckpointError as e:
@@ -395,7 +434,8 @@ def check_manifest(manifest, path: str, manifest_path: str, serving: bool = Fals
                                   f"stored as a static table")
         if serving_dtype is not None:
             continue  # stored as the export's dtype (checked by _check_table), whatever training stored
-        tensors = files[tables[name]["shards"][0]["file"]]
+        entry = tables[name]
+        tensors = files[entry["file"] if "delta" in manifest and "file" in entry else entry["shards"][0]["file"]]
         for what, dtype_key in (("weights", "weights_dtype"), ("slots", "slot_dtype")):
             held = [entry["dtype"] for key, entry in tensors.items()
                     if (key == "weights" if what == "weights" else key.startswith("slot/"))]  # slots share one dtype
@@ -505,13 +545,13 @@ def _check_table(name, entry, files: dict, where: str, manifest_path: str, servi
         slot_shapes = shapes
 
 
-def _check_file_sizes(snap: Snapshot) -> None:
+def check_file_sizes(snap: Snapshot) -> None:
     """Every file the manifest lists is a regular file at least as large as the tensors it declares.
 
     Declared shapes are thus bounded by bytes that exist before anyone allocates memory for them.
     """
     for file_name, tensors in snap.manifest["files"].items():
-        file_path = os.path.join(snap.dir, file_name)
+        file_path = snap.file_path(file_name)
         declared = 8 + sum(math.prod(t["shape"]) * _DTYPE_SIZES[t["dtype"]] for t in tensors.values())
         try:
             info = os.stat(file_path, follow_symlinks=False)

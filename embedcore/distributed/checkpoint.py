@@ -19,6 +19,10 @@ over-count for its own keys only where other ranks' keys share its counters: wha
 allows) and remembers it as its *base*; a save stores ``base + sum over ranks of (counters - base)``, so a
 K -> M -> K' chain neither loses nor repeats counts (as long as no counter saturates).
 
+Incremental saves (:mod:`embedcore.checkpoint.delta`) are not written by sharded engines (``incremental=True``
+is refused on every rank alike, before anything is exchanged or written); delta chains written by one
+process are read here as by every reader (:func:`~embedcore.checkpoint.table_rows` composes them).
+
 Reading checks what single-process reading checks (the whole manifest, sizes against files and memory,
 hashes, NaN/Inf, only embedcore classes called) on every rank, and the ranks agree on the outcome and on
 having read the same snapshot before any of them changes.
@@ -141,8 +145,11 @@ def stage_owned_dynamic(emb, snap, convert_dtypes: bool) -> list:
     return applies
 
 
-def save(emb, path, extra, metadata) -> str:
+def save(emb, path, extra, metadata, incremental: bool = False) -> str:
     """See :meth:`ShardedEmbedding.save`."""
+    if incremental:  # the same argument on every rank: all refuse alike, nothing to agree on
+        raise CheckpointError(f"incremental saves of a {type(emb).__name__} are not supported: save(path) writes "
+                              f"every rank's rows (sharded engines do read delta chains saved by one process)")
     ex, rank, step = emb.exchange, emb.rank, emb.step
     writer, error, exc = None, None, None
     states = {}

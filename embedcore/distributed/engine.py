@@ -286,7 +286,7 @@ class ShardedEmbedding(TrainingEngine):
                 f"; step={self.step})")
 
     # -- checkpoints -------------------------------------------------------------------------------------
-    def save(self, path, extra=None, metadata=None) -> str:
+    def save(self, path, extra=None, metadata=None, incremental: bool = False) -> str:
         """Every rank writes its own rows into one snapshot; rank 0 makes it current once all have succeeded.
 
         ``path`` must be on a file system every rank sees. ``extra`` (e.g. the dense model, replicated in
@@ -294,10 +294,12 @@ class ShardedEmbedding(TrainingEngine):
         with each table in one shard per rank: it restores on any number of ranks, or on one process. A dynamic
         table is stored whole, as one process stores it, merged on rank 0 (see
         :mod:`embedcore.distributed.checkpoint`). If any rank fails (or stops answering) before every rank has
-        written its part, nothing is committed and the previous checkpoint stays current.
+        written its part, nothing is committed and the previous checkpoint stays current. ``incremental=True``
+        (delta saves, :meth:`embedcore.Embedding.save`) is refused on every rank alike: sharded engines write
+        full snapshots, and read delta chains written by one process.
         """
         with self._exclusive("save"):
-            return _checkpoint.save(self, path, extra, metadata)
+            return _checkpoint.save(self, path, extra, metadata, incremental)
 
     def load(self, path, strict: bool = True, convert_dtypes: bool = False) -> None:
         """Load this rank's rows of a checkpoint written by any number of ranks (or one process); of a dynamic

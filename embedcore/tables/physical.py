@@ -112,6 +112,7 @@ class PhysicalTable:
         # Per stacked table: (offset, first, stride, rounding key), the key mixed with the step at each update.
         self._rounding = np.array([(p.offset, p.first, p.stride, 0) for p in self.places], np.int64)
         self._rounding_keys = [stream_key(seed, p.config.name, "stochastic rounding") for p in self.places]
+        self._changed = None  # one flag per physical row while changes are tracked (track_changes)
 
     # -- views -------------------------------------------------------------------------------------------
     @property
@@ -232,6 +233,44 @@ class PhysicalTable:
                 timer("gather", perf_counter() - t0)
         return out
 
+    # -- changed rows (incremental checkpoints) ---------------------------------------------------------
+    def track_changes(self) -> None:
+        """Record from now on which rows updates change (forgetting what was recorded before): afterwards
+        :meth:`changed_rows` names every row an update touched since this call. One byte per physical row;
+        each update marks the unique rows it already computed (every row for a non-lazy optimizer)."""
+        self._changed = np.zeros(self.n_rows, np.bool_)
+
+    def stop_tracking(self) -> None:
+        """Stop recording changed rows (and free the record)."""
+        self._changed = None
+
+    @property
+    def tracks_changes(self) -> bool:
+        return self._changed is not None
+
+    def changed_rows(self, name: str) -> np.ndarray:
+        """Table ``name``'s row ids (int64, increasing; the table's own ids, a shard's included) that an
+        update touched since :meth:`track_changes`: a superset of the rows whose values changed (a row an
+        update left unchanged, say for a NaN gradient, may be named)."""
+        if self._changed is None:
+            raise RuntimeError(f"{self!r} does not track changed rows (track_changes was not called)")
+        p = self._place[name]
+        local = np.flatnonzero(self._changed[p.offset:p.offset + p.rows]).astype(np.int64)
+        return p.first + p.stride * local if (p.first, p.stride) != (0, 1) else local
+
+    def rows_changed(self, rows) -> np.ndarray:
+        """Whether an update touched each of the physical ``rows`` since :meth:`track_changes` (bool array)."""
+        if self._changed is None:
+            raise RuntimeError(f"{self!r} does not track changed rows (track_changes was not called)")
+        return self._changed[rows]
+
+    def _mark_changed(self, uniq) -> None:
+        if self._changed is not None:
+            if self._lazy:
+                self._changed[uniq] = True
+            else:
+                self._changed[:] = True
+
     # -- update ------------------------------------------------------------------------------------------
     def stale(self, table_batch) -> str | None:
         """Why ``table_batch`` (of an earlier lookup) can no longer be applied, or None (a static table's can
@@ -260,6 +299,7 @@ class PhysicalTable:
             t1 = perf_counter()
             timer("group", t1 - t0)
             t0 = t1
+        self._mark_changed(uniq)  # before the kernel writes: a row is never changed unrecorded
         lazy = self._lazy
         status = ws.array("status", (uniq.shape[0] if lazy else self.n_rows,), np.uint8)
         status[:] = 0
