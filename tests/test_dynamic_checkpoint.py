@@ -108,6 +108,16 @@ def test_round_trip_of_a_mixed_engine_load_and_restore(tmp_path):
     assert dynamic[0] == dynamic[1] and len(dynamic[0]) == 1
 
 
+def test_a_fresh_engine_with_no_keys_round_trips(tmp_path):
+    emb = make_engine()
+    emb.save(tmp_path / "c")
+    loaded = make_engine()
+    loaded.load(tmp_path / "c")
+    for other in (ec.Embedding.restore(tmp_path / "c"), loaded):
+        assert_same_state(full_state(emb), full_state(other))
+        assert len(other.embedding_tables["dyn"]) == 0
+
+
 def test_the_manifest_entry_and_the_file(tmp_path):
     rng = np.random.default_rng(2)
     emb = make_engine()

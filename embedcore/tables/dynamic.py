@@ -382,7 +382,7 @@ class DynamicPhysicalTable(PhysicalTable):
             if source.dtype != target.dtype or source.shape != (n,) + target.shape[1:]:
                 raise ValueError(f"{where}: {what} must be {target.dtype} of shape {(n,) + target.shape[1:]}, got "
                                  f"{source.dtype} of shape {source.shape}")
-            flat = source.reshape(n, -1).astype(np.float32)
+            flat = source.reshape(n, int(np.prod(source.shape[1:], dtype=np.int64))).astype(np.float32)
             bad = np.flatnonzero(~np.isfinite(flat).all(axis=1))
             if bad.size:
                 raise ValueError(f"{where}: {what} of key {int(keys[bad[:1]].view(np.int64)[0])} holds NaN or Inf")
