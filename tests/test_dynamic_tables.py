@@ -52,8 +52,9 @@ class Model:
     counts exact. ``initial(key)`` gives the initial row; slots start at ``slot_values``. A static table is one
     that admits every key at once and never needs to evict (:func:`static_model`)."""
 
-    def __init__(self, capacity, initial, slot_values=(), min_count=1, eviction=None):
+    def __init__(self, capacity, initial, slot_values=(), min_count=1, eviction=None, vocabulary=None):
         self.capacity, self.initial, self.slot_values = capacity, initial, list(slot_values)
+        self.vocabulary = vocabulary  # a static table's: keys at or beyond it are refused
         self.min_count, self.eviction = min_count, eviction
         self.rows, self.last_seen, self.count = {}, {}, {}
         self.seen = collections.Counter()
@@ -91,6 +92,8 @@ class Model:
     def lookup(self, keys, step):
         """Apply a lookup of ``keys`` (uint64 ints, every occurrence in order) at ``step``; False (and nothing
         changed but TTL expiry) when the table must refuse it."""
+        if self.vocabulary is not None and any(k >= self.vocabulary for k in keys):
+            return False
         self.expire(step)
         in_batch = set(keys)
         absent = [k for k in keys if k not in self.rows]
@@ -166,7 +169,7 @@ def static_model(emb, table):
     initial row is the engine's row at construction (the static oracle's start)."""
     start = np.asarray(emb.embedding_tables[table], np.float64).copy()
     slot_values = [float(v) for v in emb.optimizer.slot_initializers] if emb.optimizer is not None else []
-    return Model(start.shape[0], lambda key: start[key].copy(), slot_values)
+    return Model(start.shape[0], lambda key: start[key].copy(), slot_values, vocabulary=start.shape[0])
 
 
 def lookup_models(models, keys_by_table, step):
@@ -229,9 +232,11 @@ class Run:
         inputs = {f: self.render(f, batch[f], weights[f] if weighted else None) for f in batch}
         ids = {f: v[0] for f, v in inputs.items()}
         w = {f: v[1] for f, v in inputs.items()} if weighted else None
-        if refused:
+        if refused:  # a dynamic table's refusal names it; a static one's names the feature of the bad id
+            names = [f"table '{t}'" for t in refused if self.models[t].vocabulary is None] + [
+                f"feature '{f}'" for f, (t, _) in self.features.items() if t in refused and self.models[t].vocabulary]
             before = engine_state(emb)
-            with pytest.raises(ec.InputError, match="table '(" + "|".join(refused) + ")'"):
+            with pytest.raises(ec.InputError, match="|".join(names)):
                 emb(ids, w)
             assert engine_state(emb) == before, f"a refused lookup at step {step} changed the engine"
             return False
