@@ -117,6 +117,33 @@ def test_a_batch_beyond_the_capacity_is_refused_naming_the_table_and_changes_not
         assert len(emb.embedding_tables["dyn"]) == 4 and 12 in emb.embedding_tables["dyn"]
 
 
+def nan_score_for_large_rows(row, last_seen, count, step):
+    return np.nan if row[0] > 10 else row[0]
+
+
+def raising_score_for_large_rows(row, last_seen, count, step):
+    if row[0] > 10:
+        raise ValueError("cannot score this row")
+    return row[0]
+
+
+@pytest.mark.parametrize("fn, error, fragments", [
+    (nan_score_for_large_rows, ValueError, ("table 'd'", "scored key 20", "NaN")),
+    (raising_score_for_large_rows, ec.RowFunctionError, ("table 'd'", "raising_score_for_large_rows",
+                                                         "cannot score this row", "nothing was changed")),
+])
+def test_an_eviction_score_that_is_nan_or_raises_is_refused_naming_the_table_and_changes_nothing(fn, error,
+                                                                                                 fragments):
+    scored = ec.DynamicTableConfig(1, 2, name="d", initializer=ec.RowId(0.0), combiner="sum",
+                                   eviction=ec.EvictByScore(fn))
+    counted = ec.DynamicTableConfig(1, 4, name="c", initializer=ec.RowId(0.0),
+                                    admission=ec.CountAdmission(min_count=2, sketch_width=64))
+    emb = ec.Embedding({"f": ec.FeatureConfig(scored), "h": ec.FeatureConfig(counted)}, ec.SGD(1.0))
+    emb({"f": np.array([1, 20]), "h": np.array([1])})
+    refused(emb, lambda: emb({"f": np.array([3]), "h": np.array([5])}), error, *fragments)
+    emb({"f": np.array([1, 20]), "h": np.array([5])})  # no eviction needed: fine
+
+
 # -- contexts -------------------------------------------------------------------------------------------------
 def test_applying_twice_or_after_an_eviction_is_refused_and_changes_nothing():
     emb = engine(capacity=4, min_count=1)
