@@ -212,6 +212,32 @@ def test_an_overflowing_gradient_sum_keeps_the_key_and_names_it_under_raise():
     assert emb.step == 3
 
 
+def sqrt_of_row(gradient, embedding_table, slot_variables, learning_rate, hyperparameters):
+    """NaN for rows below 0 (the negative keys under RowId)."""
+    return embedding_table - learning_rate * gradient * np.sqrt(embedding_table), slot_variables[0] + 1.0
+
+
+@pytest.mark.parametrize("non_finite", ["raise", "skip"])
+def test_rows_the_optimizer_makes_non_finite_keep_their_values_and_are_named_by_key(non_finite):
+    t = ec.DynamicTableConfig(2, 8, name="d", initializer=ec.RowId(0.0), combiner="sum")
+    optimizer = ec.CustomOptimizer(sqrt_of_row, 0.5, slot_names=["n"], slot_initializers=[0.0])
+    emb = ec.Embedding({"f": ec.FeatureConfig(t)}, optimizer, non_finite=non_finite)
+    acts, ctx = emb({"f": [[4, -1], [-2 ** 63], [9]]})
+    grads = {"f": np.ones(acts["f"].shape, np.float32)}
+    if non_finite == "raise":
+        with pytest.raises(ec.NonFiniteError, match=r"table 'd': 2 row\(s\) left unchanged because the optimizer "
+                                                    r"returned NaN/Inf: rows -1, -9223372036854775808"):
+            emb.apply_gradients(grads, ctx)
+    else:
+        report = emb.apply_gradients(grads, ctx)
+        assert sorted(report.skipped["d"]["output"].tolist()) == [-2 ** 63, -1]
+    view, slot = emb.embedding_tables["d"], emb.slot_variables["d"]["n"]
+    keys = np.array([-2 ** 63, -1, 4, 9])
+    np.testing.assert_array_equal(view[keys][:, 0], np.float32([-2 ** 63, -1, 4 - 0.5 * 2, 9 - 0.5 * 3]))
+    np.testing.assert_array_equal(slot[keys][:, 0], [0, 0, 1, 1])
+    assert emb.skipped_rows == {"d": 2} and emb.step == 1
+
+
 # -- steps ----------------------------------------------------------------------------------------------------
 def test_a_lookup_beyond_the_last_step_is_refused_naming_the_table_and_changes_nothing():
     emb = engine(eviction=ec.TTL(steps=1), min_count=1, capacity=8)
