@@ -16,6 +16,10 @@ change nothing (:func:`engine_state` before and after); a context looked up befo
 expired rows must be refused, changing nothing. Now and then the static table refuses the batch (an id beyond its
 vocabulary), after the dynamic tables planned (and counted) theirs.
 
+A second test runs every input form, dtype, layout and weight mode of ``tests/fuzz_strategies.leaf_st`` through
+twin engines, one over a static table and one over a dynamic table that never evicts, which must agree bit for
+bit.
+
 ``EMBEDCORE_FUZZ_EXAMPLES`` scales the number of examples (as for ``tests/test_fuzz.py``).
 """
 
@@ -25,7 +29,7 @@ from hypothesis import strategies as st
 
 import embedcore as ec
 
-from .fuzz_strategies import ARRAY_LAYOUTS, INT_DTYPES, make_leaf
+from .fuzz_strategies import ARRAY_LAYOUTS, INT_DTYPES, FeatureSpec, gradient_st, leaf_st, make_leaf
 from .test_dynamic_tables import (EXTREME, HIGH, LOW, OPTIMIZERS, SEED, Model, Run, engine_state,
                                   static_model, uniform_initial)
 from .test_fuzz import fuzz
@@ -187,3 +191,53 @@ def test_random_sequences_on_mixed_engines_match_the_model(optimizer, u, v, stat
         model = run.models[table]
         event(f"{table}: {'evicted or expired' if model.removals else 'nothing removed'}")
         event(f"{table}: {'filled' if model.filled else 'never full'}")
+
+
+# -- a dynamic table that never evicts is a static table -----------------------------------------------------
+VOCAB = 40
+EQUIVALENT_FEATURES = {"pooled": 0, "sequence": 3}
+
+
+def twin_engines(combiner, optimizer):
+    """The same features over a static table of ``VOCAB`` rows and over a dynamic one of ``VOCAB`` keys that
+    admits every key and never needs to evict; ``RowId`` gives both the same initial rows."""
+    static = ec.TableConfig(VOCAB, DIM, name="t", initializer=ec.RowId(0.0), combiner=combiner)
+    dynamic = ec.DynamicTableConfig(DIM, VOCAB, name="t", initializer=ec.RowId(0.0), combiner=combiner)
+    return [ec.Embedding({f: ec.FeatureConfig(t, max_sequence_length=L) for f, L in EQUIVALENT_FEATURES.items()},
+                         optimizer, seed=SEED) for t in (static, dynamic)]
+
+
+def outcome(call):
+    try:
+        return call(), None
+    except Exception as error:  # compared between the twins
+        return None, (type(error), str(error))
+
+
+@fuzz(30)
+@given(combiner=st.sampled_from(COMBINERS), optimizer=st.sampled_from(["adagrad", "ftrl", "custom-adagrad"]),
+       data=st.data())
+def test_a_dynamic_table_that_never_evicts_gives_what_the_static_table_gives(combiner, optimizer, data):
+    """Every input form, dtype, layout and weight mode of ``tests/fuzz_strategies.leaf_st`` (sparse positions
+    with gaps, huge valencies and extreme weights included): bit-identical activations, rows, slots, errors."""
+    static, dynamic = twin_engines(combiner, OPTIMIZERS[optimizer][0])
+    for _ in range(data.draw(st.integers(1, 3), label="steps")):
+        batch_size = data.draw(st.integers(0, 5), label="batch size")
+        leaves = {f: data.draw(leaf_st(FeatureSpec(f, f, "t", VOCAB, DIM, combiner, L), batch_size), label=f)
+                  for f, L in EQUIVALENT_FEATURES.items()}
+        ids = {f: leaf.ids for f, leaf in leaves.items()}
+        weights = {f: leaf.weights for f, leaf in leaves.items()}
+        (acts, ctx), error = outcome(lambda: static(ids, weights))
+        (d_acts, d_ctx), d_error = outcome(lambda: dynamic(ids, weights)) if error is None else ((None, None), None)
+        assert d_error == error
+        if error is not None:
+            continue
+        for f in acts:
+            np.testing.assert_array_equal(d_acts[f], acts[f], err_msg=f"activations of {f}")
+        grads = {f: data.draw(gradient_st(a.shape), label=f"gradient {f}")[0] for f, a in acts.items()}
+        assert outcome(lambda: dynamic.apply_gradients(grads, d_ctx))[1] == outcome(
+            lambda: static.apply_gradients(grads, ctx))[1]
+        keys = np.arange(VOCAB)
+        assert dynamic.embedding_tables["t"][keys].tobytes() == static.embedding_tables["t"].tobytes()
+        for name, slot in static.slot_variables["t"].items():
+            assert dynamic.slot_variables["t"][name][keys].tobytes() == slot.tobytes(), name
