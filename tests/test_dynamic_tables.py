@@ -83,10 +83,10 @@ class Model:
     def state(self):
         """A copy of everything a lookup or an update changes, for :meth:`restore`."""
         rows = {k: [r.copy(), [s.copy() for s in slots]] for k, (r, slots) in self.rows.items()}
-        return rows, dict(self.last_seen), dict(self.count), self.seen.copy()
+        return rows, dict(self.last_seen), dict(self.count), self.seen.copy(), self.removals
 
     def restore(self, state):
-        rows, last_seen, count, seen = state
+        rows, last_seen, count, seen, self.removals = state
         self.rows, self.last_seen, self.count, self.seen = rows, dict(last_seen), dict(count), seen.copy()
 
     def lookup(self, keys, step):
