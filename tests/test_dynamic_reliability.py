@@ -158,6 +158,15 @@ def test_applying_twice_or_after_an_eviction_is_refused_and_changes_nothing():
             "evicted or expired rows")
 
 
+def test_a_refused_lookup_whose_eviction_was_cancelled_leaves_earlier_contexts_current():
+    emb = engine(capacity=4, min_count=1)
+    acts, ctx = emb(batch([[0], [-1]]))
+    # 21, 22, 23 would evict three rows, but the static table refuses the batch: nothing was evicted
+    refused(emb, lambda: emb(batch([[21, 22], [23]], static=((1,), (6,)))), ec.InputError, "feature 'g'")
+    emb.apply_gradients({f: np.full(a.shape, 0.25, np.float32) for f, a in acts.items()}, ctx)
+    assert emb.step == 3
+
+
 def test_a_context_is_refused_after_ttl_expired_rows():
     emb = engine(eviction=ec.TTL(steps=1), min_count=1, capacity=8)
     acts, old = emb(batch([[40], [41]]))
