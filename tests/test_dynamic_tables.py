@@ -49,17 +49,22 @@ def as_signed(key):
 
 class Model:
     """One dynamic table as a dict: ``key (uint64 int) -> [row, slots]``, ``last_seen``, ``count``; admission
-    counts exact. ``initial(key)`` gives the initial row; slots start at ``slot_values``."""
+    counts exact. ``initial(key)`` gives the initial row; slots start at ``slot_values``. A static table is one
+    that admits every key at once and never needs to evict (:func:`static_model`)."""
 
-    def __init__(self, capacity, initial, slot_values=(), min_count=1, eviction=None):
+    def __init__(self, capacity, initial, slot_values=(), min_count=1, eviction=None, vocabulary=None):
         self.capacity, self.initial, self.slot_values = capacity, initial, list(slot_values)
+        self.vocabulary = vocabulary  # a static table's: keys at or beyond it are refused
         self.min_count, self.eviction = min_count, eviction
         self.rows, self.last_seen, self.count = {}, {}, {}
         self.seen = collections.Counter()
+        self.removals = 0  # keys evicted or expired so far (a context looked up before one is stale)
+        self.filled = False  # whether a lookup ever left it full
 
     def remove(self, key):
         for d in (self.rows, self.last_seen, self.count):
             del d[key]
+        self.removals += 1
 
     def score(self, key, step):
         e = self.eviction
@@ -69,12 +74,27 @@ class Model:
             return self.count[key]
         return float(e.fn(self.rows[key][0].astype(np.float32), self.last_seen[key], self.count[key], step))
 
-    def lookup(self, keys, step):
-        """Apply a lookup of ``keys`` (uint64 ints, every occurrence in order) at ``step``; False (and nothing
-        changed but TTL expiry) when the table must refuse it."""
+    def expire(self, step):
+        """TTL: remove the keys unseen for more than ``steps`` steps at ``step``."""
         if isinstance(self.eviction, ec.TTL):
             for key in [k for k in self.rows if step - self.last_seen[k] > self.eviction.steps]:
                 self.remove(key)
+
+    def state(self):
+        """A copy of everything a lookup or an update changes, for :meth:`restore`."""
+        rows = {k: [r.copy(), [s.copy() for s in slots]] for k, (r, slots) in self.rows.items()}
+        return rows, dict(self.last_seen), dict(self.count), self.seen.copy(), self.removals
+
+    def restore(self, state):
+        rows, last_seen, count, seen, self.removals = state
+        self.rows, self.last_seen, self.count, self.seen = rows, dict(last_seen), dict(count), seen.copy()
+
+    def lookup(self, keys, step):
+        """Apply a lookup of ``keys`` (uint64 ints, every occurrence in order) at ``step``; False (and nothing
+        changed but TTL expiry) when the table must refuse it."""
+        if self.vocabulary is not None and any(k >= self.vocabulary for k in keys):
+            return False
+        self.expire(step)
         in_batch = set(keys)
         absent = [k for k in keys if k not in self.rows]
         before = self.seen.copy()
@@ -92,6 +112,7 @@ class Model:
         for key in admitted:
             self.rows[key] = [self.initial(key), [np.full_like(self.initial(key), v) for v in self.slot_values]]
             self.count[key] = 0
+        self.filled = self.filled or len(self.rows) == self.capacity
         for key in keys:
             if key in self.rows:
                 self.last_seen[key] = step
@@ -143,16 +164,63 @@ def ragged(samples, weights):
     return ec.Ragged(values, splits), w
 
 
-class Run:
-    """An engine and one :class:`Model` per dynamic table (features: name -> (table, seq_len)), stepped on the
-    same batches; ``update``: table -> (oracle update, params, lr)."""
+def static_model(emb, table):
+    """A static table as a :class:`Model`: every key in range is admitted at once and never evicted, its
+    initial row is the engine's row at construction (the static oracle's start)."""
+    start = np.asarray(emb.embedding_tables[table], np.float64).copy()
+    slot_values = [float(v) for v in emb.optimizer.slot_initializers] if emb.optimizer is not None else []
+    return Model(start.shape[0], lambda key: start[key].copy(), slot_values, vocabulary=start.shape[0])
 
-    def __init__(self, emb, models, features, update=None):
+
+def lookup_models(models, keys_by_table, step):
+    """Look ``keys_by_table`` (table -> uint64 occurrences) up in every model at ``step``, all or nothing:
+    the tables that refuse (sorted), every model restored (TTL expiry aside) when any does."""
+    saved = {table: model.state() for table, model in models.items()}
+    refused = sorted(table for table, model in models.items() if not model.lookup(keys_by_table.get(table, []), step))
+    if refused:
+        for table, model in models.items():
+            model.restore(saved[table])
+            model.expire(step)
+    return refused
+
+
+def engine_state(emb):
+    """Everything of ``emb`` a call may change, as bytes: step; per table its rows and slots (a dynamic table:
+    the keys held, their rows, slots, ``last_seen`` and counts, and its admission counters)."""
+    state = {"step": emb.step}
+    slots = emb.slot_variables
+    for name, view in emb.embedding_tables.items():
+        if isinstance(view, np.ndarray):
+            state[name] = (view.tobytes(), [s.tobytes() for s in slots[name].values()])
+            continue
+        table = view._table
+        keys, rows = table.key_map.items()
+        keep = table.held_rows(rows)
+        order = np.argsort(keys[keep], kind="stable")
+        keys, rows = keys[keep][order], rows[keep][order]
+        sketch = None if table.sketch is None else table.sketch.counters.tobytes()
+        state[name] = (keys.tobytes(), view[keys].tobytes(), [s[keys].tobytes() for s in slots[name].values()],
+                       table.key_map.last_seen[rows].tobytes(), table.key_map.counts[rows].tobytes(), sketch)
+    return state
+
+
+def default_render(feature, samples, weights):
+    return ragged(samples, weights)
+
+
+class Run:
+    """An engine and one :class:`Model` per table (dynamic ones; static ones from :func:`static_model`), stepped
+    on the same batches (features: name -> (table, seq_len)); ``update``: table -> (oracle update, params,
+    lr); ``render(feature, samples, weights or None) -> (ids, weights)``: the engine's input form (ragged)."""
+
+    def __init__(self, emb, models, features, update=None, render=default_render):
         self.emb, self.models, self.features, self.update = emb, models, features, update or {}
+        self.render = render
 
     def step(self, batch, rng, weighted=True, apply=True, atol=2e-5, rtol=2e-5):
         """``batch``: feature -> samples (lists of keys). Returns False when the model refuses the lookup (and
-        checks the engine refused it too, naming the table)."""
+        checks the engine refused it too, naming a table that refuses, with nothing changed); else True, or
+        ``(activations, context)`` of the lookup when ``apply`` is False (nothing applied)."""
         emb, step = self.emb, self.emb.step
         weights = {f: [[float(x) for x in rng.uniform(0.2, 2.0, len(s))] for s in samples] if weighted
                    else [[1.0] * len(s) for s in samples] for f, samples in batch.items()}
@@ -160,18 +228,17 @@ class Run:
         for f in sorted(batch):  # the engine lays features out in sorted path order
             table, seq_len = self.features[f]
             keys_by_table[table] += occurrences(batch[f], seq_len)
-        accepted = {}
-        for table, model in self.models.items():
-            accepted[table] = model.lookup(keys_by_table[table], step)
-            if not accepted[table]:
-                break
-        inputs = {f: ragged(batch[f], weights[f] if weighted else None) for f in batch}
+        refused = lookup_models(self.models, keys_by_table, step)
+        inputs = {f: self.render(f, batch[f], weights[f] if weighted else None) for f in batch}
         ids = {f: v[0] for f, v in inputs.items()}
         w = {f: v[1] for f, v in inputs.items()} if weighted else None
-        if not all(accepted.values()):
-            refused = next(t for t, ok in accepted.items() if not ok)
-            with pytest.raises(ec.InputError, match=f"table '{refused}'"):
+        if refused:  # a dynamic table's refusal names it; a static one's names the feature of the bad id
+            names = [f"table '{t}'" for t in refused if self.models[t].vocabulary is None] + [
+                f"feature '{f}'" for f, (t, _) in self.features.items() if t in refused and self.models[t].vocabulary]
+            before = engine_state(emb)
+            with pytest.raises(ec.InputError, match="|".join(names)):
                 emb(ids, w)
+            assert engine_state(emb) == before, f"a refused lookup at step {step} changed the engine"
             return False
         acts, ctx = emb(ids, w)
         grads, dense = {}, collections.defaultdict(dict)
@@ -184,7 +251,7 @@ class Run:
             grads[f] = rng.normal(0, 1, acts[f].shape).astype(np.float32)
             model_gradients(samples, weights[f], cfg.combiner, seq_len, grads[f], dense[table])
         if not apply:
-            return ctx
+            return acts, ctx
         emb.apply_gradients(grads, ctx)
         for table, (update, params, lr) in self.update.items():
             model = self.models[table]
@@ -203,14 +270,26 @@ class Run:
 
     def check(self, table, atol=2e-5, rtol=2e-5):
         model, view = self.models[table], self.emb.embedding_tables[table]
+        slots = self.emb.slot_variables[table]
+        if isinstance(view, np.ndarray):  # a static table: every row
+            keys = range(view.shape[0])
+            np.testing.assert_allclose(view, np.stack([model.value(k) for k in keys]), rtol=rtol, atol=atol,
+                                       err_msg=f"rows of {table} at step {self.emb.step}")
+            for i, (name, slot) in enumerate(slots.items()):
+                expected = np.stack([model.rows[k][1][i] if k in model.rows else
+                                     np.full(view.shape[1], model.slot_values[i]) for k in keys])
+                np.testing.assert_allclose(slot, expected if slot.ndim == 2 else expected[:, 0], rtol=rtol,
+                                           atol=atol, err_msg=f"slot {name} of {table} at step {self.emb.step}")
+            return
         held = model.held(self.emb.step)
-        assert len(view) == len(held) and view.keys().tolist() == held, f"keys of {table} at step {self.emb.step}"
+        assert len(view) == len(held) <= view.capacity, f"size of {table} at step {self.emb.step}"
+        assert view.keys().tolist() == held, f"keys of {table} at step {self.emb.step}"
         if not held:
             return
         keys = np.array(held, np.int64)
         np.testing.assert_allclose(view[keys], np.stack([model.rows[k & M][0] for k in held]), rtol=rtol, atol=atol,
                                    err_msg=f"rows of {table} at step {self.emb.step}")
-        for i, (name, slot) in enumerate(self.emb.slot_variables[table].items()):
+        for i, (name, slot) in enumerate(slots.items()):
             expected = np.stack([model.rows[k & M][1][i] for k in held])
             got = slot[keys]
             np.testing.assert_allclose(got, expected if got.ndim == 2 else expected[:, 0], rtol=rtol, atol=atol,

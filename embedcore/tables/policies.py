@@ -215,9 +215,10 @@ _SCORE_SIGNATURE = (types.Array(types.float32, 1, "A"), types.int64, types.int64
 
 class EvictByScore(EvictionPolicy):
     """Evict the rows with the lowest ``fn(embedding_table, last_seen, count, step)`` first: ``embedding_table``
-    the row's float32 values ``[dim]``, the others int64; ``fn`` returns a real number (NaN refused). ``fn``
-    is a Python function (def or lambda, or one decorated with ``numba.njit``), compiled with Numba the first
-    time it scores (:meth:`compiled`). Equal when ``fn`` is the same object."""
+    the row's float32 values ``[dim]``, the others int64; ``fn`` returns a real number (NaN refused; what it raises
+    becomes a ``RowFunctionError`` naming the table). ``fn`` is a Python function (def or lambda, or one
+    decorated with ``numba.njit``), compiled with Numba the first time it scores (:meth:`compiled`). Equal when
+    ``fn`` is the same object."""
 
     def __init__(self, fn):
         check_python_function(fn, "EvictByScore:", _SCORE_CONTRACT, "four")
@@ -259,7 +260,12 @@ class EvictByScore(EvictionPolicy):
             raise ValueError(f"table '{key_map.name}': {self!r} scores rows from their float32 values "
                              f"(weights [rows, dim]), got {None if weights is None else weights.dtype}")
         out = np.empty(rows.shape[0], np.float64)
-        _score_rows(self.compiled(), rows, weights, key_map.last_seen, key_map.counts, np.int64(step), out)
+        fn = self.compiled()
+        try:
+            _score_rows(fn, rows, weights, key_map.last_seen, key_map.counts, np.int64(step), out)
+        except Exception as exc:  # raised by fn on some row
+            raise RowFunctionError(f"table '{key_map.name}': {self!r} raised {type(exc).__name__} while scoring "
+                                   f"rows for eviction: {exc}; nothing was changed") from exc
         nan = np.flatnonzero(np.isnan(out))
         if nan.size:
             key = int(key_map.row_keys[rows[nan[0]]].view(np.int64))
