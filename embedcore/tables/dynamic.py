@@ -47,7 +47,7 @@ import numpy as np
 from .. import inputs
 from ..initializers import TruncatedNormal, fill_key_rows
 from ..inputs import InputError, TableBatch
-from ..kernels.hash_map import MAX_STEP, KeyRowMap, TableFullError, as_keys
+from ..kernels.hash_map import FLOOR_BLOCK, MAX_STEP, KeyRowMap, TableFullError, as_keys, first_occurrences
 from .physical import NOTHING_FLAGGED, PhysicalTable, TablePlace, TableUpdate
 from .policies import TTL, EvictByScore, expired_rows, pick_victims
 from .storage import DenseStorage
@@ -56,13 +56,15 @@ __all__ = ["DynamicPhysicalTable", "DynamicTableBatch", "DynamicTableView", "map
 
 
 def map_bytes(config) -> int:
-    """Bytes a dynamic table needs beyond its rows and slots: the key map at its final size and the admission
-    sketch (for the engine's memory check)."""
+    """Bytes a dynamic table needs beyond its rows and slots: the key map at its final size (with the floor its
+    eviction policy reads, if any) and the admission sketch (for the engine's memory check)."""
     capacity = config.capacity
     sketch = 0
     if config.admission is not None and config.admission.min_count > 1:
         sketch = 4 * config.admission.sketch_width * config.admission.sketch_depth
-    return 16 * capacity + 4 * (int(capacity / 0.75) + 1) + sketch
+    floors = 0 if config.eviction is None or isinstance(config.eviction, EvictByScore) else \
+        4 * -(-capacity // FLOOR_BLOCK)
+    return 16 * capacity + 4 * (int(capacity / 0.75) + 1) + floors + sketch
 
 
 @dataclass
@@ -234,8 +236,7 @@ class DynamicPhysicalTable(PhysicalTable):
                 array[new_rows] = values
         held = rows >= 0
         if held.any():
-            unique, counts = np.unique(rows[held], return_counts=True)
-            key_map.touch(unique, plan.step, counts)
+            key_map.touch(rows[held], plan.step)  # one count per occurrence
         rows[plan.absent_at[~plan.admitted]] = key_map.capacity + plan.pending_inverse
         plan.undo = None
         return rows
@@ -359,8 +360,7 @@ def _looked_up(batch, seq_len):
 
 def _first_occurrences(keys: np.ndarray) -> np.ndarray:
     """The distinct values of ``keys`` in the order of their first occurrence."""
-    _, first = np.unique(keys, return_index=True)
-    return keys[np.sort(first)]
+    return keys[first_occurrences(keys)]
 
 
 class DynamicTableView:
