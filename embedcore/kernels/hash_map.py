@@ -546,6 +546,12 @@ class KeyRowMap:
                 raise ValueError(f"table '{self.name}': touch needs one occurrence count >= 0 per row")
             _touch_unique(rows, occurrences, step, self.last_seen, self.counts, self.last_seen_floor)
 
+    def touch_found(self, rows, step: int) -> None:
+        """:meth:`touch` (one count per occurrence) of rows that :meth:`find` or :meth:`find_or_insert` just
+        returned for keys held (int64, all live: not checked again)."""
+        _touch(np.ascontiguousarray(rows, np.int64), self._checked_step(step), self.last_seen, self.counts,
+               self.last_seen_floor)
+
     def _live_rows(self, rows) -> np.ndarray:
         rows = np.asarray(rows)
         if rows.dtype == np.bool_ or rows.dtype.kind not in "iu":
