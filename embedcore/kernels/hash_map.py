@@ -64,8 +64,9 @@ Row assignment is deterministic (the same for any thread count and on every reru
 in the order of their first occurrence, take the most recently freed rows first (a stack), then the never
 used rows in increasing order. A batch with more distinct new keys than free rows is refused before
 anything changes (its distinct new keys are counted, by a sort, only when its absent occurrences outnumber the
-free rows). :meth:`~KeyRowMap.find` runs in parallel (it only reads); insertions, removals
-and migration run serially in batch order, since linear probing's layout depends on insertion order.
+free rows). :meth:`~KeyRowMap.find` runs in parallel (it only reads) on batches of ``PARALLEL_MIN`` keys or
+more; insertions, removals and migration run serially in batch order, since linear probing's layout depends on
+insertion order.
 
 How a dynamic table uses it (:mod:`embedcore.tables.dynamic` does this)
 ------------------------------------------------------------------------
@@ -105,7 +106,7 @@ from numba import njit, prange
 from .random import mix64  # the SplitMix64 finaliser (the tree's one copy)
 
 __all__ = ["KeyRowMap", "TableFullError", "as_keys", "MAX_LOAD", "GROWTH", "MIGRATE_PER_KEY", "MIGRATE_MIN",
-           "MAX_CAPACITY", "MAX_STEP", "FLOOR_BLOCK", "FLOOR_SHIFT", "first_occurrences"]
+           "MAX_CAPACITY", "MAX_STEP", "FLOOR_BLOCK", "FLOOR_SHIFT", "PARALLEL_MIN", "first_occurrences"]
 
 MAX_LOAD = 0.75        # keys per bucket at most
 GROWTH = 1.5           # index size factor per growth
@@ -117,6 +118,7 @@ _COUNT_MAX = 2 ** 31 - 1
 FLOOR_SHIFT = 4                # rows per floor block: 2**FLOOR_SHIFT
 FLOOR_BLOCK = 1 << FLOOR_SHIFT
 _NO_FLOOR = 2 ** 31 - 1        # the floor of a block without live rows
+PARALLEL_MIN = 1 << 14         # batches of fewer keys are looked up on one thread
 _INITIAL_BUCKETS = 64
 
 _U = np.uint64
@@ -217,15 +219,31 @@ def _delete_at(index, row_keys, b, row_bits):
 _LIVE, _HIGH, _FREE, _CURSOR = 0, 1, 2, 3
 
 
+@njit(cache=True, inline="always")
+def _find_one(key, row_keys, index, old, row_bits):
+    h = _hash(key)
+    r = _row_in(index, row_keys, key, h, row_bits)
+    if r < 0:
+        r = _row_in(old, row_keys, key, h, row_bits)
+    return r
+
+
 @njit(cache=True, parallel=True)
-def _find(keys, row_keys, index, old, row_bits, out):
+def _find_parallel(keys, row_keys, index, old, row_bits, out):
     for i in prange(keys.shape[0]):
-        key = keys[i]
-        h = _hash(key)
-        r = _row_in(index, row_keys, key, h, row_bits)
-        if r < 0:
-            r = _row_in(old, row_keys, key, h, row_bits)
-        out[i] = r
+        out[i] = _find_one(keys[i], row_keys, index, old, row_bits)
+
+
+@njit(cache=True)
+def _find_serial(keys, row_keys, index, old, row_bits, out):
+    for i in range(keys.shape[0]):
+        out[i] = _find_one(keys[i], row_keys, index, old, row_bits)
+
+
+def _find(keys, row_keys, index, old, row_bits, out):
+    """The row of each key into ``out`` (-1 where absent); below ``PARALLEL_MIN`` keys on one thread (a
+    parallel region costs more than the probes)."""
+    (_find_parallel if keys.shape[0] >= PARALLEL_MIN else _find_serial)(keys, row_keys, index, old, row_bits, out)
 
 
 @njit(cache=True, inline="always")

@@ -43,7 +43,7 @@ from numba import njit, prange, types
 
 from ..compiler import RowFunctionError, check_python_function, describe
 from ..initializers import stream_key
-from ..kernels.hash_map import FLOOR_BLOCK, FLOOR_SHIFT, KeyRowMap, TableFullError, as_keys
+from ..kernels.hash_map import FLOOR_BLOCK, FLOOR_SHIFT, PARALLEL_MIN, KeyRowMap, TableFullError, as_keys
 from ..kernels.random import mix64  # the SplitMix64 finaliser (the tree's one copy)
 from ..value_object import ValueObject
 
@@ -112,10 +112,22 @@ def _count_occurrences(keys, salts, counters):
 
 
 @njit(cache=True, parallel=True)
-def _estimates(keys, salts, counters, out):
+def _estimates_parallel(keys, salts, counters, out):
     w = _U(counters.shape[1])
     for i in prange(keys.shape[0]):
         out[i] = _smallest_counter(keys[i], salts, counters, w)
+
+
+@njit(cache=True)
+def _estimates_serial(keys, salts, counters, out):
+    w = _U(counters.shape[1])
+    for i in range(keys.shape[0]):
+        out[i] = _smallest_counter(keys[i], salts, counters, w)
+
+
+def _estimates(keys, salts, counters, out):
+    """Each key's count-min estimate into ``out``; below ``PARALLEL_MIN`` keys on one thread."""
+    (_estimates_parallel if keys.shape[0] >= PARALLEL_MIN else _estimates_serial)(keys, salts, counters, out)
 
 
 @njit(cache=True)
