@@ -27,11 +27,15 @@ Parts (``--parts``, a comma list):
   plan: ``Embedding.lookup`` of one dynamic table (dim ``--lookup-dim``, SGD) holding the same ``n`` keys,
   on the same hit batches (one feature, one key per sample): keys per second of the whole lookup (plan,
   commit, grouping and gather).
-* ``eviction``: one dynamic table of ``--evict-capacity`` rows at capacity, fed the TBE shape's ids from a
-  vocabulary ``--evict-vocab-factor`` times larger (mapped to random keys), so every step brings new keys and
-  evicts; for each of LRU, LFU and TTL(``--ttl-steps``): ms per step (lookup + apply_gradients) after
-  ``--evict-warmup`` untimed steps, the time spent choosing victims (``pick_victims``) and expired rows
-  (``expired_rows``) per step, and the rows evicted or expired per step.
+* ``eviction``: ``--evict-T`` dynamic tables of ``--evict-capacity`` rows (dim ``--evict-D``), filled to
+  capacity with random keys in ``--evict-fill-steps`` steps (lookup and a zero gradient), then fed the TBE
+  shape's ids from a vocabulary ``--evict-vocab-factor`` times larger (mapped to random keys), so every step
+  brings new keys and evicts; for each of LRU, LFU and TTL(s) for each s of ``--ttl-steps`` (a short TTL
+  expires rows every step; a long one keeps the table full, so it evicts as LRU does): ms per step (lookup
+  + apply_gradients) after ``--evict-warmup`` untimed steps, the time spent choosing victims
+  (``pick_victims``) and expired rows (``expired_rows``) per step, and the rows evicted or expired per step.
+  Exact ties (lowest score, then lowest key) make a victim search read every row tied at the threshold
+  score: for LRU the cohort of one step, for LFU the rows seen least often (after the fill, most rows).
 
 Threads: Numba ``--threads`` for every part (both tables of a comparison run on the same threads, in one
 process). The allocator is whatever ``LD_PRELOAD`` says (printed). Numba's OpenMP workers: as
@@ -68,8 +72,8 @@ from embedcore.tables import dynamic as dynamic_module
 
 PARTS = ("step", "lookups", "eviction")
 TINY = {"T": 2, "E": 2000, "D": 8, "B": 64, "L": 4, "n_batches": 2, "rounds": 2, "steps": 2,
-        "sizes": "1000,5000", "lookup_batch": 2048, "lookup_dim": 4, "evict_capacity": 500,
-        "evict_warmup": 3, "evict_steps": 3}
+        "sizes": "1000,5000", "lookup_batch": 2048, "lookup_dim": 4, "evict_capacity": 100, "evict_T": 2, "evict_D": 8, "evict_fill_steps": 4,
+        "evict_warmup": 2, "evict_steps": 3}
 
 
 def random_keys(rng, n: int) -> np.ndarray:
@@ -228,15 +232,21 @@ class _Timed:
 def bench_eviction(args, log) -> dict:
     capacity = args.evict_capacity
     vocab = args.evict_vocab_factor * capacity
-    w = tbe_workload(args.T, vocab, args.D, args.B, args.L, make_optim(args.optimizer), alpha=args.alpha,
+    w = tbe_workload(args.evict_T, vocab, args.evict_D, args.B, args.L, make_optim(args.optimizer), alpha=args.alpha,
                      dist=args.dist, n_batches=args.evict_warmup + args.evict_steps, seed=args.seed + 1)
     batches = make_batches(w)
     rng = np.random.default_rng(args.seed + 31)
     keys = [random_keys(rng, vocab) for _ in range(w.T)]
     log(f"eviction: {w.T} tables of capacity {capacity:,}, ids from {vocab:,} per table; {w.B:,} bags of {w.L}")
     out = {}
-    for policy in (ec.LRU(), ec.LFU(), ec.TTL(args.ttl_steps)):
+    ttls = [ec.TTL(int(x)) for x in args.ttl_steps.split(",") if x.strip()]
+    for policy in [ec.LRU(), ec.LFU()] + ttls:
         contender = dynamic_contender(w, args.threads, keys, capacity=capacity, eviction=policy)
+        fill_keys = [keys[t][rng.choice(vocab, capacity, replace=False)].view(np.int64) for t in range(w.T)]
+        for chunk in np.array_split(np.arange(capacity), args.evict_fill_steps):  # one step each: a cohort
+            fill = {f"f{t}": fill_keys[t][chunk] for t in range(w.T)}            # of last_seen per chunk
+            acts, ctx = contender.emb.lookup(fill)
+            contender.emb.apply_gradients({f: np.zeros_like(a) for f, a in acts.items()}, ctx)
         for batch in batches[:args.evict_warmup]:
             contender.run(contender.prepare(batch))
         full = [len(contender.table(t)) for t in range(w.T)]
@@ -284,9 +294,12 @@ def _parser():
     g.add_argument("--lookup-batch", type=int, default=1 << 20, help="keys per find / lookup")
     g.add_argument("--lookup-dim", type=int, default=8, help="dim of the Embedding.lookup table")
     g = p.add_argument_group("eviction")
-    g.add_argument("--evict-capacity", type=int, default=100_000, help="rows per table")
+    g.add_argument("--evict-capacity", type=int, default=1_000_000, help="rows per table")
+    g.add_argument("--evict-T", type=int, default=2, help="tables")
+    g.add_argument("--evict-fill-steps", type=int, default=16, help="steps that fill the tables to capacity")
+    g.add_argument("--evict-D", type=int, default=16, help="embedding dim")
     g.add_argument("--evict-vocab-factor", type=int, default=10, help="vocabulary = factor x capacity")
-    g.add_argument("--ttl-steps", type=int, default=2, help="TTL(steps)")
+    g.add_argument("--ttl-steps", default="4,1000000", help="TTL(steps) for each of these (comma list)")
     g.add_argument("--evict-warmup", type=int, default=6, help="untimed steps (fill the tables)")
     g.add_argument("--evict-steps", type=int, default=6, help="timed steps")
     return p
