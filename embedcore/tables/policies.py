@@ -336,7 +336,7 @@ def lowest_scores(scores, keys, n: int) -> np.ndarray:
 def _rows_at_most(values, counts, floor, high, limit, protected, taken, out, m):
     """Append to ``out`` (from position ``m``) the unprotected live rows of every block not ``taken`` whose
     floor is at most ``limit``, marking those blocks taken and setting their floors to the exact minima;
-    returns ``(m, least floor of the blocks left)``. ``protected``: sorted rows."""
+    returns ``(m, least floor of the blocks left)``. ``protected``: bool per row below the high water."""
     left = np.int64(2 ** 62)
     for b in range((high + FLOOR_BLOCK - 1) >> FLOOR_SHIFT):
         if taken[b]:
@@ -350,8 +350,7 @@ def _rows_at_most(values, counts, floor, high, limit, protected, taken, out, m):
             if counts[r] < 0:
                 continue
             least = min(least, values[r])
-            p = np.searchsorted(protected, r)
-            if p < protected.shape[0] and protected[p] == r:
+            if protected[r]:
                 continue
             out[m] = r
             m += 1
@@ -419,15 +418,15 @@ def pick_victims(policy: EvictionPolicy, key_map: KeyRowMap, n: int, protected_r
         return np.empty(0, np.int64)
     protected = np.asarray(protected_rows, np.int64).ravel()
     protected = protected[(protected >= 0) & (protected < key_map.high_water)]
+    mask = np.zeros(key_map.high_water, np.bool_)  # zero pages: only those the protected rows touch cost
+    mask[protected] = True
     metric = _floor_metric(policy)
     if metric is not None:
         values = key_map.last_seen if metric == "last_seen" else key_map.counts
         candidates = _candidates_by_floor(n, values, key_map.counts, key_map.floors(metric), key_map.high_water,
-                                          np.unique(protected))
+                                          mask)
     else:
         live = key_map.live_rows()
-        mask = np.zeros(key_map.high_water, np.bool_)
-        mask[protected] = True
         candidates = live[~mask[live]]
     if candidates.shape[0] < n:
         raise TableFullError(
