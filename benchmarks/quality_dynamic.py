@@ -17,8 +17,8 @@ Models (each the demo's :class:`~embedcore.app.models.DLRM` over an :class:`embe
   rows`` (SplitMix64, :func:`embedcore.kernels.random.mix64`): colliding ids share a row.
 * ``dynamic-lru`` / ``dynamic-lfu`` (``--evictions``): a ``DynamicTableConfig(capacity=rows,
   admission=CountAdmission(--min-count), eviction=LRU() or LFU())`` per budgeted feature, fed the ids as keys.
-  The key map adds about 21 bytes a row (and the admission sketch ``16 x --sketch-width`` bytes a table)
-  beyond the rows both models hold: printed.
+  The key map adds about 21 bytes a row (and the admission sketch ``16 x --sketch-width`` bytes a table, by
+  default 16 bytes a row) beyond the rows both models hold: printed.
 * ``full`` (``--full``): static tables of the whole vocabulary, the unconstrained reference.
 
 Evaluation reads the tables without changing them: each feature's rows by id (a dynamic table's view gives
@@ -52,7 +52,7 @@ from embedcore.kernels.random import mix64
 from embedcore.tables.dynamic import map_bytes
 
 TINY = {"vocab_scale": 100, "n_train": 8192, "n_eval": 4096, "batch_size": 64, "min_vocab": 1000,
-        "fraction": 0.2, "sketch_width": 1 << 12, "dim": 4}
+        "fraction": 0.2, "dim": 4}
 
 
 @njit(cache=True)
@@ -91,8 +91,8 @@ class Model:
             else:
                 eviction = {"dynamic-lru": ec.LRU(), "dynamic-lfu": ec.LFU()}[kind]
                 table = ec.DynamicTableConfig(args.dim, rows, name=spec.name, combiner=spec.combiner,
-                                              admission=ec.CountAdmission(args.min_count,
-                                                                          sketch_width=args.sketch_width),
+                                              admission=ec.CountAdmission(args.min_count, sketch_width=max(
+                                                  64, args.sketch_width or rows)),
                                               eviction=eviction)
             if rows is not None:
                 self.budget[spec.name] = rows
@@ -183,7 +183,8 @@ def _parser():
     p.add_argument("--fraction", type=float, default=0.1, help="rows a budgeted feature may hold / its vocabulary")
     p.add_argument("--min-vocab", type=int, default=10_000, help="features with at least this many ids are budgeted")
     p.add_argument("--min-count", type=int, default=2, help="CountAdmission(min_count)")
-    p.add_argument("--sketch-width", type=int, default=1 << 20, help="CountAdmission(sketch_width)")
+    p.add_argument("--sketch-width", type=int, default=0,
+                   help="CountAdmission(sketch_width); 0: the table's rows (4 x 4 bytes a row for the sketch)")
     p.add_argument("--evictions", default="lru,lfu", help="dynamic models: comma list of lru, lfu")
     p.add_argument("--full", action="store_true", help="also train full-vocabulary static tables")
     p.add_argument("--seed", type=int, default=0)
