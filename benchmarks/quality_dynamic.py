@@ -55,7 +55,7 @@ TINY = {"vocab_scale": 100, "n_train": 8192, "n_eval": 4096, "batch_size": 64, "
         "fraction": 0.2, "dim": 4}
 
 
-@njit(cache=True)
+@njit  # not cached: a script's cache entry breaks when the file is loaded under another module name
 def _buckets(ids, n, out):
     for i in range(ids.shape[0]):
         out[i] = np.int64(mix64(np.uint64(ids[i])) % np.uint64(n))
