@@ -15,6 +15,16 @@ their pages only as rows are first used, so a table holding ``n`` keys touches a
 * ``counts`` int32: how many occurrences ``touch`` counted (saturating at ``2**31 - 1``); ``-1`` marks a
   free row, so no key value is reserved to mean "empty" and liveness costs no extra array.
 
+Floors, per block of ``FLOOR_BLOCK = 16`` row slots, kept only once a scan asks for them
+(:meth:`KeyRowMap.floors`): ``last_seen_floor[b]`` (``count_floor[b]``), an int32 at most the ``last_seen``
+(``counts``) of every live row of block ``b`` (``2**31 - 1`` for a block without one). Every method that
+writes ``last_seen`` or ``counts`` keeps them so (an insertion or a touch can only lower a floor; a removal
+or a count's increase leaves it a valid, perhaps loose, bound); a scan that reads a whole block may set its
+floor to the exact minimum. They let TTL expiry and LRU/LFU eviction (:mod:`embedcore.tables.policies`)
+skip every block that cannot hold a row they look for, instead of reading the metadata of all the rows every
+step. Code that writes ``last_seen`` or ``counts`` other than through this class (a bulk load) must call
+:meth:`KeyRowMap.refresh_floors` afterwards.
+
 The index is an array of uint32 buckets, linear probing. A bucket is 0 when empty, else
 ``tag << row_bits | (row + 1)``, ``row_bits = capacity.bit_length()``; the tag is the low ``32 - row_bits``
 bits of the key's hash, so most probes that meet another key are rejected without reading ``row_keys``
@@ -29,7 +39,9 @@ by ``GROWTH = 1.5`` leaves it at least 0.5 just after a growth):
 
 so at most 24 bytes (beyond the first index's 64 buckets, 256 bytes, which a small map may fill sparsely); a
 full table (``capacity`` keys, the index at its final size ``ceil(capacity / 0.75)``)
-takes 21.3 bytes a key. While a growth is being migrated (below) the old index lives beside the new one:
+takes 21.3 bytes a key. Each floor kept adds 4 / 16 = 0.25 bytes a key: a TTL table keeps
+``last_seen_floor`` from its first step (24.25 bytes a key at most, just after a growth); an LRU (LFU) table
+its floor from its first eviction, when it is full (21.6 bytes a key). While a growth is being migrated (below) the old index lives beside the new one:
 up to 13.3 bytes a key for the buckets instead of 8, for the few batches the migration takes.
 
 Deletion: backward shift, not tombstones. A dynamic table at capacity removes keys all the time (every
@@ -52,8 +64,9 @@ Row assignment is deterministic (the same for any thread count and on every reru
 in the order of their first occurrence, take the most recently freed rows first (a stack), then the never
 used rows in increasing order. A batch with more distinct new keys than free rows is refused before
 anything changes (its distinct new keys are counted, by a sort, only when its absent occurrences outnumber the
-free rows). :meth:`~KeyRowMap.find` runs in parallel (it only reads); insertions, removals
-and migration run serially in batch order, since linear probing's layout depends on insertion order.
+free rows). :meth:`~KeyRowMap.find` runs in parallel (it only reads) on batches of ``PARALLEL_MIN`` keys or
+more; insertions, removals and migration run serially in batch order, since linear probing's layout depends on
+insertion order.
 
 How a dynamic table uses it (:mod:`embedcore.tables.dynamic` does this)
 ------------------------------------------------------------------------
@@ -96,7 +109,7 @@ from numba import njit, prange
 from .random import mix64  # the SplitMix64 finaliser (the tree's one copy)
 
 __all__ = ["KeyRowMap", "TableFullError", "as_keys", "MAX_LOAD", "GROWTH", "MIGRATE_PER_KEY", "MIGRATE_MIN",
-           "MAX_CAPACITY", "MAX_STEP"]
+           "MAX_CAPACITY", "MAX_STEP", "FLOOR_BLOCK", "FLOOR_SHIFT", "PARALLEL_MIN", "first_occurrences"]
 
 MAX_LOAD = 0.75        # keys per bucket at most
 GROWTH = 1.5           # index size factor per growth
@@ -105,6 +118,10 @@ MIGRATE_MIN = 4096     # ... and at least this many
 MAX_CAPACITY = 2 ** 31 - 1
 MAX_STEP = 2 ** 31 - 1
 _COUNT_MAX = 2 ** 31 - 1
+FLOOR_SHIFT = 4                # rows per floor block: 2**FLOOR_SHIFT
+FLOOR_BLOCK = 1 << FLOOR_SHIFT
+_NO_FLOOR = 2 ** 31 - 1        # the floor of a block without live rows
+PARALLEL_MIN = 1 << 14         # batches of fewer keys are looked up on one thread
 _INITIAL_BUCKETS = 64
 
 _U = np.uint64
@@ -205,19 +222,46 @@ def _delete_at(index, row_keys, b, row_bits):
 _LIVE, _HIGH, _FREE, _CURSOR = 0, 1, 2, 3
 
 
+@njit(cache=True, inline="always")
+def _find_one(key, row_keys, index, old, row_bits):
+    h = _hash(key)
+    r = _row_in(index, row_keys, key, h, row_bits)
+    if r < 0:
+        r = _row_in(old, row_keys, key, h, row_bits)
+    return r
+
+
 @njit(cache=True, parallel=True)
-def _find(keys, row_keys, index, old, row_bits, out):
+def _find_parallel(keys, row_keys, index, old, row_bits, out):
     for i in prange(keys.shape[0]):
-        key = keys[i]
-        h = _hash(key)
-        r = _row_in(index, row_keys, key, h, row_bits)
-        if r < 0:
-            r = _row_in(old, row_keys, key, h, row_bits)
-        out[i] = r
+        out[i] = _find_one(keys[i], row_keys, index, old, row_bits)
 
 
 @njit(cache=True)
-def _insert_absent(keys, rows, inserted, row_keys, last_seen, counts, index, row_bits, state, step):
+def _find_serial(keys, row_keys, index, old, row_bits, out):
+    for i in range(keys.shape[0]):
+        out[i] = _find_one(keys[i], row_keys, index, old, row_bits)
+
+
+def _find(keys, row_keys, index, old, row_bits, out):
+    """The row of each key into ``out`` (-1 where absent); below ``PARALLEL_MIN`` keys on one thread (a
+    parallel region costs more than the probes)."""
+    (_find_parallel if keys.shape[0] >= PARALLEL_MIN else _find_serial)(keys, row_keys, index, old, row_bits, out)
+
+
+@njit(cache=True, inline="always")
+def _lower_floor(floor, r, value, fresh):
+    """Keep ``floor`` (when kept: not empty) at most ``value`` for row ``r``; ``fresh``: ``r`` opens its block
+    (the first row of a block beyond the high water), whose floor held nothing yet."""
+    if floor.shape[0]:
+        b = r >> FLOOR_SHIFT
+        if fresh or value < floor[b]:
+            floor[b] = value
+
+
+@njit(cache=True)
+def _insert_absent(keys, rows, inserted, row_keys, last_seen, counts, index, row_bits, state, step, seen_floor,
+                   count_floor):
     """Give each key of ``keys`` with ``rows[i] < 0`` a row (its batch duplicates the same row), marking the
     first occurrence in ``inserted``; the caller has checked that enough rows are free."""
     for i in range(keys.shape[0]):
@@ -227,15 +271,19 @@ def _insert_absent(keys, rows, inserted, row_keys, last_seen, counts, index, row
         h = _hash(key)
         r = _row_in(index, row_keys, key, h, row_bits)
         if r < 0:
+            fresh = False
             if state[_FREE] >= 0:
                 r = state[_FREE]
                 state[_FREE] = np.int64(row_keys[r])
             else:
                 r = state[_HIGH]
                 state[_HIGH] += 1
+                fresh = (r & (FLOOR_BLOCK - 1)) == 0
             row_keys[r] = key
             counts[r] = 0
             last_seen[r] = step
+            _lower_floor(seen_floor, r, step, fresh)
+            _lower_floor(count_floor, r, np.int32(0), fresh)
             _place(index, h, r, row_bits)
             inserted[i] = True
             state[_LIVE] += 1
@@ -280,20 +328,61 @@ def _migrate(n_rows, row_keys, counts, index, row_bits, state):
 
 
 @njit(cache=True)
-def _touch(rows, step, last_seen, counts):
+def _touch(rows, step, last_seen, counts, seen_floor):
     for i in range(rows.shape[0]):
         r = rows[i]
         last_seen[r] = step
         if counts[r] < _COUNT_MAX:
             counts[r] += 1
+        _lower_floor(seen_floor, r, step, False)
 
 
 @njit(cache=True, parallel=True)
-def _touch_unique(rows, occurrences, step, last_seen, counts):
+def _touch_unique(rows, occurrences, step, last_seen, counts, seen_floor):
     for i in prange(rows.shape[0]):
         r = rows[i]
         last_seen[r] = step
         counts[r] = np.int32(min(np.int64(counts[r]) + occurrences[i], _COUNT_MAX))
+    for i in range(rows.shape[0]):  # serially: rows of one block share its floor
+        _lower_floor(seen_floor, rows[i], step, False)
+
+
+@njit(cache=True)
+def _exact_floors(values, counts, high, floor):
+    """Set ``floor`` of every block below the high water to the least ``values`` of its live rows."""
+    for b in range((high + FLOOR_BLOCK - 1) >> FLOOR_SHIFT):
+        least = np.int32(_NO_FLOOR)
+        for r in range(b << FLOOR_SHIFT, min((b + 1) << FLOOR_SHIFT, high)):
+            if counts[r] >= 0 and values[r] < least:
+                least = values[r]
+        floor[b] = least
+
+
+@njit(cache=True)
+def _first_positions(keys, out):
+    """Write into ``out`` the positions of the first occurrence of each distinct key of ``keys``, in
+    increasing order; returns how many (a scratch open-addressing set of positions, at most half full)."""
+    n = keys.shape[0]
+    size = 1
+    while size < 2 * n:
+        size *= 2
+    table = np.full(size, -1, np.int64)
+    mask = _U(size - 1)
+    m = 0
+    for i in range(n):
+        key = keys[i]
+        b = _hash(key) & mask
+        while True:
+            j = table[b]
+            if j < 0:
+                table[b] = i
+                out[m] = i
+                m += 1
+                break
+            if keys[j] == key:
+                break
+            b = (b + _U(1)) & mask
+    return m
 
 
 @njit(cache=True)
@@ -345,6 +434,14 @@ def is_partition(values: np.ndarray) -> bool:
 
 
 # -- the Python face ----------------------------------------------------------------------------------------
+def first_occurrences(keys) -> np.ndarray:
+    """Positions (int64, increasing) of the first occurrence of each distinct value of ``keys`` (uint64
+    ``[n]``): ``keys[first_occurrences(keys)]`` are the distinct keys in the order they first appear. O(n)."""
+    keys = np.ascontiguousarray(keys, np.uint64)
+    out = np.empty(keys.shape[0], np.int64)
+    return out[:_first_positions(keys, out)]
+
+
 def as_keys(keys, what: str = "keys") -> np.ndarray:
     """``keys`` (any integer array-like) as a flat uint64 array of their 64-bit patterns: signed values are
     taken as int64 (``-1`` is ``0xFFFF_FFFF_FFFF_FFFF``), unsigned ones as uint64. Anything else (floats,
@@ -393,6 +490,8 @@ class KeyRowMap:
         self.index = np.zeros(min(max(first, 2), self.final_buckets), np.uint32)
         self.old = np.zeros(0, np.uint32)
         self._state = np.array([0, 0, -1, 0], np.int64)
+        self.last_seen_floor = np.zeros(0, np.int32)  # kept once floors("last_seen") is asked for
+        self.count_floor = np.zeros(0, np.int32)      # kept once floors("counts") is asked for
 
     # -- sizes --------------------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -416,7 +515,9 @@ class KeyRowMap:
     def nbytes(self) -> int:
         """Bytes in use: the index (and the old one while migrating), and 16 a row slot up to ``high_water``
         (key, last_seen, count; the pages beyond it are allocated but never touched)."""
-        return self.index.nbytes + self.old.nbytes + 16 * self.high_water
+        floors = (self.last_seen_floor.nbytes > 0) + (self.count_floor.nbytes > 0)
+        return self.index.nbytes + self.old.nbytes + 16 * self.high_water + \
+            4 * floors * (-(-self.high_water // FLOOR_BLOCK))
 
     def __repr__(self):
         return (f"KeyRowMap(name={self.name!r}, capacity={self.capacity}, keys={len(self)}, "
@@ -459,10 +560,13 @@ class KeyRowMap:
         if absent:
             self._make_room(len(self) + min(absent, self.free_rows))
             _insert_absent(k, rows, inserted, self.row_keys, self.last_seen, self.counts, self.index, self.row_bits,
-                           self._state, step)
+                           self._state, step, *self._floors())
         if self.migrating:
             self.migrate(max(MIGRATE_MIN, MIGRATE_PER_KEY * k.shape[0]))
         return rows.reshape(shape), inserted.reshape(shape)
+
+    def _floors(self):
+        return self.last_seen_floor, self.count_floor
 
     def _checked_step(self, step) -> np.int32:
         if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or not 0 <= step <= MAX_STEP:
@@ -494,12 +598,18 @@ class KeyRowMap:
         step = self._checked_step(step)
         rows = self._live_rows(rows)
         if occurrences is None:
-            _touch(rows, step, self.last_seen, self.counts)
+            _touch(rows, step, self.last_seen, self.counts, self.last_seen_floor)
         else:
             occurrences = np.ascontiguousarray(occurrences, np.int64).ravel()
             if occurrences.shape != rows.shape or (occurrences.size and occurrences.min() < 0):
                 raise ValueError(f"table '{self.name}': touch needs one occurrence count >= 0 per row")
-            _touch_unique(rows, occurrences, step, self.last_seen, self.counts)
+            _touch_unique(rows, occurrences, step, self.last_seen, self.counts, self.last_seen_floor)
+
+    def touch_found(self, rows, step: int) -> None:
+        """:meth:`touch` (one count per occurrence) of rows that :meth:`find` or :meth:`find_or_insert` just
+        returned for keys held (int64, all live: not checked again)."""
+        _touch(np.ascontiguousarray(rows, np.int64), self._checked_step(step), self.last_seen, self.counts,
+               self.last_seen_floor)
 
     def _live_rows(self, rows) -> np.ndarray:
         rows = np.asarray(rows)
@@ -510,6 +620,27 @@ class KeyRowMap:
         if bad >= 0:
             raise ValueError(f"table '{self.name}': row {int(rows[bad])} holds no key")
         return rows
+
+    def floors(self, which: str) -> np.ndarray:
+        """The floors of ``which`` (``"last_seen"`` or ``"counts"``), int32 per block of ``FLOOR_BLOCK`` rows
+        (valid for the blocks below the high water; see the module docstring), kept from now on; the first
+        call computes them (one pass over the rows used). A scan may tighten them (lower bounds still)."""
+        if which not in ("last_seen", "counts"):
+            raise ValueError(f"table '{self.name}': floors of 'last_seen' or 'counts', not {which!r}")
+        attr = "last_seen_floor" if which == "last_seen" else "count_floor"
+        floor = getattr(self, attr)
+        if floor.shape[0] == 0:
+            floor = np.empty(-(-self.capacity // FLOOR_BLOCK), np.int32)
+            _exact_floors(self.last_seen if which == "last_seen" else self.counts, self.counts, self._state[_HIGH],
+                          floor)
+            setattr(self, attr, floor)
+        return floor
+
+    def refresh_floors(self) -> None:
+        """Recompute the floors kept from ``last_seen`` and ``counts`` (after writing those directly)."""
+        for values, floor in ((self.last_seen, self.last_seen_floor), (self.counts, self.count_floor)):
+            if floor.shape[0]:
+                _exact_floors(values, self.counts, self._state[_HIGH], floor)
 
     def live_rows(self) -> np.ndarray:
         """The rows holding a key, increasing (int64)."""

@@ -47,7 +47,7 @@ import numpy as np
 from .. import inputs
 from ..initializers import TruncatedNormal, fill_key_rows
 from ..inputs import InputError, TableBatch
-from ..kernels.hash_map import MAX_STEP, KeyRowMap, TableFullError, as_keys
+from ..kernels.hash_map import FLOOR_BLOCK, MAX_STEP, KeyRowMap, TableFullError, as_keys, first_occurrences
 from .physical import NOTHING_FLAGGED, PhysicalTable, TablePlace, TableUpdate
 from .policies import TTL, EvictByScore, expired_rows, pick_victims
 from .storage import DenseStorage
@@ -56,13 +56,15 @@ __all__ = ["DynamicPhysicalTable", "DynamicTableBatch", "DynamicTableState", "Dy
 
 
 def map_bytes(config) -> int:
-    """Bytes a dynamic table needs beyond its rows and slots: the key map at its final size and the admission
-    sketch (for the engine's memory check)."""
+    """Bytes a dynamic table needs beyond its rows and slots: the key map at its final size (with the floor its
+    eviction policy reads, if any) and the admission sketch (for the engine's memory check)."""
     capacity = config.capacity
     sketch = 0
     if config.admission is not None and config.admission.min_count > 1:
         sketch = 4 * config.admission.sketch_width * config.admission.sketch_depth
-    return 16 * capacity + 4 * (int(capacity / 0.75) + 1) + sketch
+    floors = 0 if config.eviction is None or isinstance(config.eviction, EvictByScore) else \
+        4 * -(-capacity // FLOOR_BLOCK)
+    return 16 * capacity + 4 * (int(capacity / 0.75) + 1) + floors + sketch
 
 
 @dataclass
@@ -200,7 +202,8 @@ class DynamicPhysicalTable(PhysicalTable):
                 self.removals += 1
         used = [_looked_up(batch, seq_len) for batch, _, seq_len, *_ in parts]
         keys = [batch.ids if mask is None else batch.ids[mask] for (batch, *_), mask in zip(parts, used)]
-        keys = np.ascontiguousarray(np.concatenate(keys) if keys else np.zeros(0, np.int64)).view(np.uint64)
+        keys = keys[0] if len(keys) == 1 else np.concatenate(keys) if keys else np.zeros(0, np.int64)
+        keys = np.ascontiguousarray(keys).view(np.uint64)
         found = self.key_map.find(keys)
         absent_at = np.flatnonzero(found < 0)
         absent_keys = keys[absent_at]
@@ -214,9 +217,9 @@ class DynamicPhysicalTable(PhysicalTable):
             new_keys = _first_occurrences(absent_keys[admitted])
             victims = self._victims(new_keys.shape[0], found, step)
             pending_keys, pending_inverse = np.unique(absent_keys[~admitted], return_inverse=True)
-            new_values = (self.initial_rows(new_keys),) + tuple(
-                self.initial_rows(new_keys, s) for s in range(len(self.storage.slots)))
-            pending_values = self.initial_rows(pending_keys)
+            new_values = (self._initial_or_none(new_keys),) + tuple(
+                self._initial_or_none(new_keys, s) for s in range(len(self.storage.slots)))
+            pending_values = self._initial_or_none(pending_keys)
         except BaseException as exc:
             if undo is not None:
                 self.sketch.restore(undo)
@@ -225,6 +228,13 @@ class DynamicPhysicalTable(PhysicalTable):
             raise
         return _Plan(parts, step, keys, used, found, absent_at, admitted, victims, new_keys, new_values,
                      pending_inverse.astype(np.int64).ravel(), pending_values, undo)
+
+    def _initial_or_none(self, keys, slot: int | None = None) -> np.ndarray:
+        """:meth:`initial_rows`, without its work for no keys (most steps of a table that holds its keys)."""
+        if keys.shape[0]:
+            return self.initial_rows(keys, slot)
+        target = self.storage.weights if slot is None else self.storage.slots[slot]
+        return np.empty((0,) + target.shape[1:], target.dtype)
 
     def _victims(self, n_new: int, found, step: int) -> np.ndarray:
         need = n_new - self.key_map.free_rows
@@ -262,8 +272,7 @@ class DynamicPhysicalTable(PhysicalTable):
                 array[new_rows] = values
         held = rows >= 0
         if held.any():
-            unique, counts = np.unique(rows[held], return_counts=True)
-            key_map.touch(unique, plan.step, counts)
+            key_map.touch_found(rows[held], plan.step)  # one count per occurrence
         rows[plan.absent_at[~plan.admitted]] = key_map.capacity + plan.pending_inverse
         plan.undo = None
         return rows
@@ -456,8 +465,7 @@ def _looked_up(batch, seq_len):
 
 def _first_occurrences(keys: np.ndarray) -> np.ndarray:
     """The distinct values of ``keys`` in the order of their first occurrence."""
-    _, first = np.unique(keys, return_index=True)
-    return keys[np.sort(first)]
+    return keys[first_occurrences(keys)]
 
 
 class DynamicTableView:
