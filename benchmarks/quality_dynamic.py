@@ -82,15 +82,17 @@ class Model:
     def __init__(self, kind, dataset, args):
         self.kind, self.budget = kind, {}
         features = {}
+        init = None if args.init_std is None else ec.TruncatedNormal(0.0, args.init_std)
         for spec in dataset.features:
             rows = budget_rows(spec, args) if kind != "full" else None
             if rows is None:
-                table = ec.TableConfig(spec.vocabulary_size, args.dim, combiner=spec.combiner, name=spec.name)
+                table = ec.TableConfig(spec.vocabulary_size, args.dim, combiner=spec.combiner, name=spec.name,
+                                       initializer=init)
             elif kind == "hashed":
-                table = ec.TableConfig(rows, args.dim, combiner=spec.combiner, name=spec.name)
+                table = ec.TableConfig(rows, args.dim, combiner=spec.combiner, name=spec.name, initializer=init)
             else:
                 eviction = {"dynamic-lru": ec.LRU(), "dynamic-lfu": ec.LFU()}[kind]
-                table = ec.DynamicTableConfig(args.dim, rows, name=spec.name, combiner=spec.combiner,
+                table = ec.DynamicTableConfig(args.dim, rows, name=spec.name, combiner=spec.combiner, initializer=init,
                                               admission=ec.CountAdmission(args.min_count, sketch_width=max(
                                                   64, args.sketch_width or rows)),
                                               eviction=eviction)
@@ -187,6 +189,8 @@ def _parser():
                    help="CountAdmission(sketch_width); 0: the table's rows (4 x 4 bytes a row for the sketch)")
     p.add_argument("--evictions", default="lru,lfu", help="dynamic models: comma list of lru, lfu")
     p.add_argument("--full", action="store_true", help="also train full-vocabulary static tables")
+    p.add_argument("--init-std", type=float, default=None,
+                   help="every table's initializer: TruncatedNormal(0, this) (default: 1/sqrt(dim), the tables' default)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the results to this file")
     return p
