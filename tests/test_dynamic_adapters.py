@@ -188,17 +188,26 @@ def test_torch_uint64_and_int64_views_of_a_key_are_one_key():
     np.testing.assert_array_equal(module.embedding_tables["t"].keys(), [-5, 2 ** 63 - 1])
 
 
-def test_torch_process_group_refuses_dynamic_tables_naming_one(tmp_path):
+def test_torch_process_group_shards_dynamic_tables_as_one_process_trains_them(tmp_path, oracle):
+    """A gloo group of one rank: the module's ShardedEmbedding over the torch transport, its dynamic tables placed
+    by key owner, gives the one-process engine's activations at every step and its tables after."""
     torch = pytest.importorskip("torch")
     import torch.distributed as dist
-    from embedcore.distributed.exchange import DistributedError
+    from embedcore.distributed import ShardedEmbedding
     from embedcore.torch import EmbeddingModule
+    want_acts, reference = oracle
     if dist.is_initialized():
         pytest.fail("a process group is already initialized in this process")
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
-        with pytest.raises(DistributedError, match="table '(user|item)' is dynamic: sharded engines do not take"):
-            EmbeddingModule(make_features(), process_group=dist.group.WORLD, seed=SEED)
+        module = EmbeddingModule(make_features(), process_group=dist.group.WORLD, seed=SEED)
+        assert isinstance(module.embedding, ShardedEmbedding)
+        for step, (ids, grads) in enumerate(batches()):
+            acts = module({k: (torch.from_numpy(v), torch.from_numpy(s[:-1])) for k, (v, s) in ids.items()})
+            for name, want in want_acts[step].items():
+                np.testing.assert_array_equal(acts[name].detach().numpy(), want, err_msg=f"step {step} {name}")
+            sum((acts[k] * torch.from_numpy(g)).sum() for k, g in grads.items()).backward()
+        assert_same_tables(module.embedding, reference)
     finally:
         dist.destroy_process_group()
 
