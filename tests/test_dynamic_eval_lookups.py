@@ -140,3 +140,35 @@ def test_training_must_be_a_bool(bad):
     with pytest.raises(TypeError, match="training must be True or False"):
         emb({"f": np.array([1], np.int64)}, training=bad)
     assert len(emb.embedding_tables["t"]) == 0
+
+
+# -- ShardedEmbedding ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("world", [1, 2])
+def test_sharded_read_only_lookups_change_nothing_and_equal_one_process(tmp_path, world):
+    """K ranks trained on slices of the batches, then a read-only lookup (worker ``mpi_dynamic_read.py``: on
+    every rank no table changed and the context is refused): the activations one process reads after the
+    same training (no eviction there: the tables hold the same keys)."""
+    pytest.importorskip("mpi4py", reason="needs the mpi extra: pip install 'embedcore[mpi]'")
+    import os
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "workers"))
+    import mpi_dynamic
+    import mpi_dynamic_read
+    from tests.test_distributed import mpirun
+    out = str(tmp_path / "read")
+    proc = mpirun(world, "mpi_dynamic_read.py", out, timeout=600)
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout + proc.stderr
+    t = mpi_dynamic_read.TRAINED
+    emb, _ = mpi_dynamic.reference(world, stop=t)
+    before = whole_state(emb)
+    slices = mpi_dynamic.assignment(t, world)
+    features, weights = mpi_dynamic.take(mpi_dynamic.global_batch(t), np.concatenate(slices))
+    acts, _ = emb.lookup(features, weights, training=False)
+    assert_same(before, whole_state(emb))
+    tolerance = {"rtol": 0, "atol": 0} if world == 1 else {"rtol": 1e-5, "atol": 1e-6}
+    at = 0
+    for k, rows in enumerate(slices):
+        got = np.load(f"{out}.rank{k}.npz")
+        for name, whole in acts.items():
+            np.testing.assert_allclose(got[name], whole[at:at + len(rows)], err_msg=f"rank {k} {name}", **tolerance)
+        at += len(rows)
