@@ -22,10 +22,10 @@ is undefined (AUC of an eval split with one class, any metric of an empty eval s
 
 Dynamic tables (``[embedding.tables.NAME] dynamic = true``, see :mod:`embedcore.app.run_config`) train, are
 evaluated and reported (``storage.tables.NAME``: capacity and keys held) as the others; their features' ids
-are 64-bit keys (a CSV log's hashed columns through :func:`embedcore.hash_keys`). Eval lookups go through
-the same engine, so they count keys for admission and give admitted eval keys rows at their initial values
-(possibly evicting others), as any lookup of a dynamic table does. They are checkpointed (keys, rows, slots and
-policy state) and resumed bit-identically as static ones.
+are 64-bit keys (a CSV log's hashed columns through :func:`embedcore.hash_keys`). Eval lookups are read-only
+(``emb.lookup(..., training=False)``): they change no table, so evaluating never feeds eval keys into training
+(held keys read their rows, any other key its initial value). Dynamic tables are checkpointed (keys, rows,
+slots and policy state) and resumed bit-identically as static ones.
 """
 
 from __future__ import annotations
@@ -140,10 +140,11 @@ def _train_batches(dataset, batch_size: int, epoch: int, skip: int):
 
 
 def evaluate(dataset, emb, model, batch_size: int) -> dict:
-    """Log loss, AUC, sample count and click rate of the model on the eval split."""
+    """Log loss, AUC, sample count and click rate of the model on the eval split (read-only lookups: no table
+    changes)."""
     metrics = BinaryMetrics()
     for batch in dataset.batches(batch_size, "eval"):
-        acts, _ = emb.lookup(batch.ids, batch.weights)
+        acts, _ = emb.lookup(batch.ids, batch.weights, training=False)
         logits, _ = model.forward(batch.dense, acts)
         metrics.update(batch.labels, sigmoid(logits))
     return _defined(metrics.result(allow_undefined=True))
