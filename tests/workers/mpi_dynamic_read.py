@@ -12,7 +12,6 @@ import sys
 
 import numpy as np
 
-import embedcore as ec
 import mpi_dynamic
 from embedcore.distributed import ShardedEmbedding
 from embedcore.distributed.exchange import Refused
