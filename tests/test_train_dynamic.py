@@ -1,7 +1,7 @@
 """`embedcore train` with dynamic tables: the `[embedding.tables.X] dynamic = true` keys (validated, naming the
 key and the value), the readers' 64-bit keys (a CSV log's hashed columns through `ec.hash_keys`, integer
-columns as their 64-bit patterns), a run with admission and eviction that trains, evaluates, reports and checkpoints, and
-its resumption, bit-identical to a run that never stopped."""
+columns as their 64-bit patterns), a run with admission and eviction that trains, evaluates, reports and
+checkpoints, and its resumption, bit-identical to a run that never stopped."""
 
 import json
 import os
