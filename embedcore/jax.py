@@ -54,9 +54,9 @@ a dynamic table's ids are 64-bit keys. Give them as NumPy ``int64`` or ``uint64`
 (``jax.config.update("jax_enable_x64", True)`` before creating them): without it ``jnp.asarray`` of a 64-bit
 key array truncates every key to its low 32 bits (with a warning) before embedcore sees it, so keep keys in
 NumPy, or enable x64. The dense step never sees keys (only activations), so x64 is not needed there. A
-lookup of a dynamic table changes it (admission counts, new rows at their initial values, evictions), also in
-evaluation: the engine has no read-only lookup of dynamic tables yet. Checkpoint dynamic tables with
-``emb.save(path)``.
+training lookup of a dynamic table changes it (admission counts, new rows at their initial values, evictions);
+evaluate with ``lookup(emb, features, training=False)``, which changes no table (held keys read their rows, any
+other key its initial value). Checkpoint dynamic tables with ``emb.save(path)``.
 
 Requires JAX (``pip install embedcore[jax]``); importing this module without it raises ImportError.
 """
@@ -91,7 +91,7 @@ def _map(fn, tree):
     return fn(tree)
 
 
-def lookup(emb, features, weights=None, *, device=None):
+def lookup(emb, features, weights=None, *, device=None, training: bool = True):
     """Look up activations as jax arrays: returns ``(activations, ctx)``.
 
     Same inputs and result structure as :meth:`embedcore.Embedding.lookup`; each activation (float32,
@@ -99,9 +99,11 @@ def lookup(emb, features, weights=None, *, device=None):
     default device) with :func:`jax.device_put`, without a copy when the backend can alias it (see the
     module docstring). Pass ``ctx`` to :func:`apply_gradients` with the gradients of these activations.
     Ids and weights may be jax arrays (read as NumPy, without a copy on CPU) as well as NumPy arrays,
-    ``Ragged`` or ``Sparse``.
+    ``Ragged`` or ``Sparse``. ``training=False`` (evaluation): a read-only lookup, as the engine's (no table
+    changes; ``ctx`` cannot be applied).
     """
-    activations, ctx = emb.lookup(_map(_host_input, features), None if weights is None else _map(_host_input, weights))
+    activations, ctx = emb.lookup(_map(_host_input, features), None if weights is None else _map(_host_input, weights),
+                                  training=training)
     return _map(lambda a: jax.device_put(a, device), activations), ctx
 
 

@@ -65,6 +65,7 @@ class LookupContext:
 
     Its table batches live in workspaces leased from the engine's pools; :meth:`release` (called once the
     gradients are applied, or when the context is garbage-collected) returns them for the next lookup.
+    ``training`` is the lookup's: the context of a read-only lookup (``training=False``) cannot be applied.
     """
 
     engine_token: _EngineToken
@@ -73,6 +74,7 @@ class LookupContext:
     features: list
     consumed: bool = False
     leases: list = field(default_factory=list)   # (WorkspacePool, Workspace) pairs
+    training: bool = True
 
     def __post_init__(self):
         self._finalizer = weakref.finalize(self, _return_leases, self.leases) if self.leases else None
@@ -147,6 +149,10 @@ class TableLookup:
             whose = "another engine, since freed" if owner is None else f"another engine, {type(owner).__name__}"
             raise InputError(f"ctx must be the context returned by this engine's lookup; this one was returned by "
                              f"{whose} (nothing was updated)")
+        if not ctx.training:
+            raise InputError("ctx was returned by a lookup with training=False, which reads the tables without "
+                             "changing them (dynamic tables count, admit, touch and evict nothing): its gradients "
+                             "cannot be applied; look up with training=True to train (nothing was updated)")
         if ctx.consumed or ctx.table_batches is None:
             raise InputError("these activations' gradients were already applied (or their context released); "
                              "look up again (nothing was updated)")
@@ -201,9 +207,12 @@ class TableLookup:
         return dict(self._table_configs)
 
     # -- lookup ------------------------------------------------------------------------------------------
-    def __call__(self, features, weights=None):
-        """Look up activations: returns ``(activations, ctx)``, activations mirroring ``features``."""
-        return self.lookup(features, weights)
+    def __call__(self, features, weights=None, *, training: bool = True):
+        """Look up activations: returns ``(activations, ctx)``, activations mirroring ``features``
+        (``training``: see :meth:`lookup`)."""
+        if training is True:  # as given: engines whose lookup takes no ``training`` (serving) are called alike
+            return self.lookup(features, weights)
+        return self.lookup(features, weights, training=training)
 
     def _structure_of(self, features):
         """The part of the feature config that ``features`` looks up: all of it, or (``serving``) the dict
@@ -240,20 +249,50 @@ class TableLookup:
             check_fits(activation_bytes, f"the activations of this batch ({sum(out_rows):,} rows)", InputError)
         return slots, parts
 
-    def lookup(self, features, weights=None):
+    def lookup(self, features, weights=None, *, training: bool = True):
+        """Look up activations: returns ``(activations, ctx)``, activations mirroring ``features``, ``ctx``
+        what ``apply_gradients`` takes.
+
+        ``training`` (as TensorFlow's ``TPUEmbedding.enqueue(..., training=False)``): True, a training lookup:
+        a dynamic table counts its keys for admission, gives admitted keys rows, touches the rows used and may
+        evict (see :mod:`embedcore.tables.dynamic`). False, a read-only lookup (evaluation, serving-style
+        reads): no table changes at all; a dynamic table's held keys read their rows, every other key (absent,
+        not admitted yet, or expired by TTL at the engine's ``step``) its initial value, and the context
+        cannot be applied (``apply_gradients`` refuses it). Static tables read alike either way.
+        """
+        if not isinstance(training, (bool, np.bool_)):
+            raise InputTypeError(f"training must be True or False, got {training!r}")
         token, generation = self._token, self._generation  # before the tables are read: a load meanwhile
         structure = self._structure_of(features)          # makes this context stale, never current
         slots, parts = self._prepare(features, weights, structure)
         dynamic = [k for k, (table, table_parts) in enumerate(zip(self._spaces, parts))
                    if table_parts and getattr(table, "dynamic", False)]
         exclusive = getattr(self, "_exclusive", None)
-        # A lookup of a dynamic table changes it (admission, eviction): one at a time, as apply_gradients.
+        # A lookup of a dynamic table changes it (admission, eviction), and a read-only one reads what they
+        # change: one at a time, as apply_gradients.
         with exclusive("look up dynamic tables") if dynamic and exclusive is not None else contextlib.nullcontext():
-            table_batches, leases = self._lay_out(parts, dynamic)
+            table_batches, leases = self._lay_out(parts, dynamic) if training else self._lay_out_read_only(parts)
             acts = [table.lookup(tb) for table, tb in zip(self._spaces, table_batches)]
         activations = [acts[s.group][s.out_offset:s.out_offset + s.n_rows].reshape(s.shape) for s in slots]
-        ctx = LookupContext(token, generation, table_batches, slots, leases=leases)
+        ctx = LookupContext(token, generation, table_batches, slots, leases=leases, training=bool(training))
         return inputs.unflatten(structure, activations), ctx
+
+    def _lay_out_read_only(self, parts):
+        """As :meth:`_lay_out`, changing no table: dynamic tables lay out their read-only lookup
+        (``lay_out_read_only``) at the engine's ``step``."""
+        batches, leases = [None] * len(parts), []
+        step = getattr(self, "step", 0)
+        try:
+            for k, (table, table_parts) in enumerate(zip(self._spaces, parts)):
+                if table_parts:
+                    dynamic = getattr(table, "dynamic", False)
+                    batches[k], lease = (table.lay_out_read_only(table_parts, step) if dynamic
+                                         else table.lay_out(table_parts))
+                    leases.append(lease)
+        except BaseException:
+            _return_leases(leases)
+            raise
+        return batches, leases
 
     def _lay_out(self, parts, dynamic):
         """Each physical table's batch of ``parts`` (None where it has none) and the workspaces leased. The

@@ -66,11 +66,15 @@ input form above (a ``KeyedJaggedTensor`` included). What differs:
   ``EmbeddingModule.restore(path)`` (or ``module.load(path)``). ``load_state_dict`` refuses entries for it the
   same way, ``embedding_tables[name]`` is a :class:`~embedcore.tables.dynamic.DynamicTableView` (rows by key),
   and ``torch.save(model)`` / ``copy.deepcopy`` raise as the engine's pickling and copying do for them.
-* A lookup of a dynamic table changes the table even when it updates nothing (``eval()``, ``no_grad``): keys
-  are counted for admission, admitted keys get rows at their initial values (the values they read anyway),
-  rows are marked seen and may be evicted. (The engine has no read-only lookup of dynamic tables yet.)
-* ``process_group``: the tables are built by :class:`~embedcore.distributed.ShardedEmbedding`, which refuses
-  dynamic tables (``ValueError`` naming the table) for as long as it does not shard them.
+* In ``eval()`` mode a forward is a read-only lookup (``Embedding.lookup(..., training=False)``): no table
+  changes; a dynamic table's held keys read their rows, any other key (absent, not admitted yet, expired by
+  TTL) its initial value. ``eval()`` is the signal, not ``no_grad``: in ``train()`` mode a forward under
+  ``torch.no_grad()`` updates nothing but is still a training lookup of a dynamic table (keys are counted
+  for admission, admitted keys get rows at their initial values, rows are marked seen and may be evicted),
+  as a warm-up pass may want. Static tables read alike in either mode.
+* ``process_group``: the tables are built by :class:`~embedcore.distributed.ShardedEmbedding`, which shards
+  dynamic tables by key (every rank must be in the same mode, ``train()`` or ``eval()``, as each lookup is
+  collective).
 
 ``torch.compile(model, fullgraph=True)`` compiles a model holding the module into one graph: under the
 compiler, forward is the registered custom op ``embedcore::lookup`` (a fake implementation gives the
@@ -324,7 +328,7 @@ def _lookup_impl(handle, layout, train, trigger, tensors):
         features[path] = (next(it), next(it)) if code[0] == "b" else next(it)
         weights[path] = next(it) if "w" in code else None
     features, weights = module._from_torch(features, weights)
-    acts, lookup_ctx = module.embedding.lookup(features, weights)
+    acts, lookup_ctx = module.embedding.lookup(features, weights, training=module.training)
     leaves = [a for _, a in inputs.flatten(acts)]
     token = -1
     if train:
@@ -684,7 +688,7 @@ class EmbeddingModule(torch.nn.Module):
             keyed = features
             features, weights, keys, batch = self._from_keyed_jagged(features)
         features, weights = self._from_torch(features, weights)
-        acts, lookup_ctx = self.embedding.lookup(features, weights)
+        acts, lookup_ctx = self.embedding.lookup(features, weights, training=self.training)
         leaves = [a for _, a in inputs.flatten(acts)]
         if not self.updates_enabled:
             tensors = [torch.from_numpy(a) for a in leaves]

@@ -188,17 +188,26 @@ def test_torch_uint64_and_int64_views_of_a_key_are_one_key():
     np.testing.assert_array_equal(module.embedding_tables["t"].keys(), [-5, 2 ** 63 - 1])
 
 
-def test_torch_process_group_refuses_dynamic_tables_naming_one(tmp_path):
+def test_torch_process_group_shards_dynamic_tables_as_one_process_trains_them(tmp_path, oracle):
+    """A gloo group of one rank: the module's ShardedEmbedding over the torch transport, its dynamic tables placed
+    by key owner, gives the one-process engine's activations at every step and its tables after."""
     torch = pytest.importorskip("torch")
     import torch.distributed as dist
-    from embedcore.distributed.exchange import DistributedError
+    from embedcore.distributed import ShardedEmbedding
     from embedcore.torch import EmbeddingModule
+    want_acts, reference = oracle
     if dist.is_initialized():
         pytest.fail("a process group is already initialized in this process")
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
-        with pytest.raises(DistributedError, match="table '(user|item)' is dynamic: sharded engines do not take"):
-            EmbeddingModule(make_features(), process_group=dist.group.WORLD, seed=SEED)
+        module = EmbeddingModule(make_features(), process_group=dist.group.WORLD, seed=SEED)
+        assert isinstance(module.embedding, ShardedEmbedding)
+        for step, (ids, grads) in enumerate(batches()):
+            acts = module({k: (torch.from_numpy(v), torch.from_numpy(s[:-1])) for k, (v, s) in ids.items()})
+            for name, want in want_acts[step].items():
+                np.testing.assert_array_equal(acts[name].detach().numpy(), want, err_msg=f"step {step} {name}")
+            sum((acts[k] * torch.from_numpy(g)).sum() for k, g in grads.items()).backward()
+        assert_same_tables(module.embedding, reference)
     finally:
         dist.destroy_process_group()
 
@@ -309,3 +318,83 @@ def test_tf_serving_lookup_keeps_negative_keys_of_dynamic_tables():
     acts = serving({"f": ids})["f"].numpy()
     rows = serving.engine.embedding_tables["t"][keys]
     np.testing.assert_array_equal(acts, np.stack([rows[0] + rows[1], rows[2], rows[3]]))
+
+
+# -- evaluation paths: read-only lookups -----------------------------------------------------------------------
+
+def eval_batch():
+    """Keys held after the training batches, keys never seen, unadmitted ones (user's admission at 2)."""
+    ids, _ = batches(seed=7)[0]
+    ids["user"] = (np.concatenate([ids["user"][0], [123456789]]).astype(np.int64), ids["user"][1].copy())
+    ids["user"][1][-1] += 1
+    return ids
+
+
+def assert_reads_without_change(engine, read):
+    """``read()`` (a front's evaluation path over :func:`eval_batch`) changes no table of ``engine`` and gives
+    the engine's own read-only lookup's activations."""
+    from .test_dynamic_eval_lookups import assert_same, whole_state
+    before = whole_state(engine)
+    got = read()
+    assert_same(before, whole_state(engine))
+    want, _ = engine.lookup({k: ec.Ragged(v, s) for k, (v, s) in eval_batch().items()}, training=False)
+    for name, a in want.items():
+        np.testing.assert_array_equal(np.asarray(got[name]), a, err_msg=name)
+    absent = [k for k in eval_batch()["user"][0] if k not in engine.embedding_tables["user"]]
+    assert absent  # the batch reads keys the table does not hold: a training lookup would count or admit them
+
+
+def train_numpy(emb):
+    for ids, grads in batches():
+        acts, ctx = emb.lookup({k: ec.Ragged(v, s) for k, (v, s) in ids.items()})
+        emb.apply_gradients(grads, ctx)
+
+
+def test_torch_eval_mode_reads_without_changing_dynamic_tables():
+    torch = pytest.importorskip("torch")
+    from embedcore.torch import EmbeddingModule
+    module = EmbeddingModule(make_features(), seed=SEED)
+    train_numpy(module.embedding)
+    module.eval()
+    torch_ids = {k: (torch.from_numpy(v), torch.from_numpy(s[:-1])) for k, (v, s) in eval_batch().items()}
+    assert_reads_without_change(module.embedding, lambda: {k: t.detach().numpy() for k, t in
+                                                          module(torch_ids).items()})
+    module.train()
+    with torch.no_grad():  # train mode under no_grad: a training lookup (documented), which admits keys
+        module(torch_ids)
+    assert len(module.embedding_tables["item"]) > 0
+
+
+def test_jax_lookup_with_training_false_reads_without_changing_dynamic_tables():
+    pytest.importorskip("jax")
+    from embedcore import jax as ecj
+    emb = ec.Embedding(make_features(), seed=SEED)
+    train_numpy(emb)
+    ids = {k: ec.Ragged(v, s) for k, (v, s) in eval_batch().items()}
+    assert_reads_without_change(emb, lambda: ecj.lookup(emb, ids, training=False)[0])
+
+
+def test_tf_enqueue_training_false_keras_training_false_and_serving_read_without_changing_dynamic_tables():
+    tf = pytest.importorskip("tensorflow")
+    from embedcore.tensorflow import TPUEmbedding, TPUEmbeddingForServing
+    from embedcore.tensorflow.keras import EmbeddingLayer
+    features = {k: _tf_ragged(tf, v, s) for k, (v, s) in eval_batch().items()}
+
+    def dequeued(engine):
+        engine.enqueue(features, training=False)
+        return {k: a.numpy() for k, a in engine.dequeue().items()}
+
+    mid = TPUEmbedding(make_features(), ADAGRAD)
+    mid.build()
+    train_numpy(mid.engine)
+    assert_reads_without_change(mid.engine, lambda: dequeued(mid))
+    with pytest.raises(RuntimeError, match="training=False"):
+        mid.apply_gradients({k: tf.ones_like(v) for k, v in features.items()})
+    layer = EmbeddingLayer(make_features(), seed=SEED)
+    train_numpy(layer.embedding)
+    assert_reads_without_change(layer.embedding, lambda: {k: a.numpy() for k, a in
+                                                         layer(features, training=False).items()})
+    serving = TPUEmbeddingForServing(make_features(), ADAGRAD)
+    serving.build()
+    train_numpy(serving.engine)
+    assert_reads_without_change(serving.engine, lambda: {k: a.numpy() for k, a in serving(features).items()})

@@ -236,8 +236,8 @@ def test_activations_and_gradients_are_zero_copy():
     seen = {}
     lookup, apply = engine.lookup, engine.apply_gradients
 
-    def capture_lookup(*args):
-        seen["acts"], ctx = lookup(*args)
+    def capture_lookup(*args, **kwargs):
+        seen["acts"], ctx = lookup(*args, **kwargs)
         return seen["acts"], ctx
 
     def capture_apply(grads, ctx):

@@ -1,7 +1,7 @@
 """`embedcore train` with dynamic tables: the `[embedding.tables.X] dynamic = true` keys (validated, naming the
 key and the value), the readers' 64-bit keys (a CSV log's hashed columns through `ec.hash_keys`, integer
-columns as their 64-bit patterns), a run with admission and eviction that trains, evaluates and reports, and
-the checkpointing that dynamic tables cannot have yet, refused before anything runs."""
+columns as their 64-bit patterns), a run with admission and eviction that trains, evaluates, reports and
+checkpoints, and its resumption, bit-identical to a run that never stopped."""
 
 import json
 import os
@@ -16,7 +16,8 @@ import embedcore as ec
 from embedcore.app.cli import main
 from embedcore.app.data import CsvClickLog, DataFormatError
 from embedcore.app.run_config import DEFAULTS, ConfigError, build_dataset, check, merge
-from embedcore.app.trainer import _build, checkpoint_refusal, run
+from embedcore.app.trainer import _build, run
+from embedcore.checkpoint import read_extra
 
 from .test_train import SMALL_DATA, write_toml
 
@@ -75,7 +76,7 @@ def test_the_keys_make_dynamic_tables_with_their_policies(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_a_run_with_dynamic_tables_trains_evaluates_and_reports_without_a_checkpoint(tmp_path):
+def test_a_run_with_dynamic_tables_trains_evaluates_reports_and_writes_a_checkpoint(tmp_path):
     lines = []
     metrics = run(dynamic_config(tmp_path / "out"), out=lines.append, progress_stream=open(os.devnull, "w"))
     on_disk = json.loads((tmp_path / "out" / "metrics.json").read_text())
@@ -88,22 +89,83 @@ def test_a_run_with_dynamic_tables_trains_evaluates_and_reports_without_a_checkp
         assert tables[name]["dynamic"] and tables[name]["capacity"] == spec["capacity"]
         assert 0 < tables[name]["keys"] <= spec["capacity"]
     assert tables["C3"]["keys"] == 300  # 1000 ids for 300 rows: full, LRU made room
-    refusal = checkpoint_refusal(_build(dynamic_config(tmp_path / "again"))[1])
-    assert refusal is not None and "dynamic" in refusal  # this test's premise: h-ckpt's checkpoints not merged
-    assert metrics["checkpoint"] == {"written": False, "why_not": refusal}
-    assert not (tmp_path / "out" / "checkpoint").exists()
-    assert any(line.startswith("no checkpoint will be written:") for line in lines)
+    assert "checkpoint" not in metrics
+    restored = ec.Embedding.restore(tmp_path / "out" / "checkpoint", allow_import=True)
+    assert restored.step == 24
+    for name, spec in DYNAMIC.items():
+        assert len(restored.embedding_tables[name]) == tables[name]["keys"]
+    assert any(line.endswith(f"; checkpoint in {tmp_path / 'out' / 'checkpoint'}") for line in lines)
 
 
-@pytest.mark.parametrize("resume, train, match", [
-    (False, {"checkpoint_every": 5}, r"train\.checkpoint_every = 5 needs checkpoints, and this run's cannot be "
-                                     r"written: tables \['C1', 'C2', 'C3'\] are dynamic"),
-    (True, {}, r"--resume needs checkpoints.*are dynamic"),
-])
-def test_checkpointing_dynamic_tables_is_refused_before_anything_runs(tmp_path, resume, train, match):
-    with pytest.raises(ConfigError, match=match):
-        run(dynamic_config(tmp_path / "out", **train), resume=resume, out=lambda line: None)
+def test_evaluation_changes_no_dynamic_table(tmp_path):
+    """The trainer's eval lookups are read-only: after training steps, evaluating leaves every table's whole
+    state as it was (and a fresh engine's dynamic tables empty), and gives what a second evaluation gives."""
+    from embedcore.app.trainer import evaluate
+    from .test_dynamic_eval_lookups import assert_same, whole_state
+    dataset, emb, model = _build(dynamic_config(tmp_path / "out"))
+    before = whole_state(emb)
+    evaluate(dataset, emb, model, 256)
+    assert_same(before, whole_state(emb))
+    assert all(len(emb.embedding_tables[name]) == 0 for name in DYNAMIC)
+    for batch in list(dataset.batches(256, "train"))[:3]:
+        acts, ctx = emb.lookup(batch.ids, batch.weights)
+        emb.apply_gradients({k: np.ones_like(a) for k, a in acts.items()}, ctx)
+    before = whole_state(emb)
+    first = evaluate(dataset, emb, model, 256)
+    assert_same(before, whole_state(emb))
+    assert evaluate(dataset, emb, model, 256) == first
     assert not (tmp_path / "out").exists()
+
+
+def dynamic_state(emb):
+    """Every dynamic table's whole state (keys, rows, slots, policy metadata, row slots, sketch) as arrays."""
+    out = {}
+    for t in emb.physical_tables:
+        if t.dynamic:
+            s = t.state()
+            out.update({f"{t.name}/{k}": getattr(s, k) for k in ("keys", "weights", "last_seen", "counts", "rows",
+                                                                  "free", "sketch")})
+            out.update({f"{t.name}/slot/{k}": v for k, v in s.slots.items()})
+    return out
+
+
+def test_resume_with_dynamic_tables_after_a_crash_matches_an_uninterrupted_run(tmp_path, monkeypatch):
+    """A run that dies in its second epoch resumes from its last step checkpoint (``checkpoint_every``) and
+    ends bit-identical to one that never stopped: losses, metrics, every table's keys, rows, slots and policy
+    state, and the dense model."""
+    quiet = {"out": lambda s: None, "progress_stream": open(os.devnull, "w")}
+    straight = run(dynamic_config(tmp_path / "a"), **quiet)
+    import embedcore.app.trainer as trainer
+    real = trainer.bce_with_logits
+    calls = {"n": 0}
+
+    def dies_at_step_18(logits, labels):
+        calls["n"] += 1
+        if calls["n"] == 18:
+            raise KeyboardInterrupt("simulated crash")
+        return real(logits, labels)
+
+    monkeypatch.setattr(trainer, "bce_with_logits", dies_at_step_18)
+    with pytest.raises(KeyboardInterrupt):
+        run(dynamic_config(tmp_path / "b", checkpoint_every=5), **quiet)
+    monkeypatch.setattr(trainer, "bce_with_logits", real)
+    _, metadata = read_extra(tmp_path / "b" / "checkpoint")
+    assert metadata["trainer"]["epoch"] == 1 and metadata["trainer"]["step_in_epoch"] == 3  # step 15
+    resumed = run(dynamic_config(tmp_path / "b", checkpoint_every=5), resume=True, **quiet)
+    assert resumed["train_loss_per_step"] == straight["train_loss_per_step"]
+    assert resumed["final"] == straight["final"] and resumed["evaluations"] == straight["evaluations"]
+    a = ec.Embedding.restore(tmp_path / "a" / "checkpoint", allow_import=True)
+    b = ec.Embedding.restore(tmp_path / "b" / "checkpoint", allow_import=True)
+    sa, sb = dynamic_state(a), dynamic_state(b)
+    assert sa.keys() == sb.keys() and len(sa) > 3 * 7
+    for key in sa:
+        np.testing.assert_array_equal(sa[key], sb[key], err_msg=key)
+    np.testing.assert_array_equal(a.embedding_tables["C4"], b.embedding_tables["C4"])
+    xa, _ = read_extra(tmp_path / "a" / "checkpoint")
+    xb, _ = read_extra(tmp_path / "b" / "checkpoint")
+    assert xa.keys() == xb.keys()
+    for name in xa:
+        np.testing.assert_array_equal(xa[name], xb[name], err_msg=name)
 
 
 # -- CSV logs: 64-bit keys -----------------------------------------------------------------------------------
@@ -176,7 +238,6 @@ def test_train_cli_on_a_csv_file_with_string_and_64_bit_ids(tmp_path, capsys):
     assert [f["vocabulary_size"] for f in metrics["dataset"]["features"]] == [2 ** 64, 2 ** 64]
     out = capsys.readouterr()
     assert "epoch 2:" in out.out, out.err
-    out = out.out and "no checkpoint" in out
     dataset = build_dataset({"kind": "csv", "path": str(tmp_path / "log.csv"), "eval_fraction": 0.2,
                              "hash_buckets": {"C1": 1000}}, key_columns=["C1", "C2"])
     first = next(dataset.batches(4))
@@ -233,7 +294,7 @@ def test_demo_dynamic_variant_makes_the_tables_that_can_hold_a_batch_dynamic(tmp
     got = {name: t["capacity"] for name, t in metrics["storage"]["tables"].items() if t.get("dynamic")}
     assert got == want and len(want) > 3
     assert metrics["final"]["auc"] is not None and "dynamic tables at 0.5" in metrics["title"]
-    assert "no checkpoint" in capsys.readouterr().out
+    assert "checkpoint in" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("fraction, match", [("0", r"--dynamic must lie in \(0, 1\], got 0"),

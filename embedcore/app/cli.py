@@ -47,8 +47,7 @@ def _parser() -> argparse.ArgumentParser:
     _storage_arguments(demo)
     demo.add_argument("--dynamic", type=float, default=None, metavar="FRACTION",
                       help="make dynamic every table whose capacity, FRACTION of its vocabulary, holds a batch's "
-                           "ids (admission at 2 sightings, LRU eviction); no checkpoint is written while dynamic "
-                           "tables cannot be checkpointed")
+                           "ids (admission at 2 sightings, LRU eviction)")
     demo.add_argument("--resume", action="store_true", help="continue from the output folder's checkpoint")
     train = sub.add_parser("train", help="train on your data with your choices, from a TOML or JSON config "
                                          "(see embedcore.app.run_config)")

@@ -22,12 +22,10 @@ is undefined (AUC of an eval split with one class, any metric of an empty eval s
 
 Dynamic tables (``[embedding.tables.NAME] dynamic = true``, see :mod:`embedcore.app.run_config`) train, are
 evaluated and reported (``storage.tables.NAME``: capacity and keys held) as the others; their features' ids
-are 64-bit keys (a CSV log's hashed columns through :func:`embedcore.hash_keys`). Eval lookups go through
-the same engine, so they count keys for admission and give admitted eval keys rows at their initial values
-(possibly evicting others), as any lookup of a dynamic table does (the engine has no read-only lookup yet).
-While the engine cannot checkpoint dynamic tables (:func:`embedcore.checkpoint.engine_config` refuses them),
-such a run writes no checkpoint (it says so, and ``metrics.json`` records why under ``checkpoint``), and
-``train.checkpoint_every`` and ``resume`` are refused with that reason before anything runs.
+are 64-bit keys (a CSV log's hashed columns through :func:`embedcore.hash_keys`). Eval lookups are read-only
+(``emb.lookup(..., training=False)``): they change no table, so evaluating never feeds eval keys into training
+(held keys read their rows, any other key its initial value). Dynamic tables are checkpointed (keys, rows,
+slots and policy state) and resumed bit-identically as static ones.
 """
 
 from __future__ import annotations
@@ -44,7 +42,7 @@ import numpy as np
 from .. import __version__
 from .blas_threads import blas_threads
 from ..memory_budget import check_fits
-from ..checkpoint import CheckpointError, engine_config, read_current, read_extra
+from ..checkpoint import CheckpointError, read_current, read_extra
 from ..config import DynamicTableConfig
 from .data import feature_configs
 from ..engine import Embedding
@@ -129,19 +127,6 @@ def _check_tables_fit(features, dim: int, optimizers: dict, tables: dict) -> Non
                                     f"{sizes[largest.name]:,} bytes)", error=ConfigError)
 
 
-def checkpoint_refusal(emb) -> str | None:
-    """Why ``emb`` cannot be checkpointed, or None: an engine with dynamic tables while checkpoints refuse
-    them (:func:`embedcore.checkpoint.engine_config` is what ``save`` writes first). Engines without dynamic
-    tables are not asked (they always could be)."""
-    if not any(isinstance(t, DynamicTableConfig) for t in emb.tables.values()):
-        return None
-    try:
-        engine_config(emb)
-    except CheckpointError as e:
-        return str(e)
-    return None
-
-
 def _train_batches(dataset, batch_size: int, epoch: int, skip: int):
     """The epoch's training batches from batch ``skip`` on (``start=`` when the reader has it)."""
     params = inspect.signature(dataset.batches).parameters
@@ -155,10 +140,11 @@ def _train_batches(dataset, batch_size: int, epoch: int, skip: int):
 
 
 def evaluate(dataset, emb, model, batch_size: int) -> dict:
-    """Log loss, AUC, sample count and click rate of the model on the eval split."""
+    """Log loss, AUC, sample count and click rate of the model on the eval split (read-only lookups: no table
+    changes)."""
     metrics = BinaryMetrics()
     for batch in dataset.batches(batch_size, "eval"):
-        acts, _ = emb.lookup(batch.ids, batch.weights)
+        acts, _ = emb.lookup(batch.ids, batch.weights, training=False)
         logits, _ = model.forward(batch.dense, acts)
         metrics.update(batch.labels, sigmoid(logits))
     return _defined(metrics.result(allow_undefined=True))
@@ -270,16 +256,10 @@ def _run(config, resume, out, progress_stream, title):
     started = time.perf_counter()
     dataset, emb, model = _build(config)
     build_seconds = time.perf_counter() - started
-    no_checkpoint = checkpoint_refusal(emb)
-    if no_checkpoint and (resume or train["checkpoint_every"]):
-        what = "--resume" if resume else f"train.checkpoint_every = {train['checkpoint_every']}"
-        raise ConfigError(f"{what} needs checkpoints, and this run's cannot be written: {no_checkpoint}")
     os.makedirs(output, exist_ok=True)  # only once everything is built: a refused run writes nothing
     out(f"data: {dataset!r}")
     out(f"engine: {emb!r} (built in {build_seconds:.1f} s, Numba compilation included)")
     out(f"tables: {_storage_line(emb)}")
-    if no_checkpoint:
-        out(f"no checkpoint will be written: {no_checkpoint}")
     optimum = _defined(dataset.optimum("eval")) if hasattr(dataset, "optimum") else None
 
     batch_size, epochs = train["batch_size"], train["epochs"]
@@ -343,10 +323,8 @@ def _run(config, resume, out, progress_stream, title):
         record = _defined(record)
         state["epochs"].append(record)
         state["epoch"], state["step_in_epoch"] = epoch + 1, 0
-        if not no_checkpoint:
-            _save(emb, model, checkpoint, state, config)
-        metrics = _metrics(config, dataset, emb, state, optimum, build_seconds, time.perf_counter() - started, title,
-                           no_checkpoint)
+        _save(emb, model, checkpoint, state, config)
+        metrics = _metrics(config, dataset, emb, state, optimum, build_seconds, time.perf_counter() - started, title)
         _write_json(metrics, os.path.join(output, "metrics.json"))
         beside = (f" (teacher optimum {_number(optimum['log_loss'])})" if optimum else "")
         auc_beside = (f" (teacher optimum {_number(optimum['auc'])})" if optimum else "")
@@ -355,15 +333,13 @@ def _run(config, resume, out, progress_stream, title):
             f"{_number(result['log_loss'], why)}{beside} | AUC {_number(result['auc'], why)}{auc_beside} | "
             f"{record['train_samples_per_second']:,.0f} samples/s")
 
-    metrics = _metrics(config, dataset, emb, state, optimum, build_seconds, time.perf_counter() - started, title,
-                       no_checkpoint)
+    metrics = _metrics(config, dataset, emb, state, optimum, build_seconds, time.perf_counter() - started, title)
     _write_json(metrics, os.path.join(output, "metrics.json"))
     drawn = learning_curve(metrics, os.path.join(output, "learning_curve.png"))
     out(f"wrote {os.path.join(output, 'metrics.json')}" +
         (f" and {os.path.join(output, 'learning_curve.png')}" if drawn else
          " (no learning_curve.png: pip install 'embedcore[plot]' for matplotlib)") +
-        ("; no checkpoint (dynamic tables cannot be checkpointed yet)" if no_checkpoint else
-         f"; checkpoint in {checkpoint}"))
+        f"; checkpoint in {checkpoint}")
     return metrics
 
 
@@ -398,10 +374,9 @@ def _size(n: int) -> str:
     return f"{n / 1e6:.1f} MB" if n >= 1e6 else f"{n / 1e3:.1f} kB"
 
 
-def _metrics(config, dataset, emb, state, optimum, build_seconds, total_seconds, title, no_checkpoint=None) -> dict:
+def _metrics(config, dataset, emb, state, optimum, build_seconds, total_seconds, title) -> dict:
     final = state["epochs"][-1]["eval"] if state["epochs"] else None
-    extra = {"checkpoint": {"written": False, "why_not": no_checkpoint}} if no_checkpoint else {}
-    return _defined({**extra,
+    return _defined({
         "title": title or f"embedcore {__version__}: DLRM on {dataset.name}",
         "config": config,
         "dataset": {"name": dataset.name, "train_samples": dataset.n_samples("train"),

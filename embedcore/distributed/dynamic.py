@@ -28,6 +28,10 @@ rank, e.g. keys of a float dtype, is refused there on every rank):
 3. owner: commit the plan and answer each key's row (an unadmitted key's initial value); requester: combine
    its activations from the rows received with the single-process kernel.
 
+A read-only lookup (``training=False``) routes alike; in step 2 each owner only reads (:meth:`DynamicShards.
+read_only`: no TTL removal, admission count, new row, touch or eviction; a key without a live row reads its
+initial value), so nothing can be refused there and no table changes on any rank.
+
 ``apply_gradients`` sends each unique key's gradient sum back the way its key went; the owner updates the
 admitted keys' rows, summing one key's sums in rank order, and drops the unadmitted keys' sums. A context is
 refused on every rank (nothing updated) once a later lookup evicted or expired rows of a table on any rank.
@@ -137,6 +141,15 @@ class _Owned:
     rows: np.ndarray = None
     removals: int = 0
     plan: object = None
+
+
+@dataclass
+class _Read:
+    """A read-only lookup's answer on the owner: rows as a plan's commit gives them, and the initial values
+    of the keys it holds no live row of."""
+
+    rows: np.ndarray
+    pending_values: np.ndarray
 
 
 @dataclass
@@ -257,11 +270,22 @@ class DynamicShards:
             self.cancel(route)
             raise
 
+    def read_only(self, route: DynamicRoute, step: int) -> None:
+        """As :meth:`plan` for a read-only lookup (``training=False``): each table reads the keys it received
+        (:meth:`~embedcore.tables.dynamic.DynamicPhysicalTable.read_only_rows`), changing nothing, and
+        :meth:`commit_and_answer` answers what they read."""
+        for table, owned in zip(self.tables, route.owned):
+            occurrences = np.repeat(owned.keys, owned.counts)
+            batch = inputs.to_feature_batch(occurrences, None, table.name, table.key_map.capacity, check_range=False)
+            _, _, rows, pending_values = table.read_only_rows([(batch, "sum", 0, 0, 0, table.key_map.capacity)], step)
+            owned.plan = _Read(rows, pending_values)
+
     def cancel(self, route: DynamicRoute) -> None:
         """Undo the plans of ``route`` not committed yet (their admission counts)."""
         for table, owned in zip(self.tables, route.owned):
             if owned.plan is not None:
-                table.cancel(owned.plan)
+                if not isinstance(owned.plan, _Read):
+                    table.cancel(owned.plan)
                 owned.plan = None
 
     def commit_and_answer(self, ex, route: DynamicRoute) -> list:
@@ -270,7 +294,7 @@ class DynamicShards:
         answer = np.empty(int(route.floats(route.from_, self.dims).sum()), np.float32)
         for table, owned in zip(self.tables, route.owned):
             plan, owned.plan = owned.plan, None
-            rows = table.commit(plan)
+            rows = plan.rows if isinstance(plan, _Read) else table.commit(plan)
             rows = rows[displacements(owned.counts)]  # each received key's first occurrence
             capacity = table.key_map.capacity
             values = np.empty((rows.shape[0], table.dim), np.float32)

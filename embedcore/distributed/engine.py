@@ -320,16 +320,21 @@ class ShardedEmbedding(TrainingEngine):
         return _checkpoint.restore(cls, path, _world_comm(comm), functions, allow_import, timeout)
 
     # -- lookup ------------------------------------------------------------------------------------------
-    def lookup(self, features, weights=None):
+    def lookup(self, features, weights=None, *, training: bool = True):
         """This rank's activations for its local batch, and the context for :meth:`apply_gradients`.
 
         A context stays valid until its gradients are applied, whatever lookups come in between (a lookup
         made while an earlier one's gradients are pending copies the earlier one's routing first).
+        ``training=False``: a read-only lookup, as :meth:`embedcore.Embedding.lookup`'s (no table changes on
+        any rank; its context cannot be applied). Every rank must pass the same ``training``, as it must look
+        up the same features.
         """
+        if not isinstance(training, (bool, np.bool_)):
+            raise inputs.InputTypeError(f"training must be True or False, got {training!r}")
         with self._exclusive("lookup"):
-            return self._lookup(features, weights)
+            return self._lookup(features, weights, bool(training))
 
-    def _lookup(self, features, weights):
+    def _lookup(self, features, weights, training=True):
         ex, layout, ws = self._exchange, self._layout, self._workspace
         pending = self._pending() if self._pending is not None else None
         if pending is not None:
@@ -358,7 +363,7 @@ class ShardedEmbedding(TrainingEngine):
         route.ids_from = route_ids_from
         acts = []
         if self._dynamic:
-            acts = self._lookup_dynamic(dynamic_route, send_keys)
+            acts = self._lookup_dynamic(dynamic_route, send_keys, training)
         with self._going_ahead("lookup"):
             acts = self._fetch(route, send_ids) + acts
         self._lookups = route.seq
@@ -367,16 +372,18 @@ class ShardedEmbedding(TrainingEngine):
         table_batches = [g["tb"] for g in route.groups] + (
             [r.tb for r in dynamic_route.requests] if dynamic_route else [])
         ctx = ShardedLookupContext(self._token, self._generation, table_batches, slots, route=route,
-                                   dynamic_route=dynamic_route)
+                                   dynamic_route=dynamic_route, training=training)
         return inputs.unflatten(self._feature_config, activations), ctx
 
-    def _lookup_dynamic(self, route, send_keys) -> list:
+    def _lookup_dynamic(self, route, send_keys, training=True) -> list:
         """The dynamic tables' part of a lookup (see :mod:`.dynamic`): keys to their owners, the owners' plans
-        agreed on by every rank (a refusal anywhere undoes them all), then rows back; the activations."""
+        (or, ``training`` False, reads) agreed on by every rank (a refusal anywhere undoes them all), then rows
+        back; the activations."""
         dyn = self._dynamic
         with self._going_ahead("lookup (dynamic keys)"):
             dyn.exchange_keys(self._exchange, route, send_keys)
-        _, error, exc = _attempt(lambda: dyn.plan(route, self.step))
+        read = dyn.plan if training else dyn.read_only
+        _, error, exc = _attempt(lambda: read(route, self.step))
         try:
             self._agreed(error, exc, "lookup")
         except DistributedError:

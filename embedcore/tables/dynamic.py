@@ -186,20 +186,8 @@ class DynamicPhysicalTable(PhysicalTable):
         """Decide what the lookup of ``parts`` (as for :meth:`lay_out`) at ``step`` changes; refuse it
         (:class:`InputError` naming the table) before anything changed, expired rows and (until
         :meth:`cancel`) admission counts aside. Hold the result for :meth:`lay_out_planned` or :meth:`cancel`."""
-        for batch, combiner, seq_len, *_ in parts:
-            if seq_len and batch.repeated is not None:
-                sample, position, first, second = batch.repeated
-                raise InputError(f"feature '{batch.name}': sparse index ({sample}, {position}) is given twice (ids "
-                                 f"{first} and {second}); a position of a sequence feature holds one id")
-        if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or not 0 <= step <= MAX_STEP:
-            raise InputError(f"table '{self.name}': a dynamic table counts steps up to {MAX_STEP}; the engine is at "
-                             f"step {step!r}")
-        step = int(step)
-        if isinstance(self.eviction, TTL):
-            expired = expired_rows(self.key_map, step, self.eviction.steps)
-            if expired.size:
-                self.key_map.remove_rows(expired)
-                self.removals += 1
+        step = self._checked_parts(parts, step)
+        self.remove_expired(step)
         used = [_looked_up(batch, seq_len) for batch, _, seq_len, *_ in parts]
         keys = [batch.ids if mask is None else batch.ids[mask] for (batch, *_), mask in zip(parts, used)]
         keys = keys[0] if len(keys) == 1 else np.concatenate(keys) if keys else np.zeros(0, np.int64)
@@ -235,6 +223,18 @@ class DynamicPhysicalTable(PhysicalTable):
             return self.initial_rows(keys, slot)
         target = self.storage.weights if slot is None else self.storage.slots[slot]
         return np.empty((0,) + target.shape[1:], target.dtype)
+
+    def _checked_parts(self, parts, step) -> int:
+        """``step`` as an int, once ``parts`` and ``step`` are found fit for a lookup (else :class:`InputError`)."""
+        for batch, combiner, seq_len, *_ in parts:
+            if seq_len and batch.repeated is not None:
+                sample, position, first, second = batch.repeated
+                raise InputError(f"feature '{batch.name}': sparse index ({sample}, {position}) is given twice (ids "
+                                 f"{first} and {second}); a position of a sequence feature holds one id")
+        if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or not 0 <= step <= MAX_STEP:
+            raise InputError(f"table '{self.name}': a dynamic table counts steps up to {MAX_STEP}; the engine is at "
+                             f"step {step!r}")
+        return int(step)
 
     def _victims(self, n_new: int, found, step: int) -> np.ndarray:
         need = n_new - self.key_map.free_rows
@@ -285,10 +285,15 @@ class DynamicPhysicalTable(PhysicalTable):
         """Commit ``plan`` and lay out its occurrences: ``(DynamicTableBatch, lease)`` as :meth:`lay_out`."""
         with self._held("look up"):
             rows = self.commit(plan)
+        return self._lay_out_rows(plan.parts, plan.used, rows, plan.pending_values)
+
+    def _lay_out_rows(self, parts, used, rows, pending_values):
+        """Lay out ``parts`` (their occurrences ``used``) over ``rows`` (as :meth:`commit` returns them):
+        ``(DynamicTableBatch, lease)``."""
         capacity = self.key_map.capacity
-        n_pending = plan.pending_values.shape[0]
+        n_pending = pending_values.shape[0]
         mapped, at = [], 0
-        for (batch, combiner, seq_len, _, out_offset, _), mask in zip(plan.parts, plan.used):
+        for (batch, combiner, seq_len, _, out_offset, _), mask in zip(parts, used):
             n = batch.ids.shape[0] if mask is None else int(np.count_nonzero(mask))
             part_rows = rows[at:at + n]
             at += n
@@ -305,8 +310,36 @@ class DynamicPhysicalTable(PhysicalTable):
             pending = inputs.select_occurrences(tb, is_pending, tb.rows[is_pending] - capacity)
             tb = inputs.select_occurrences(tb, ~is_pending)
         fields = {f.name: getattr(tb, f.name) for f in dataclasses.fields(TableBatch)}
-        return DynamicTableBatch(**fields, pending=pending, pending_values=plan.pending_values,
+        return DynamicTableBatch(**fields, pending=pending, pending_values=pending_values,
                                  removals=self.removals), lease
+
+    # -- read-only lookup -----------------------------------------------------------------------------
+    def read_only_rows(self, parts, step: int):
+        """What a lookup of ``parts`` at ``step`` reads, changing nothing (no TTL removal, no admission
+        count, no new row, no touch, no eviction): ``(used, keys, rows, pending_values)`` with ``used`` and
+        ``keys`` as a plan's and ``rows`` as :meth:`commit` returns them. A key held (and, under TTL, not
+        expired at ``step``: ``step - last_seen <= steps``) reads its row; any other key (absent, not admitted
+        yet, expired) reads its initial value from ``pending_values``, as an unadmitted key does in
+        training. Bad input is refused (:class:`InputError`) as by :meth:`plan`."""
+        step = self._checked_parts(parts, step)
+        used = [_looked_up(batch, seq_len) for batch, _, seq_len, *_ in parts]
+        keys = [batch.ids if mask is None else batch.ids[mask] for (batch, *_), mask in zip(parts, used)]
+        keys = np.ascontiguousarray(np.concatenate(keys) if keys else np.zeros(0, np.int64)).view(np.uint64)
+        rows = self.key_map.find(keys)
+        if isinstance(self.eviction, TTL):
+            held = np.flatnonzero(rows >= 0)
+            age = step - self.key_map.last_seen[rows[held]].astype(np.int64)
+            rows[held[age > self.eviction.steps]] = -1
+        absent = np.flatnonzero(rows < 0)
+        pending_keys, inverse = np.unique(keys[absent], return_inverse=True)
+        rows[absent] = self.key_map.capacity + inverse.astype(np.int64).ravel()
+        return used, keys, rows, self.initial_rows(pending_keys)
+
+    def lay_out_read_only(self, parts, step: int = 0):
+        """Lay out a read-only lookup of ``parts`` at ``step`` (:meth:`read_only_rows`): ``(DynamicTableBatch,
+        lease)`` as :meth:`lay_out`, the table unchanged."""
+        used, _, rows, pending_values = self.read_only_rows(parts, step)
+        return self._lay_out_rows(parts, used, rows, pending_values)
 
     def lookup(self, table_batch, out: np.ndarray | None = None) -> np.ndarray:
         """As :meth:`PhysicalTable.lookup`, the unadmitted keys' initial values added to their activations."""

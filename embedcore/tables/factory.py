@@ -151,11 +151,12 @@ def physical_tables(tables, default_optimizer, *, stack_tables: bool = True, see
 
 
 def _check_dynamic(table, opt, shards) -> None:
-    """Refuse (``ValueError`` naming the table) what a dynamic table cannot do yet or at all: shards, a
-    non-lazy optimizer (it would update free row slots), slot initializers that are plain callables (they
+    """Refuse (``ValueError`` naming the table) what a dynamic table cannot do: row shards (a
+    ``ShardedEmbedding`` places a dynamic table's keys by their hash, :mod:`embedcore.distributed.dynamic`, never
+    by row ranges), a non-lazy optimizer (it would update free row slots), slot initializers that are plain callables (they
     make tables of row ids; a key has none)."""
     if shards is not None:
-        raise ValueError(f"table '{table.name}' is dynamic: sharded engines do not take dynamic tables yet")
+        raise ValueError(f"table '{table.name}' is dynamic: its keys are placed by hash, not in row shards")
     if opt is None:
         return
     if not opt.lazy:

@@ -52,9 +52,11 @@ bit pattern is the key) or ``tf.uint64`` value, dense, ragged or sparse. ``embed
 ``variables`` give such a table (and its slots) as a live :class:`~embedcore.tables.dynamic.DynamicTableView`
 (rows by key) instead of a tensor snapshot, and TensorFlow checkpoints of an engine holding one are refused
 (:class:`~embedcore.CheckpointError` naming the tables: TensorFlow's layout is one dense variable a table);
-checkpoint it with ``engine.save(path)``. A lookup changes a dynamic table even when it updates nothing
-(``TPUEmbeddingForServing``, ``training=False``): keys are counted for admission, admitted keys get rows at
-their initial values, rows may be evicted (the engine has no read-only lookup of dynamic tables yet).
+checkpoint it with ``engine.save(path)``. A training lookup (``enqueue(..., training=True)``, ``TPUEmbeddingV0``'s
+``embedding_lookup``) counts keys for admission, gives admitted keys rows at their initial values and may
+evict; ``enqueue(..., training=False)`` and ``TPUEmbeddingForServing`` are read-only lookups
+(``Embedding.lookup(..., training=False)``): no table changes, held keys read their rows, any other key its
+initial value.
 
 ``embedding_tables``: each table as a ``tf.Tensor`` snapshot: a copy of the rows, in the table's dtype,
 taken when the property is read (TensorFlow returns ``tf.Variable`` s; embedcore's rows live in NumPy and are

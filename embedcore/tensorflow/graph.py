@@ -6,7 +6,8 @@ Two operations, each one ``tf.numpy_function`` in a graph (a plain Python call w
   lookup; ``activations`` mirror ``engine.feature_config`` as float32 ``tf.Tensor`` s whose static shapes
   follow from the feature config and the batch's static shape (:func:`activation_shape`), so the dense
   model's layers build inside a ``tf.function``; ``handle`` is an int64 scalar tensor naming the lookup's
-  :class:`~embedcore.LookupContext` in a registry (0 for ``training=False``: nothing to update).
+  :class:`~embedcore.LookupContext` in a registry (0 for ``training=False``: nothing to update; a training
+  engine's lookup is then read-only, ``Embedding.lookup(..., training=False)``: dynamic tables unchanged).
 * :func:`apply_gradients` ``(engine, gradients, handle) -> step``: the engine's fused update with the
   activations' gradients (a nest like the activations; ``None`` for a feature = no update for it), for the
   lookup named by ``handle``; returns the engine's step after it, an int64 scalar tensor.
@@ -52,7 +53,7 @@ import numpy as np
 import tensorflow as tf
 
 from ..inputs import InputError
-from ..lookup import LookupContext
+from ..lookup import LookupContext, TrainingEngine
 from . import tensors
 
 __all__ = ["lookup", "apply_gradients", "activation_shape", "MAX_PENDING", "pending_count", "feature_paths"]
@@ -235,8 +236,11 @@ def _lookup_arrays(engine, config, kinds, arrays, training, keep_dense_last_dim)
         ids.append(value)
         weights.append(w)
     any_weights = any(w is not None for w in weights)
+    # training=False: a read-only lookup of a training engine (dynamic tables unchanged); serving engines
+    # only read anyway
+    read_only = {"training": False} if not training and isinstance(engine, TrainingEngine) else {}
     result = engine.lookup(tf.nest.pack_sequence_as(config, ids),
-                           tf.nest.pack_sequence_as(config, weights) if any_weights else None)
+                           tf.nest.pack_sequence_as(config, weights) if any_weights else None, **read_only)
     if isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], LookupContext):
         activations, ctx = result
     else:  # a lookup-only engine (ServingEmbedding)

@@ -55,8 +55,11 @@ Dynamic tables (:class:`embedcore.DynamicTableConfig`) train as any other (ids: 
 ``tf.uint64`` value); their state (keys, rows, slots, the policies' counters) has no fixed-shape weight, so
 ``save_weights`` and ``tf.train.Checkpoint`` of a layer holding one are refused (``ValueError`` naming the tables)
 in favour of ``layer.embedding.save(path)``, and ``get_embedding_tables`` gives such a table as its live
-:class:`~embedcore.tables.dynamic.DynamicTableView` (rows by key). A lookup changes a dynamic table even when it
-updates nothing (``training=False``): admission counts, new rows at their initial values, evictions.
+:class:`~embedcore.tables.dynamic.DynamicTableView` (rows by key). A training call counts a dynamic table's keys
+for admission, gives admitted keys rows at their initial values and may evict; a call with ``training=False``
+(``model.evaluate``, ``model.predict``) or of a layer with ``trainable=False`` is a read-only lookup
+(``Embedding.lookup(..., training=False)``): no table changes, held keys read their rows, any other key its
+initial value.
 A whole-model ``model.save("model.keras")`` would also need the layer's configuration as JSON, which feature
 configs and optimizers with Python callables do not have: ``get_config`` refuses it, naming the way out
 (rebuild the model in code and ``load_weights``). For large tables use the engine's own atomic, checksummed
