@@ -148,9 +148,9 @@ def test_kjt_ids_are_not_copied():
     seen = []
     lookup = module.embedding.lookup
 
-    def capture(features, weights=None):
+    def capture(features, weights=None, **kwargs):
         seen.append(features)
-        return lookup(features, weights)
+        return lookup(features, weights, **kwargs)
 
     module.embedding.lookup = capture
     samples, weights = _samples(np.random.default_rng(6))
