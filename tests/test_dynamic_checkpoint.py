@@ -22,6 +22,8 @@ from embedcore.export import dequantize_int8_rows
 from embedcore.initializers import fill_key_rows
 from embedcore.kernels.hash_map import KeyRowMap
 
+from .test_dynamic_tables import assert_same_state
+
 DIM = 3
 EXTREME = [0, -1, 2 ** 63 - 1, -2 ** 63, 12345678901]
 
@@ -74,15 +76,6 @@ def full_state(emb):
     out.update({f"slot/{k}": v.astype(np.float32) for k, v in s.slots.items()})
     out.update({f"static/{k}": np.array(v).copy() for k, v in emb.slot_variables["static"].items()})
     return out
-
-
-def assert_same_state(a, b):
-    assert a.keys() == b.keys()
-    for k in a:
-        if isinstance(a[k], np.ndarray):
-            np.testing.assert_array_equal(a[k], b[k], err_msg=k)
-        else:
-            assert a[k] == b[k], k
 
 
 # -- round trips ---------------------------------------------------------------------------------------------

@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 import embedcore as ec
 
 from . import reference as ref
-from .test_dynamic_tables import EXTREME, LOW, HIGH, M, SEED, Model, Run, model_activations, ragged, \
-    uniform_initial
+from .test_dynamic_tables import EXTREME, LOW, HIGH, M, SEED, Model, Run, assert_same_state, model_activations, \
+    ragged, uniform_initial
 
 
 def whole_state(emb):
@@ -34,15 +34,6 @@ def whole_state(emb):
     return out
 
 
-def assert_same(a, b):
-    assert a.keys() == b.keys()
-    for k in a:
-        if isinstance(a[k], np.ndarray):
-            np.testing.assert_array_equal(a[k], b[k], err_msg=k)
-        else:
-            assert a[k] == b[k], k
-
-
 def read_only_value(model, step):
     """The model's read: a held key not expired at ``step`` its row, any other its initial value."""
     def value(key):
@@ -57,14 +48,14 @@ def check_read_only(emb, model, samples, table="t", feature="f", seq_len=0, weig
     before = whole_state(emb)
     ids, w = ragged(samples, weights)
     acts, ctx = emb({feature: ids}, None if weights is None else {feature: w}, training=False)
-    assert_same(before, whole_state(emb))
+    assert_same_state(before, whole_state(emb))
     cfg = emb.tables[table]
     ones = weights or [[1.0] * len(s) for s in samples]
     want = model_activations(read_only_value(model, emb.step), samples, ones, cfg.combiner, seq_len, cfg.dim)
     np.testing.assert_allclose(acts[feature], want, rtol=2e-5, atol=2e-5)
     with pytest.raises(ec.InputError, match="training=False.*cannot be applied.*nothing was updated"):
         emb.apply_gradients({feature: np.ones_like(acts[feature])}, ctx)
-    assert_same(before, whole_state(emb))
+    assert_same_state(before, whole_state(emb))
 
 
 POLICIES = st.sampled_from([None, ec.LRU(), ec.LFU(), ec.TTL(steps=1), ec.TTL(steps=2)])
@@ -121,7 +112,7 @@ def test_static_tables_read_alike_and_a_mixed_context_is_refused():
     before = whole_state(emb)
     features = {"s": np.array([[0, 1], [5, 5]]), "d": np.array([[0, 99], [12, 12]], np.int64)}
     read, ctx = emb(features, training=False)
-    assert_same(before, whole_state(emb))
+    assert_same_state(before, whole_state(emb))
     table = np.asarray(emb.embedding_tables["static"])
     np.testing.assert_array_equal(read["s"], table[[0, 5]] + table[[1, 5]])
     with pytest.raises(ec.InputError, match="training=False"):
@@ -164,7 +155,7 @@ def test_sharded_read_only_lookups_change_nothing_and_equal_one_process(tmp_path
     slices = mpi_dynamic.assignment(t, world)
     features, weights = mpi_dynamic.take(mpi_dynamic.global_batch(t), np.concatenate(slices))
     acts, _ = emb.lookup(features, weights, training=False)
-    assert_same(before, whole_state(emb))
+    assert_same_state(before, whole_state(emb))
     tolerance = {"rtol": 0, "atol": 0} if world == 1 else {"rtol": 1e-5, "atol": 1e-6}
     at = 0
     for k, rows in enumerate(slices):

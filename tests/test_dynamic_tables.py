@@ -203,6 +203,16 @@ def engine_state(emb):
     return state
 
 
+def assert_same_state(a, b):
+    """Two state dicts (names -> arrays or plain values) are equal, entry by entry (arrays exactly)."""
+    assert a.keys() == b.keys()
+    for k in a:
+        if isinstance(a[k], np.ndarray):
+            np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+        else:
+            assert a[k] == b[k], k
+
+
 def default_render(feature, samples, weights):
     return ragged(samples, weights)
 
