@@ -21,21 +21,25 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "workers", "determinism.py")
 
 
-def _start(threads, runs, hash_seed):
-    env = dict(os.environ, NUMBA_NUM_THREADS=str(threads), PYTHONHASHSEED=str(hash_seed))
-    return subprocess.Popen([sys.executable, WORKER, runs], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+def run_workers(worker, specs: dict, timeout: float) -> dict:
+    """Run ``worker`` once per ``name: (numba_threads, runs_argument, python_hash_seed)``, all at once; each
+    one's last stdout line, parsed as JSON, by name."""
+    procs = {}
+    for name, (threads, runs, hash_seed) in specs.items():
+        env = dict(os.environ, NUMBA_NUM_THREADS=str(threads), PYTHONHASHSEED=str(hash_seed))
+        procs[name] = subprocess.Popen([sys.executable, worker, runs], env=env, stdout=subprocess.PIPE,
+                                       stderr=subprocess.PIPE, text=True)
+    out = {}
+    for name, proc in procs.items():
+        stdout, stderr = proc.communicate(timeout=timeout)
+        assert proc.returncode == 0, f"{os.path.basename(worker)} ({name}) failed:\n{stderr[-4000:]}"
+        out[name] = json.loads(stdout.strip().splitlines()[-1])
+    return out
 
 
 @pytest.fixture(scope="module")
 def results():
-    procs = {"one": _start(1, "on:1,off:1", 1), "two": _start(2, "on:2,off:2,on:1", 2)}
-    out = {}
-    for name, proc in procs.items():
-        stdout, stderr = proc.communicate(timeout=300)
-        assert proc.returncode == 0, f"determinism worker ({name}) failed:\n{stderr[-4000:]}"
-        out[name] = json.loads(stdout.strip().splitlines()[-1])
-    return out
+    return run_workers(WORKER, {"one": (1, "on:1,off:1", 1), "two": (2, "on:2,off:2,on:1", 2)}, timeout=300)
 
 
 def _state(run):

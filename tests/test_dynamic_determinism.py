@@ -7,33 +7,20 @@ workload: one with ``NUMBA_NUM_THREADS=1``, one with ``NUMBA_NUM_THREADS=2`` tha
 thread (``numba.set_num_threads(1)``). They run side by side.
 """
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
+
+from .test_determinism import run_workers
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "workers", "dynamic_determinism.py")
 DYNAMIC = ("score", "lfu16", "ttl16")
 
 
-def _start(threads, runs, hash_seed):
-    env = dict(os.environ, NUMBA_NUM_THREADS=str(threads), PYTHONHASHSEED=str(hash_seed))
-    return subprocess.Popen([sys.executable, WORKER, runs], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-
-
 @pytest.fixture(scope="module")
 def results():
-    procs = {"one": _start(1, "1", 3), "two": _start(2, "2,1", 4)}
-    out = {}
-    for name, proc in procs.items():
-        stdout, stderr = proc.communicate(timeout=600)
-        assert proc.returncode == 0, f"dynamic determinism worker ({name}) failed:\n{stderr[-4000:]}"
-        out[name] = json.loads(stdout.strip().splitlines()[-1])
-    return out
+    return run_workers(WORKER, {"one": (1, "1", 3), "two": (2, "2,1", 4)}, timeout=600)
 
 
 def test_the_workers_ran_what_they_claim(results):
