@@ -333,10 +333,10 @@ def eval_batch():
 def assert_reads_without_change(engine, read):
     """``read()`` (a front's evaluation path over :func:`eval_batch`) changes no table of ``engine`` and gives
     the engine's own read-only lookup's activations."""
-    from .test_dynamic_eval_lookups import assert_same, whole_state
+    from .test_dynamic_eval_lookups import assert_same_state, whole_state
     before = whole_state(engine)
     got = read()
-    assert_same(before, whole_state(engine))
+    assert_same_state(before, whole_state(engine))
     want, _ = engine.lookup({k: ec.Ragged(v, s) for k, (v, s) in eval_batch().items()}, training=False)
     for name, a in want.items():
         np.testing.assert_array_equal(np.asarray(got[name]), a, err_msg=name)

@@ -101,18 +101,18 @@ def test_evaluation_changes_no_dynamic_table(tmp_path):
     """The trainer's eval lookups are read-only: after training steps, evaluating leaves every table's whole
     state as it was (and a fresh engine's dynamic tables empty), and gives what a second evaluation gives."""
     from embedcore.app.trainer import evaluate
-    from .test_dynamic_eval_lookups import assert_same, whole_state
+    from .test_dynamic_eval_lookups import assert_same_state, whole_state
     dataset, emb, model = _build(dynamic_config(tmp_path / "out"))
     before = whole_state(emb)
     evaluate(dataset, emb, model, 256)
-    assert_same(before, whole_state(emb))
+    assert_same_state(before, whole_state(emb))
     assert all(len(emb.embedding_tables[name]) == 0 for name in DYNAMIC)
     for batch in list(dataset.batches(256, "train"))[:3]:
         acts, ctx = emb.lookup(batch.ids, batch.weights)
         emb.apply_gradients({k: np.ones_like(a) for k, a in acts.items()}, ctx)
     before = whole_state(emb)
     first = evaluate(dataset, emb, model, 256)
-    assert_same(before, whole_state(emb))
+    assert_same_state(before, whole_state(emb))
     assert evaluate(dataset, emb, model, 256) == first
     assert not (tmp_path / "out").exists()
 
