@@ -355,19 +355,12 @@ def test_learning_rate_callable_returning_a_tensor():
                      on_step=lambda k: step.assign(float(k - 1)))
 
 
-def test_learning_rate_callable_inside_tf_function():
-    """Called where embedcore runs it (inside ``tf.numpy_function``, eager there) the callable sees the
-    variable's value assigned before it in the graph; called on graph tensors it says why it cannot work."""
+def test_learning_rate_callable_called_on_graph_tensors_says_why_it_cannot_work():
+    """Eagerly (and while an update op runs, with the value the graph computed) the callable gives a value;
+    called while a graph is traced it would return a symbolic tensor, which cannot be a step's float."""
     rate = tf.Variable(0.1)
     converted = convert.optimizer(E.SGD(lambda: rate * 2.0))
-
-    @tf.function
-    def step(value):
-        rate.assign(value)
-        return tf.numpy_function(lambda: np.float32(converted.step_values(1)[0]), [], tf.float32, stateful=True)
-
-    assert step(tf.constant(0.25)).numpy() == np.float32(0.5)
-    assert step(tf.constant(0.75)).numpy() == np.float32(1.5)
+    assert converted.step_values(1)[0] == np.float32(0.2)
 
     @tf.function
     def in_graph():
@@ -375,6 +368,22 @@ def test_learning_rate_callable_inside_tf_function():
 
     with pytest.raises(ValueError, match="returned a symbolic tensor"):
         in_graph()
+
+
+def test_given_values_replace_the_callables_on_this_thread_only():
+    rate = tf.Variable(0.1)
+    converted = convert.optimizer(E.SGD(lambda: rate * 2.0))
+    callables = convert.tensor_callables([converted, None, converted])
+    assert callables == [converted.learning_rate]
+    seen = []
+    with convert.given_values(callables, [0.5]):
+        assert converted.step_values(1)[0] == np.float32(0.5)
+        import threading
+        other = threading.Thread(target=lambda: seen.append(converted.step_values(1)[0]))
+        other.start()
+        other.join()
+    assert seen == [np.float32(0.2)]
+    assert converted.step_values(1)[0] == np.float32(0.2)
 
 
 def test_learning_rate_callable_with_a_step_argument_is_refused_naming_the_table():

@@ -388,6 +388,61 @@ def test_tpu_embedding_one_step_equals_the_sgd_formula(combiner):
     np.testing.assert_allclose(got_user, new_user, rtol=1e-5, atol=1e-6)
 
 
+def _graph_ancestors(op):
+    """Every op that must run before ``op`` (data and control inputs, transitively)."""
+    seen, stack = set(), [op]
+    while stack:
+        current = stack.pop()
+        for parent in [t.op for t in current.inputs] + list(current.control_inputs):
+            if parent not in seen:
+                seen.add(parent)
+                stack.append(parent)
+    return seen
+
+
+@pytest.mark.parametrize("where", ["learning_rate", "hyperparameter"])
+def test_variable_read_by_a_callable_follows_program_order_inside_tf_function(where):
+    """TensorFlow evaluates callable learning rates (and CustomOptimizer hyperparameters) in the graph where
+    the update is built, so a variable they read is read after an ``assign`` written before the update and
+    before one written after it. Checked in the traced graph (TensorFlow orders a variable's reads and
+    writes, not a Python op against them, so a value read inside the update op would race) and in the
+    tables over steps."""
+    rate = tf.Variable(0.1)
+
+    def sgd(gradient, embedding_table, slot_variables, learning_rate, hyperparameters):
+        del slot_variables
+        return embedding_table - hyperparameters[0] * learning_rate * gradient
+
+    if where == "learning_rate":
+        optimizer = E.SGD(lambda: rate * 2.0)
+    else:
+        optimizer = E.CustomOptimizer(sgd, learning_rate=2.0, hyperparameters=(lambda: rate,))
+    table = E.TableConfig(5, 2, initializer=tf.zeros_initializer(), optimizer=optimizer, name="t")
+    embedding = TPUEmbedding({"f": E.FeatureConfig(table)}, None)
+
+    @tf.function
+    def step(value, ids):
+        rate.assign(value)
+        embedding.enqueue({"f": ids}, training=True)
+        activations = embedding.dequeue()
+        embedding.apply_gradients({"f": tf.ones_like(activations["f"])})
+        rate.assign(100.0)  # after the update: it must not see this
+
+    graph_ = step.get_concrete_function(tf.TensorSpec([], tf.float32), tf.TensorSpec([None], tf.int32)).graph
+    apply_op = next(op for op in graph_.get_operations() if op.type == "PyFunc" and "apply_gradients" in op.name)
+    assigns = [op for op in graph_.get_operations() if op.type == "AssignVariableOp"]
+    before = _graph_ancestors(apply_op)
+    assert assigns[0] in before and assigns[1] not in before
+    assert any(op.type == "ReadVariableOp" for op in before)
+
+    expected = np.zeros((5, 2), np.float32)
+    for value, ids in ((0.25, [1, 3]), (0.75, [1]), (0.5, [4, 4])):
+        step(tf.constant(value), tf.constant(ids, tf.int32))
+        for i in ids:
+            expected[i] -= np.float32(2.0 * value)
+        np.testing.assert_allclose(embedding.embedding_tables[table], expected, rtol=1e-6)
+
+
 def test_tpu_embedding_docstring_training_loop_in_tf_function():
     feature_config, table_video, table_user = tf_feature_config("mean")
     strategy = tf.distribute.get_strategy()  # TensorFlow's example: tf.distribute.TPUStrategy(...)

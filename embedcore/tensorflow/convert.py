@@ -39,10 +39,12 @@ initializer that was passed.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import numbers
 import sys
+import threading
 from typing import NamedTuple
 
 import numpy as np
@@ -56,7 +58,8 @@ from ..initializers import Initializer, finite_float32, stream_key
 from ..kernels import random as _random
 
 __all__ = ["Converted", "features", "table", "optimizer", "initializer", "RandomNormal", "ConstantValues",
-           "TensorInitializer", "TensorCallable"]
+           "TensorInitializer", "TensorCallable",
+           "tensor_callables", "given_values"]
 
 _tpu = tf.tpu.experimental.embedding
 
@@ -208,9 +211,17 @@ def _named(exc, where):
 # ----------------------------------------------------------------------------------------------------------
 # Learning rates and hyperparameters.
 
+_GIVEN = threading.local()  # .values: {id(TensorCallable): value} while an update op runs (given_values)
+
+
 class TensorCallable:
     """A zero-argument callable whose result (float, NumPy scalar, ``tf.Tensor``, ``tf.Variable``) is returned as
     a NumPy scalar, called once a step as TensorFlow calls a dynamic learning rate.
+
+    Inside ``tf.function`` TensorFlow evaluates such a callable in the graph, where the update is built, so a
+    ``tf.Variable`` it reads is read in program order (after an ``assign`` written before the update, before
+    one written after it). embedcore's update op does the same: :meth:`in_graph` builds the value as a graph
+    tensor that feeds the op, and while the op runs :func:`given_values` makes the callable return it.
 
     Equal to another wrapping the same function (so optimizers sharing a callable compare equal and share a
     stacked table); ``inspect.signature`` sees the wrapped function's (``__wrapped__``).
@@ -221,7 +232,19 @@ class TensorCallable:
         self.what = what
 
     def __call__(self):
+        given = getattr(_GIVEN, "values", None)
+        if given is not None and id(self) in given:
+            return given[id(self)]
         return _scalar(self.__wrapped__(), f"{self.what} callable {self.__wrapped__!r:.80}")
+
+    def in_graph(self) -> tf.Tensor:
+        """The wrapped function's value as a float32 scalar tensor of the graph being built (called once, as
+        TensorFlow calls a learning-rate callable once per trace)."""
+        where = f"{self.what} callable {self.__wrapped__!r:.80}"
+        value = tf.cast(tf.convert_to_tensor(self.__wrapped__()), tf.float32)
+        if value.shape.rank not in (None, 0):
+            raise ValueError(f"{where} must return a scalar, got a tensor of shape {value.shape}")
+        return tf.reshape(value, [])
 
     def __eq__(self, other):
         return type(other) is TensorCallable and other.__wrapped__ is self.__wrapped__
@@ -231,6 +254,31 @@ class TensorCallable:
 
     def __repr__(self):
         return f"TensorCallable({self.__wrapped__!r})"
+
+
+def tensor_callables(optimizers) -> list:
+    """The distinct :class:`TensorCallable` s among ``optimizers``' learning rates and hyperparameters (None
+    entries skipped), in a fixed order."""
+    found = {}
+    for optimizer in optimizers:
+        if optimizer is None:
+            continue
+        for value in (optimizer.learning_rate, *getattr(optimizer, "hyperparameters", ())):
+            if isinstance(value, TensorCallable):
+                found.setdefault(id(value), value)
+    return list(found.values())
+
+
+@contextlib.contextmanager
+def given_values(callables, values):
+    """While the block runs, on this thread, each of ``callables`` returns its entry of ``values`` (evaluated
+    in a graph by :meth:`TensorCallable.in_graph`) instead of calling its function."""
+    previous = getattr(_GIVEN, "values", None)
+    _GIVEN.values = {**(previous or {}), **{id(c): np.float32(v) for c, v in zip(callables, values)}}
+    try:
+        yield
+    finally:
+        _GIVEN.values = previous
 
 
 class _VariableReader:

@@ -18,9 +18,14 @@ Semantics.
   was released, raises. Updates happen in the order the apply ops run, each against the tables as they are
   then (the lookups themselves read the tables of their moment).
 * Ordering: the apply op reads the handle, which the lookup op produces, so it runs after its lookup. Both
-  ops are stateful: inside ``tf.function`` TensorFlow runs every stateful op, in program order (automatic
-  control dependencies), so an update is never pruned from a function that returns nothing from it, and a
-  lookup written after an update in the same function sees the updated tables.
+  ops are stateful: inside ``tf.function`` TensorFlow runs every stateful op, and runs those that touch no
+  resource in program order among themselves (automatic control dependencies), so an update is never
+  pruned from a function that returns nothing from it, and a lookup written after an update in the same
+  function sees the updated tables. They are *not* ordered against variable reads and assigns, so the
+  update op does not read learning rates itself: callable learning rates and hyperparameters given as
+  TensorFlow values (:class:`~.convert.TensorCallable`) are evaluated in the graph where the update is
+  built, as TensorFlow's engines evaluate them, and feed the op; a ``tf.Variable`` they read is read after
+  an ``assign`` written before the update and before one written after it.
 * Release: a context is released (its workspaces go back to the engine) when it is applied; when an eager
   handle tensor is garbage-collected unapplied; and, since the lifetime of a handle made inside a graph is
   invisible to Python, whenever an engine holds more than :data:`MAX_PENDING` unapplied contexts (eager or
@@ -54,7 +59,7 @@ import tensorflow as tf
 
 from ..inputs import InputError
 from ..lookup import LookupContext, TrainingEngine
-from . import tensors
+from . import convert, tensors
 
 __all__ = ["lookup", "apply_gradients", "activation_shape", "MAX_PENDING", "pending_count", "feature_paths"]
 
@@ -282,15 +287,26 @@ def apply_gradients(engine, gradients, handle, *, name: str | None = None) -> tf
         return tf.constant(step, tf.int64)
 
     grads = [tensors.dense_gradient(g) for g in flat if g is not None]
+    # TensorFlow evaluates callable learning rates (and CustomOptimizer hyperparameters) in the graph, where
+    # the update is built: a tf.Variable they read is then read in program order. So are ours, feeding the op.
+    callables = convert.tensor_callables(_optimizers(engine))
+    rates = [c.in_graph() for c in callables]
 
     def run(h, *given):
-        it = iter(given)
-        arrays = [next(it) if p else None for p in present]
-        return np.asarray(_apply_arrays(engine, paths, int(h), arrays), np.int64)
+        with convert.given_values(callables, given[:len(rates)]):
+            it = iter(given[len(rates):])
+            arrays = [next(it) if p else None for p in present]
+            return np.asarray(_apply_arrays(engine, paths, int(h), arrays), np.int64)
 
-    step = tf.numpy_function(run, [handle] + grads, tf.int64, stateful=True, name=name or "embedcore_apply_gradients")
+    step = tf.numpy_function(run, [handle] + rates + grads, tf.int64, stateful=True,
+                             name=name or "embedcore_apply_gradients")
     step.set_shape([])
     return step
+
+
+def _optimizers(engine) -> list:
+    """The engine's default optimizer and its tables' own (None where unset)."""
+    return [getattr(engine, "optimizer", None)] + [t.optimizer for t in engine.tables.values()]
 
 
 def _apply_arrays(engine, paths, handle: int, gradients) -> int:
