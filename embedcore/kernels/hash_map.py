@@ -492,6 +492,7 @@ class KeyRowMap:
         self._state = np.array([0, 0, -1, 0], np.int64)
         self.last_seen_floor = np.zeros(0, np.int32)  # kept once floors("last_seen") is asked for
         self.count_floor = np.zeros(0, np.int32)      # kept once floors("counts") is asked for
+        self.watchers = []                            # told of every insertion and touch (watch)
 
     # -- sizes --------------------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -517,7 +518,7 @@ class KeyRowMap:
         (key, last_seen, count; the pages beyond it are allocated but never touched)."""
         floors = (self.last_seen_floor.nbytes > 0) + (self.count_floor.nbytes > 0)
         return self.index.nbytes + self.old.nbytes + 16 * self.high_water + \
-            4 * floors * (-(-self.high_water // FLOOR_BLOCK))
+            4 * floors * (-(-self.high_water // FLOOR_BLOCK)) + sum(w.nbytes for w in self.watchers)
 
     def __repr__(self):
         return (f"KeyRowMap(name={self.name!r}, capacity={self.capacity}, keys={len(self)}, "
@@ -561,6 +562,8 @@ class KeyRowMap:
             self._make_room(len(self) + min(absent, self.free_rows))
             _insert_absent(k, rows, inserted, self.row_keys, self.last_seen, self.counts, self.index, self.row_bits,
                            self._state, step, *self._floors())
+            if self.watchers:
+                self._tell(rows[inserted], step)
         if self.migrating:
             self.migrate(max(MIGRATE_MIN, MIGRATE_PER_KEY * k.shape[0]))
         return rows.reshape(shape), inserted.reshape(shape)
@@ -604,12 +607,26 @@ class KeyRowMap:
             if occurrences.shape != rows.shape or (occurrences.size and occurrences.min() < 0):
                 raise ValueError(f"table '{self.name}': touch needs one occurrence count >= 0 per row")
             _touch_unique(rows, occurrences, step, self.last_seen, self.counts, self.last_seen_floor)
+        self._tell(rows, step)
 
     def touch_found(self, rows, step: int) -> None:
         """:meth:`touch` (one count per occurrence) of rows that :meth:`find` or :meth:`find_or_insert` just
         returned for keys held (int64, all live: not checked again)."""
-        _touch(np.ascontiguousarray(rows, np.int64), self._checked_step(step), self.last_seen, self.counts,
-               self.last_seen_floor)
+        rows = np.ascontiguousarray(rows, np.int64)
+        step = self._checked_step(step)
+        _touch(rows, step, self.last_seen, self.counts, self.last_seen_floor)
+        self._tell(rows, step)
+
+    def watch(self, watcher) -> None:
+        """Tell ``watcher`` of every later insertion and touch: ``watcher.written(map, rows, step)`` once the
+        ``rows`` (int64, maybe repeated) hold their new key (an insertion) and metadata, ``last_seen == step``.
+        Removals are not told (a watcher checks that a row is live). :meth:`refresh_floors` forgets every
+        watcher (direct writes were not told), as does :meth:`load` (a new map)."""
+        self.watchers.append(watcher)
+
+    def _tell(self, rows, step) -> None:
+        for watcher in self.watchers:
+            watcher.written(self, rows, int(step))
 
     def _live_rows(self, rows) -> np.ndarray:
         rows = np.asarray(rows)
@@ -637,7 +654,9 @@ class KeyRowMap:
         return floor
 
     def refresh_floors(self) -> None:
-        """Recompute the floors kept from ``last_seen`` and ``counts`` (after writing those directly)."""
+        """Recompute the floors kept from ``last_seen`` and ``counts`` (after writing those directly), and forget
+        the watchers (:meth:`watch`), which were not told of those writes."""
+        self.watchers = []
         for values, floor in ((self.last_seen, self.last_seen_floor), (self.counts, self.count_floor)):
             if floor.shape[0]:
                 _exact_floors(values, self.counts, self._state[_HIGH], floor)

@@ -43,12 +43,13 @@ from numba import njit, prange, types
 
 from ..compiler import RowFunctionError, check_python_function, describe
 from ..initializers import stream_key
-from ..kernels.hash_map import FLOOR_BLOCK, FLOOR_SHIFT, PARALLEL_MIN, KeyRowMap, TableFullError, as_keys
+from ..kernels.hash_map import FLOOR_BLOCK, PARALLEL_MIN, KeyRowMap, TableFullError, as_keys
 from ..kernels.random import mix64  # the SplitMix64 finaliser (the tree's one copy)
 from ..value_object import ValueObject
+from .order_index import OrderIndex, index_bytes
 
 __all__ = ["CountAdmission", "AdmissionSketch", "EvictionPolicy", "LRU", "LFU", "TTL", "EvictByScore",
-           "pick_victims", "expired_rows", "lowest_scores"]
+           "pick_victims", "expired_rows", "lowest_scores", "order_index", "eviction_bytes"]
 
 _U = np.uint64
 _S32 = np.uint64(32)
@@ -338,64 +339,9 @@ def lowest_scores(scores, keys, n: int) -> np.ndarray:
     return _lowest(scores, keys, int(n))
 
 
-@njit(cache=True)
-def _rows_at_most(values, counts, floor, high, limit, protected, taken, out, m):
-    """Append to ``out`` (from position ``m``) the unprotected live rows of every block not ``taken`` whose
-    floor is at most ``limit``, marking those blocks taken and setting their floors to the exact minima;
-    returns ``(m, least floor of the blocks left)``. ``protected``: bool per row below the high water."""
-    left = np.int64(2 ** 62)
-    for b in range((high + FLOOR_BLOCK - 1) >> FLOOR_SHIFT):
-        if taken[b]:
-            continue
-        if floor[b] > limit:
-            left = min(left, np.int64(floor[b]))
-            continue
-        taken[b] = True
-        least = np.int32(2 ** 31 - 1)
-        for r in range(b << FLOOR_SHIFT, min((b + 1) << FLOOR_SHIFT, high)):
-            if counts[r] < 0:
-                continue
-            least = min(least, values[r])
-            if protected[r]:
-                continue
-            out[m] = r
-            m += 1
-        floor[b] = least
-    return m, left
-
-
-@njit(cache=True)
-def _candidates_by_floor(n, values, counts, floor, high, protected):
-    """Unprotected live rows (increasing within each pass) that include the ``n`` with the lowest ``values``
-    (ties: all rows tied with the ``n``-th): blocks are read in passes of increasing floor until ``n``
-    candidates are found and every block left has a floor above the ``n``-th lowest value found. All
-    unprotected live rows when fewer than ``n``."""
-    n_blocks = (high + FLOOR_BLOCK - 1) >> FLOOR_SHIFT
-    taken = np.zeros(n_blocks, np.bool_)
-    out = np.empty(high, np.int64)
-    if n_blocks == 0:
-        return out[:0]
-    k = min(n, n_blocks)
-    limit = np.int64(np.partition(floor[:n_blocks].copy(), k - 1)[k - 1])
-    m = 0
-    while True:
-        m, left = _rows_at_most(values, counts, floor, high, limit, protected, taken, out, m)
-        if left == np.int64(2 ** 62):  # every block read
-            break
-        if m >= n:
-            nth = np.int64(np.partition(values[out[:m]], n - 1)[n - 1])
-            if nth < left:
-                break
-            limit = nth
-        else:
-            k = min(2 * k, n_blocks)
-            limit = max(left, np.int64(np.partition(floor[:n_blocks].copy(), k - 1)[k - 1]))
-    return out[:m]
-
-
-def _floor_metric(policy) -> str | None:
-    """Which metadata ``policy``'s score is (``"last_seen"``, ``"counts"``), for the floor-guided search; None
-    for a score of anything else (a user's function, a subclass's own score)."""
+def _metric_of(policy) -> str | None:
+    """Which metadata ``policy``'s score is (``"last_seen"``, ``"counts"``), for the order index; None for a
+    score of anything else (a user's function, a subclass's own score)."""
     if type(policy) in (LRU, TTL):
         return "last_seen"
     if type(policy) is LFU:
@@ -403,18 +349,35 @@ def _floor_metric(policy) -> str | None:
     return None
 
 
+def order_index(key_map: KeyRowMap, metric: str) -> OrderIndex:
+    """``key_map``'s :class:`~embedcore.tables.order_index.OrderIndex` of ``metric``, built (one scan of the
+    rows used) the first time it is asked for and kept up to date from then on."""
+    for watcher in key_map.watchers:
+        if isinstance(watcher, OrderIndex) and watcher.metric == metric:
+            return watcher
+    return OrderIndex(key_map, metric)
+
+
+def eviction_bytes(policy, capacity: int) -> int:
+    """The most bytes ``policy`` adds to a key map of ``capacity`` rows: the floor and order index of its
+    metric (none for :class:`EvictByScore` or no policy)."""
+    if _metric_of(policy) is None:
+        return 0
+    return 4 * -(-capacity // FLOOR_BLOCK) + index_bytes(capacity)
+
+
 def pick_victims(policy: EvictionPolicy, key_map: KeyRowMap, n: int, protected_rows=(), step: int = 0,
                  weights=None) -> np.ndarray:
     """The ``n`` live rows of ``key_map`` to evict under ``policy``: the lowest ``(score, key)`` among the rows
     not in ``protected_rows`` (the current batch's rows; negative entries, absent keys, are ignored), in
-    that order. Changes nothing (it may tighten the key map's floors).
+    that order. Changes nothing (it may tighten the key map's floors and reorder its order index).
 
-    Cost: for :class:`LRU`, :class:`LFU` and :class:`TTL` (scores that are ``last_seen`` or ``counts``), the
-    key map's floors (:meth:`KeyRowMap.floors`) guide the search: one pass over the floors (a sixteenth of
-    the rows) and a read of the blocks that may hold a row scoring at most the ``n``-th lowest score, ties
-    included (so about ``16 x`` the rows scoring at most that, which is ``n`` plus the ties: LFU's ties at
-    a low count can be many); then a selection among them, ``O(candidates + n log n)``. For
-    :class:`EvictByScore`, one pass over every live row, scored.
+    Cost: for :class:`LRU`, :class:`LFU` and :class:`TTL` (scores that are ``last_seen`` or ``counts``), the key
+    map's order index (:func:`order_index`) reads the rows in ``(score, key)`` order from the lowest: the
+    victims, the protected rows among them and the entries gone stale since the last call, plus a share of a
+    background refill in proportion to what it used up (amortized ``O(n)``; the first call builds the index in
+    one pass over the rows used). For :class:`EvictByScore`, one pass over every live row, scored: its score
+    may change with ``step`` alone, so no index can be kept.
 
     Raises:
         TableFullError: fewer than ``n`` live rows are unprotected.
@@ -422,58 +385,35 @@ def pick_victims(policy: EvictionPolicy, key_map: KeyRowMap, n: int, protected_r
     n = int(n)
     if n <= 0:
         return np.empty(0, np.int64)
-    protected = np.asarray(protected_rows, np.int64).ravel()
-    protected = protected[(protected >= 0) & (protected < key_map.high_water)]
-    mask = np.zeros(key_map.high_water, np.bool_)  # zero pages: only those the protected rows touch cost
-    mask[protected] = True
-    metric = _floor_metric(policy)
+    protected = np.ascontiguousarray(protected_rows, np.int64).ravel()
+    metric = _metric_of(policy)
     if metric is not None:
-        values = key_map.last_seen if metric == "last_seen" else key_map.counts
-        candidates = _candidates_by_floor(n, values, key_map.counts, key_map.floors(metric), key_map.high_water,
-                                          mask)
+        victims = order_index(key_map, metric).lowest(key_map, n, protected)
+        found = victims.shape[0]
     else:
+        protected = protected[(protected >= 0) & (protected < key_map.high_water)]
+        mask = np.zeros(key_map.high_water, np.bool_)
+        mask[protected] = True
         live = key_map.live_rows()
         candidates = live[~mask[live]]
-    if candidates.shape[0] < n:
+        found = candidates.shape[0]
+    if found < n:
         raise TableFullError(
-            f"table '{key_map.name}': cannot free {n} rows for the batch's new keys: only {candidates.shape[0]} of "
+            f"table '{key_map.name}': cannot free {n} rows for the batch's new keys: only {found} of "
             f"its {len(key_map)} keys are not used by the batch (capacity {key_map.capacity}); nothing was changed")
+    if metric is not None:
+        return victims
     scores = policy.scores(key_map, candidates, step, weights)
     return candidates[_lowest(np.ascontiguousarray(scores, np.float64), key_map.row_keys[candidates], n)]
 
 
-@njit(cache=True)
-def _expired_by_floor(last_seen, counts, floor, high, limit):
-    """The live rows with ``last_seen < limit``, increasing, reading only the blocks whose floor is below
-    ``limit``; those blocks' floors become the exact minima of their live rows (expired ones included: the
-    caller may keep them)."""
-    n_blocks = (high + FLOOR_BLOCK - 1) >> FLOOR_SHIFT
-    out = np.empty(0, np.int64)
-    m = 0
-    for b in range(n_blocks):
-        if floor[b] >= limit:
-            continue
-        if out.shape[0] < m + FLOOR_BLOCK:
-            grown = np.empty(max(2 * out.shape[0], 1024), np.int64)
-            grown[:m] = out[:m]
-            out = grown
-        least = np.int32(2 ** 31 - 1)
-        for r in range(b << FLOOR_SHIFT, min((b + 1) << FLOOR_SHIFT, high)):
-            if counts[r] < 0:
-                continue
-            least = min(least, last_seen[r])
-            if last_seen[r] < limit:
-                out[m] = r
-                m += 1
-        floor[b] = least
-    return out[:m].copy()
-
-
 def expired_rows(key_map: KeyRowMap, step: int, steps: int) -> np.ndarray:
     """The live rows unseen for more than ``steps`` steps at ``step`` (``step - last_seen > steps``),
-    increasing. Changes nothing (it may tighten the key map's ``last_seen`` floors). Cost: one pass over the
-    floors (a sixteenth of the rows) and a read of the blocks whose floor says they may hold an expired row:
-    about ``16 x`` the rows that expire (twice: their blocks are read again at the next step, after their
-    removal)."""
-    return _expired_by_floor(key_map.last_seen, key_map.counts, key_map.floors("last_seen"), key_map.high_water,
-                             np.int64(step) - np.int64(steps))
+    increasing. Changes nothing (it may tighten the key map's ``last_seen`` floors and reorder its order
+    index). Cost: the ``last_seen`` order index (:func:`order_index`) reads the rows from the least recently
+    seen: the expired ones and the entries gone stale since the last call, plus a share of a background refill
+    in proportion to what it used up (amortized ``O(expired)``; a sort of the expired rows by slot)."""
+    limit = int(step) - int(steps)
+    if limit <= 0:
+        return np.empty(0, np.int64)
+    return np.sort(order_index(key_map, "last_seen").below(key_map, limit))

@@ -1,0 +1,415 @@
+"""The front of a key map's rows in ``(metric, key)`` order: what LRU, TTL and LFU evict and expire, found in time
+proportional to what is found, not to the table.
+
+An :class:`OrderIndex` watches a :class:`~embedcore.kernels.hash_map.KeyRowMap` for one per-row metric
+(``"last_seen"`` or ``"counts"``, int32) and answers
+
+* :meth:`OrderIndex.lowest` ``(n, protected)``: the ``n`` live rows not in ``protected`` with the lowest
+  ``(metric, key)``, keys compared as uint64, in that order (the victims of LRU and TTL: ``last_seen``; of LFU:
+  ``counts``);
+* :meth:`OrderIndex.below` ``(limit)``: the live rows with ``metric < limit``, in that order (TTL's expired rows).
+
+Pools. A pool is a binary min-heap of entries ``(value, key, row)`` ordered by ``(value, key)``, with an
+exclusive bound ``(value, key)`` above all of them, such that
+
+    (*) every live row whose ``(metric, key)`` is below the bound has an entry holding that ``(metric, key)``.
+
+An entry is *valid* while its row is live and still holds its key and metric; a read pops entries from the top,
+keeps the valid ones (pushed back when it ends: a read changes no row) and drops the others and repeats, so
+removing or re-keying a row costs the index nothing until a read meets the entry. The key map tells the index
+of every row it inserts or touches (:meth:`KeyRowMap.watch`); a row written below a pool's bound gets an entry,
+which keeps (*). A pool holds at most ``2 * target`` entries (``target = max(MIN_TARGET, capacity // SHARE)``);
+a full pool keeps the lower half and lowers its bound to the lowest entry it dropped, which keeps (*) too.
+
+Refill without stopping the world. When the pool that serves reads holds fewer than ``target / 2`` entries
+(and does not hold every row), a second pool is built by a scan of the row slots in order, ``FLOOR_BLOCK``
+rows a block, its bound open at first and lowered as it fills; the scan skips the blocks whose floor
+(:meth:`KeyRowMap.floors`) lies above the bound and sets the floors of the blocks it reads to their exact
+minima. Each read advances the scan by ``MIN_BLOCKS + RATE * blocks * dropped / target`` blocks (``dropped``:
+the entries the read dropped, by which the serving pool shrank), so the scan ends after about
+``target / RATE`` entries were used up, long before the serving pool runs dry; rows written behind the scan
+reach the new pool as writes, so (*) holds for it when it replaces the old one. A read that finds its pool
+dry all the same (a batch wanting more victims than the pool holds, an expiry of more rows) finishes a scan
+at once, with a pool large enough for its answer, then rebuilds one of the usual size: passes bounded by the
+table, as when the index is first built (the first time it is asked for).
+
+Cost (``C`` the capacity, ``T = target >= C / SHARE``, ``P <= 2 T`` the entries of a pool): a read pops and
+pushes back its answer and the protected entries it meets, and pops the stale entries it meets,
+``O(log P)`` each; a write of ``w`` rows costs ``O(w)`` checks against the bound and ``O(log P)`` per entry
+it adds (for ``last_seen``, a write at a step above every bound costs ``O(1)``); a refill scans ``O(RATE * C /
+T) = O(RATE * SHARE)`` rows per entry used up. Which rows are found does not depend on any of this: exactly
+those a sort of every live row by ``(metric, key)`` would give.
+
+Memory: two pools of ``2 * target`` entries of 16 bytes (value int32, row int32, key uint64), and a bit per
+row slot marking the protected rows of a read: ``64 T / C + 1 / 8`` bytes a key (1.1 at ``SHARE = 64``), pages
+committed as they fill.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from ..kernels.hash_map import FLOOR_BLOCK, FLOOR_SHIFT
+
+__all__ = ["OrderIndex", "METRICS", "SHARE", "MIN_TARGET", "RATE", "MIN_BLOCKS", "index_bytes"]
+
+METRICS = ("last_seen", "counts")
+SHARE = 64        # target entries per pool: capacity / SHARE (at least MIN_TARGET)
+MIN_TARGET = 256
+RATE = 4          # a refill scans the table while RATE * (entries used up) reach the target
+MIN_BLOCKS = 16   # blocks a read advances a refill at least
+
+_COUNT, _BOUND = 0, 1      # a pool's meta: entries held, bound value
+_OPEN = 2 ** 31            # a bound value above every int32: the pool holds every live row
+_NO_FLOOR = 2 ** 31 - 1
+_DONE, _DRY = 0, 1         # how a read ended: its answer complete, or every entry of its pool read
+
+
+def index_bytes(capacity: int) -> int:
+    """The bytes an :class:`OrderIndex` of a key map of ``capacity`` rows takes at most (at its usual target)."""
+    return 2 * 2 * _target(capacity) * 16 + 8 * -(-capacity // 64)
+
+
+def _target(capacity: int) -> int:
+    return max(MIN_TARGET, capacity // SHARE)
+
+
+# -- one pool: (values int32, keys uint64, rows int32, meta int64 [count, bound value], bound key uint64 [1]),
+#    a min-heap of (value, key) in its first ``count`` entries -----------------------------------------------
+def _new_pool(size: int) -> tuple:
+    return (np.empty(size, np.int32), np.empty(size, np.uint64), np.empty(size, np.int32),
+            np.array([0, _OPEN], np.int64), np.zeros(1, np.uint64))
+
+
+@njit(cache=True, inline="always")
+def _before(v1, k1, v2, k2):
+    """``(v1, k1) < (v2, k2)``."""
+    return v1 < v2 or (v1 == v2 and k1 < k2)
+
+
+@njit(cache=True, inline="always")
+def _in_bound(v, k, meta, bound_key):
+    return _before(np.int64(v), k, meta[_BOUND], bound_key[0])
+
+
+@njit(cache=True, inline="always")
+def _less(vals, keys, i, j):
+    return _before(vals[i], keys[i], vals[j], keys[j])
+
+
+@njit(cache=True, inline="always")
+def _swap(vals, keys, rows, i, j):
+    vals[i], vals[j] = vals[j], vals[i]
+    keys[i], keys[j] = keys[j], keys[i]
+    rows[i], rows[j] = rows[j], rows[i]
+
+
+@njit(cache=True)
+def _sift_down(vals, keys, rows, i, n):
+    while True:
+        least = i
+        child = 2 * i + 1
+        if child < n and _less(vals, keys, child, least):
+            least = child
+        if child + 1 < n and _less(vals, keys, child + 1, least):
+            least = child + 1
+        if least == i:
+            return
+        _swap(vals, keys, rows, i, least)
+        i = least
+
+
+@njit(cache=True)
+def _sift_up(vals, keys, rows, i):
+    while i > 0:
+        parent = (i - 1) >> 1
+        if not _less(vals, keys, i, parent):
+            return
+        _swap(vals, keys, rows, i, parent)
+        i = parent
+
+
+@njit(cache=True)
+def _at_rank(vals, keys, n, kth):
+    """The ``(value, key)`` at position ``kth`` (from 0) of the first ``n`` entries in ``(value, key)`` order."""
+    tv = np.partition(vals[:n], kth)[kth]
+    below = 0
+    tied = 0
+    for i in range(n):
+        if vals[i] < tv:
+            below += 1
+        elif vals[i] == tv:
+            tied += 1
+    ties = np.empty(tied, np.uint64)
+    t = 0
+    for i in range(n):
+        if vals[i] == tv:
+            ties[t] = keys[i]
+            t += 1
+    return np.int64(tv), np.partition(ties, kth - below)[kth - below]
+
+
+@njit(cache=True, inline="always")
+def _valid(v, k, r, metric, counts, row_keys):
+    """Whether an entry ``(v, k, r)`` still describes its row: live, holding key ``k`` and metric ``v``."""
+    return counts[r] >= 0 and row_keys[r] == k and metric[r] == v
+
+
+@njit(cache=True)
+def _shrink(pool, metric, counts, row_keys):
+    """Drop the stale entries; if more than half the pool is left, keep the lower half and lower the bound to
+    the lowest entry dropped. A heap again."""
+    vals, keys, rows, meta, bound_key = pool
+    w = 0
+    for i in range(meta[_COUNT]):
+        if _valid(np.int64(vals[i]), keys[i], rows[i], metric, counts, row_keys):
+            if i != w:
+                _swap(vals, keys, rows, i, w)
+            w += 1
+    half = vals.shape[0] // 2
+    if w > half:
+        tv, tk = _at_rank(vals, keys, w, half)
+        n = w
+        w = 0
+        for i in range(n):
+            if _before(np.int64(vals[i]), keys[i], tv, tk):
+                if i != w:
+                    _swap(vals, keys, rows, i, w)
+                w += 1
+        meta[_BOUND] = tv
+        bound_key[0] = tk
+    meta[_COUNT] = w
+    for i in range(w // 2 - 1, -1, -1):
+        _sift_down(vals, keys, rows, i, w)
+
+
+@njit(cache=True)
+def _push(pool, v, k, r, metric, counts, row_keys):
+    """Give row ``r`` (value ``v``, key ``k``) an entry if it lies below the bound, shrinking a full pool first."""
+    vals, keys, rows, meta, bound_key = pool
+    if meta[_COUNT] == vals.shape[0]:
+        _shrink(pool, metric, counts, row_keys)
+    if not _in_bound(v, k, meta, bound_key):
+        return
+    e = meta[_COUNT]
+    vals[e] = v
+    keys[e] = k
+    rows[e] = r
+    meta[_COUNT] = e + 1
+    _sift_up(vals, keys, rows, e)
+
+
+@njit(cache=True)
+def _add_written(pool, written, below_row, metric, counts, row_keys, seen):
+    """Entries for the rows of ``written`` (those below row ``below_row``, each once: ``seen``, zero bits on
+    entry and on return, marks them) whose ``(metric, key)`` is below the bound."""
+    meta, bound_key = pool[3], pool[4]
+    one = np.uint64(1)
+    for i in range(written.shape[0]):
+        r = written[i]
+        bit = one << np.uint64(r & 63)
+        if r >= below_row or seen[r >> 6] & bit:
+            continue
+        seen[r >> 6] |= bit
+        if _in_bound(metric[r], row_keys[r], meta, bound_key):
+            _push(pool, np.int64(metric[r]), row_keys[r], np.int32(r), metric, counts, row_keys)
+    for i in range(written.shape[0]):
+        seen[written[i] >> 6] = np.uint64(0)
+
+
+@njit(cache=True)
+def _scan(pool, metric, counts, row_keys, floor, high, start, blocks):
+    """Give entries to the live rows below the bound of blocks ``start .. start + blocks - 1`` (those below the
+    high water ``high``), skipping blocks whose floor lies above the bound, setting the floors of those read to
+    their exact minima; returns the next block."""
+    meta, bound_key = pool[3], pool[4]
+    stop = min((high + FLOOR_BLOCK - 1) >> FLOOR_SHIFT, start + blocks)
+    for b in range(start, stop):
+        if np.int64(floor[b]) > meta[_BOUND]:
+            continue
+        least = np.int32(_NO_FLOOR)
+        for r in range(b << FLOOR_SHIFT, min((b + 1) << FLOOR_SHIFT, high)):
+            if counts[r] < 0:
+                continue
+            v = metric[r]
+            least = min(least, v)
+            if _in_bound(v, row_keys[r], meta, bound_key):
+                _push(pool, np.int64(v), row_keys[r], np.int32(r), metric, counts, row_keys)
+        floor[b] = least
+    return max(start, stop)
+
+
+@njit(cache=True)
+def _grown(a, n):
+    """``a`` (holding ``n`` entries) in an array twice as long."""
+    b = np.empty(max(2 * n, 16), a.dtype)
+    b[:n] = a[:n]
+    return b
+
+
+@njit(cache=True)
+def _walk(pool, metric, counts, row_keys, protected, n, limit, out):
+    """Pop entries in ``(value, key)`` order: the valid ones not protected (bit set in ``protected``, uint64
+    words) go to ``out`` until ``n`` are there or an entry's value reaches ``limit``; the valid ones are pushed
+    back at the end, the stale ones and repeats dropped. ``(out, found, dropped, how it ended)``."""
+    vals, keys, rows, meta, _ = pool
+    kept_v, kept_k, kept_r = np.empty(64, np.int64), np.empty(64, np.uint64), np.empty(64, np.int64)
+    m = 0
+    n_kept = 0
+    dropped = 0
+    state = _DONE
+    while m < n:
+        if meta[_COUNT] == 0:
+            state = _DRY
+            break
+        v, k, r = np.int64(vals[0]), keys[0], np.int64(rows[0])
+        if v >= limit:
+            break
+        last = meta[_COUNT] - 1
+        vals[0], keys[0], rows[0] = vals[last], keys[last], rows[last]
+        meta[_COUNT] = last
+        _sift_down(vals, keys, rows, 0, last)
+        if not _valid(v, k, r, metric, counts, row_keys) or (n_kept and v == kept_v[n_kept - 1] and k == kept_k[n_kept - 1]):
+            dropped += 1
+            continue
+        if n_kept == kept_v.shape[0]:
+            kept_v, kept_k, kept_r = _grown(kept_v, n_kept), _grown(kept_k, n_kept), _grown(kept_r, n_kept)
+        kept_v[n_kept], kept_k[n_kept], kept_r[n_kept] = v, k, r
+        n_kept += 1
+        if not (protected[r >> 6] >> np.uint64(r & 63)) & np.uint64(1):
+            if m == out.shape[0]:
+                out = _grown(out, m)
+            out[m] = r
+            m += 1
+    for i in range(n_kept):  # room for them all: as many were popped
+        e = meta[_COUNT]
+        vals[e], keys[e], rows[e] = kept_v[i], kept_k[i], kept_r[i]
+        meta[_COUNT] = e + 1
+        _sift_up(vals, keys, rows, e)
+    return out, m, dropped, state
+
+
+@njit(cache=True)
+def _mark(bits, rows, high, on):
+    """Set (``on``) the bits of ``rows`` (those in ``0 .. high - 1``), or clear the words holding them."""
+    for i in range(rows.shape[0]):
+        r = rows[i]
+        if 0 <= r < high:
+            if on:
+                bits[r >> 6] |= np.uint64(1) << np.uint64(r & 63)
+            else:
+                bits[r >> 6] = np.uint64(0)
+
+
+class OrderIndex:
+    """The lowest rows of ``key_map`` by ``(metric, key)``; see the module docstring. Built (one scan of the
+    rows used) when made, and registered with :meth:`KeyRowMap.watch`, which tells it of every write.
+
+    Args:
+        key_map: the map.
+        metric: ``"last_seen"`` or ``"counts"``.
+        target: entries a pool is sized for (default ``max(MIN_TARGET, capacity // SHARE)``).
+        min_blocks: blocks a read advances a refill at least (default ``MIN_BLOCKS``).
+    """
+
+    def __init__(self, key_map, metric: str, target: int | None = None, min_blocks: int = MIN_BLOCKS):
+        if metric not in METRICS:
+            raise ValueError(f"table '{key_map.name}': an order index of {' or '.join(METRICS)}, not {metric!r}")
+        self.metric = metric
+        self.target = _target(key_map.capacity) if target is None else max(1, int(target))
+        self.min_blocks = max(1, int(min_blocks))
+        self.bits = np.zeros(-(-key_map.capacity // 64), np.uint64)  # protected rows of a read; rows of a write
+        self.pool = None        # the pool reads use
+        self.spare = None       # the arrays of the pool replaced last, for the next refill
+        self.refill = None      # the pool being built, or None
+        self.cursor = 0         # the next block its scan reads
+        self.blocks_scanned = 0  # by every scan so far (what the refills cost)
+        self._finish_refill(key_map, self.target)
+        key_map.watch(self)
+
+    @property
+    def nbytes(self) -> int:
+        pools = [p for p in (self.pool, self.spare, self.refill) if p is not None]
+        return self.bits.nbytes + sum(sum(a.nbytes for a in p) for p in pools)
+
+    def _pools(self):
+        return (self.pool,) if self.refill is None else (self.pool, self.refill)
+
+    # -- writes -------------------------------------------------------------------------------------------
+    def written(self, key_map, rows, step: int) -> None:
+        """``rows`` (int64, maybe repeated) of ``key_map`` were inserted or touched at ``step``."""
+        if self.metric == "last_seen" and all(step > p[3][_BOUND] for p in self._pools()):
+            return  # they all hold last_seen == step, above every bound
+        metric = getattr(key_map, self.metric)
+        for pool, below_row in ((self.pool, key_map.capacity), (self.refill, self.cursor << FLOOR_SHIFT)):
+            if pool is not None:
+                _add_written(pool, rows, below_row, metric, key_map.counts, key_map.row_keys, self.bits)
+
+    # -- reads --------------------------------------------------------------------------------------------
+    def lowest(self, key_map, n: int, protected_rows: np.ndarray) -> np.ndarray:
+        """The ``n`` live rows not in ``protected_rows`` (int64; entries out of range ignored) with the lowest
+        ``(metric, key)``, in that order; all of them (fewer than ``n``) when fewer are not protected."""
+        _mark(self.bits, protected_rows, key_map.high_water, True)
+        try:
+            return self._read(key_map, int(n), np.iinfo(np.int64).max, protected_rows.shape[0])
+        finally:
+            _mark(self.bits, protected_rows, key_map.high_water, False)
+
+    def below(self, key_map, limit: int) -> np.ndarray:
+        """The live rows with ``metric < limit``, in ``(metric, key)`` order."""
+        return self._read(key_map, np.iinfo(np.int64).max, int(limit), 0)
+
+    def _read(self, key_map, n, limit, n_protected):
+        metric = getattr(key_map, self.metric)
+        out = np.empty(min(n, 1024), np.int64)
+        dropped, size = 0, self.target
+        while True:
+            out, m, d, state = _walk(self.pool, metric, key_map.counts, key_map.row_keys, self.bits, n, limit,
+                                     out)
+            dropped += d
+            bound = self.pool[3][_BOUND]
+            if state == _DONE or bound == _OPEN or bound >= limit:
+                break  # complete, or every row the answer can hold was read
+            size = min(max(2 * size, 4 * m, 2 * min(n, len(key_map)) + n_protected), key_map.capacity)
+            self._finish_refill(key_map, size)
+        if size > self.target:
+            self._finish_refill(key_map, self.target)
+        else:
+            self._advance(key_map, dropped)
+        return out[:m]
+
+    # -- refill -------------------------------------------------------------------------------------------
+    def _advance(self, key_map, used: int) -> None:
+        """Start a refill when the pool runs low; scan in proportion to the entries ``used`` up."""
+        meta = self.pool[3]
+        if self.refill is None:
+            if meta[_BOUND] == _OPEN or meta[_COUNT] >= self.target // 2:
+                return
+            self._start_refill(self.target)
+        blocks = -(-key_map.high_water // FLOOR_BLOCK)
+        self._scan(key_map, self.min_blocks + -(-RATE * blocks * used // self.target))
+
+    def _start_refill(self, target: int) -> None:
+        size = 2 * target
+        spare, self.spare = self.spare, None
+        if spare is None or spare[0].shape[0] != size:
+            spare = _new_pool(size)
+        spare[3][:] = (0, _OPEN)
+        self.refill, self.cursor = spare, 0
+
+    def _scan(self, key_map, blocks: int) -> None:
+        start = self.cursor
+        self.cursor = _scan(self.refill, getattr(key_map, self.metric), key_map.counts, key_map.row_keys,
+                            key_map.floors(self.metric), key_map.high_water, self.cursor, blocks)
+        self.blocks_scanned += self.cursor - start
+        if self.cursor << FLOOR_SHIFT >= key_map.high_water:
+            self.pool, self.spare, self.refill = self.refill, self.pool, None
+
+    def _finish_refill(self, key_map, target: int) -> None:
+        """Scan the rest of the table now: the refill running if its pool is of ``target``, else a new one."""
+        if self.refill is not None and self.refill[0].shape[0] != 2 * target:
+            self.spare, self.refill = self.refill, None
+        if self.refill is None:
+            self._start_refill(target)
+        self._scan(key_map, -(-key_map.high_water // FLOOR_BLOCK))
