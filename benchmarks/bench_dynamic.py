@@ -30,12 +30,13 @@ Parts (``--parts``, a comma list):
 * ``eviction``: ``--evict-T`` dynamic tables of ``--evict-capacity`` rows (dim ``--evict-D``), filled to
   capacity with random keys in ``--evict-fill-steps`` steps (lookup and a zero gradient), then fed the TBE
   shape's ids from a vocabulary ``--evict-vocab-factor`` times larger (mapped to random keys), so every step
-  brings new keys and evicts; for each of LRU, LFU and TTL(s) for each s of ``--ttl-steps`` (a short TTL
-  expires rows every step; a long one keeps the table full, so it evicts as LRU does): ms per step (lookup
-  + apply_gradients) after ``--evict-warmup`` untimed steps, the time spent choosing victims
-  (``pick_victims``) and expired rows (``expired_rows``) per step, and the rows evicted or expired per step.
-  Exact ties (lowest score, then lowest key) make a victim search read every row tied at the threshold
-  score: for LRU the cohort of one step, for LFU the rows seen least often (after the fill, most rows).
+  brings new keys and evicts; for each of LRU, LFU, TTL(s) for each s of ``--ttl-steps`` (a short TTL
+  expires rows every step; a long one keeps the table full, so it evicts as LRU does) and
+  ``EvictByScore(decayed_count)`` (an LFU whose counts halve every 8 steps unseen): ms per step (lookup +
+  apply_gradients) after ``--evict-warmup`` untimed steps, the time spent choosing victims (``pick_victims``)
+  and expired rows (``expired_rows``) per step, and the rows evicted or expired per step. LRU, LFU and TTL
+  read their key map's order index (:mod:`embedcore.tables.order_index`); the score of ``EvictByScore`` may
+  change with the step alone, so it scores every live row at each eviction (``--no-score`` leaves it out).
 
 Threads: Numba ``--threads`` for every part (both tables of a comparison run on the same threads, in one
 process). The allocator is whatever ``LD_PRELOAD`` says (printed). Numba's OpenMP workers: as
@@ -108,6 +109,11 @@ class DynamicContender(EmbedcoreContender):
 def dynamic_contender(w, threads: int, keys, capacity=None, eviction=None):
     cls = type("DynamicContender", (DynamicContender,), {"keys": keys, "capacity": capacity, "eviction": eviction})
     return cls.on_workload(w, threads)
+
+
+def decayed_count(embedding_table, last_seen, count, step):
+    """EvictByScore's benchmark score: the occurrences counted, halved every 8 steps the row goes unseen."""
+    return count * 0.5 ** ((step - last_seen) / 8.0)
 
 
 def _median_ms(values):
@@ -240,7 +246,8 @@ def bench_eviction(args, log) -> dict:
     log(f"eviction: {w.T} tables of capacity {capacity:,}, ids from {vocab:,} per table; {w.B:,} bags of {w.L}")
     out = {}
     ttls = [ec.TTL(int(x)) for x in args.ttl_steps.split(",") if x.strip()]
-    for policy in [ec.LRU(), ec.LFU()] + ttls:
+    scored = [] if args.no_score else [ec.EvictByScore(decayed_count)]
+    for policy in [ec.LRU(), ec.LFU()] + ttls + scored:
         contender = dynamic_contender(w, args.threads, keys, capacity=capacity, eviction=policy)
         fill_keys = [keys[t][rng.choice(vocab, capacity, replace=False)].view(np.int64) for t in range(w.T)]
         for chunk in np.array_split(np.arange(capacity), args.evict_fill_steps):  # one step each: a cohort
@@ -258,7 +265,7 @@ def bench_eviction(args, log) -> dict:
         figures = {"step_ms": _median_ms(record["step"]), "pick_victims_ms_per_step": 1e3 * victims.seconds / n,
                    "expired_rows_ms_per_step": 1e3 * expired.seconds / n, "evicted_per_step": victims.rows / n,
                    "expired_per_step": expired.rows / n, "keys_held_before": full}
-        log(f"  {policy!r:12s} step {figures['step_ms']:8.2f} ms; pick_victims "
+        log(f"  {policy!r:12.40s} step {figures['step_ms']:8.2f} ms; pick_victims "
             f"{figures['pick_victims_ms_per_step']:6.2f} ms ({figures['evicted_per_step']:.0f} rows), expired_rows "
             f"{figures['expired_rows_ms_per_step']:6.2f} ms ({figures['expired_per_step']:.0f} rows) per step; "
             f"held before: {full}")
@@ -302,6 +309,7 @@ def _parser():
     g.add_argument("--ttl-steps", default="4,1000000", help="TTL(steps) for each of these (comma list)")
     g.add_argument("--evict-warmup", type=int, default=6, help="untimed steps (fill the tables)")
     g.add_argument("--evict-steps", type=int, default=6, help="timed steps")
+    g.add_argument("--no-score", action="store_true", help="leave EvictByScore out of the eviction part")
     return p
 
 

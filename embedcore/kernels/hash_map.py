@@ -20,10 +20,9 @@ Floors, per block of ``FLOOR_BLOCK = 16`` row slots, kept only once a scan asks 
 (``counts``) of every live row of block ``b`` (``2**31 - 1`` for a block without one). Every method that
 writes ``last_seen`` or ``counts`` keeps them so (an insertion or a touch can only lower a floor; a removal
 or a count's increase leaves it a valid, perhaps loose, bound); a scan that reads a whole block may set its
-floor to the exact minimum. They let TTL expiry and LRU/LFU eviction (:mod:`embedcore.tables.policies`)
-skip every block that cannot hold a row they look for, instead of reading the metadata of all the rows every
-step. Code that writes ``last_seen`` or ``counts`` other than through this class (a bulk load) must call
-:meth:`KeyRowMap.refresh_floors` afterwards.
+floor to the exact minimum. They let the scans that refill the order index of TTL expiry and LRU/LFU
+eviction (:mod:`embedcore.tables.order_index`) skip every block that cannot hold a row they look for. Code that writes ``last_seen`` or ``counts`` other than through this class (a bulk load) must call
+:meth:`KeyRowMap.refresh_floors` afterwards (which also forgets the watchers: :meth:`KeyRowMap.watch`).
 
 The index is an array of uint32 buckets, linear probing. A bucket is 0 when empty, else
 ``tag << row_bits | (row + 1)``, ``row_bits = capacity.bit_length()``; the tag is the low ``32 - row_bits``
@@ -39,10 +38,11 @@ by ``GROWTH = 1.5`` leaves it at least 0.5 just after a growth):
 
 so at most 24 bytes (beyond the first index's 64 buckets, 256 bytes, which a small map may fill sparsely); a
 full table (``capacity`` keys, the index at its final size ``ceil(capacity / 0.75)``)
-takes 21.3 bytes a key. Each floor kept adds 4 / 16 = 0.25 bytes a key: a TTL table keeps
-``last_seen_floor`` from its first step (24.25 bytes a key at most, just after a growth); an LRU (LFU) table
-its floor from its first eviction, when it is full (21.6 bytes a key). While a growth is being migrated (below) the old index lives beside the new one:
-up to 13.3 bytes a key for the buckets instead of 8, for the few batches the migration takes.
+takes 21.3 bytes a key. Each floor kept adds 4 / 16 = 0.25 bytes a key, and the order index of LRU, LFU and
+TTL (:mod:`embedcore.tables.order_index`, a watcher) 1.125: a TTL table keeps both from its first step (25.4
+bytes a key at most, just after a growth); an LRU (LFU) table from its first eviction, when it is full (22.7
+bytes a key). While a growth is being migrated (below) the old index lives beside the new one: up to 13.3
+bytes a key for the buckets instead of 8, for the few batches the migration takes.
 
 Deletion: backward shift, not tombstones. A dynamic table at capacity removes keys all the time (every
 eviction); tombstones would pile up and lengthen every probe until a rebuild (a stop-the-world pass).

@@ -47,24 +47,22 @@ import numpy as np
 from .. import inputs
 from ..initializers import TruncatedNormal, fill_key_rows
 from ..inputs import InputError, TableBatch
-from ..kernels.hash_map import FLOOR_BLOCK, MAX_STEP, KeyRowMap, TableFullError, as_keys, first_occurrences
+from ..kernels.hash_map import MAX_STEP, KeyRowMap, TableFullError, as_keys, first_occurrences
 from .physical import NOTHING_FLAGGED, PhysicalTable, TablePlace, TableUpdate
-from .policies import TTL, EvictByScore, expired_rows, pick_victims
+from .policies import TTL, EvictByScore, eviction_bytes, expired_rows, pick_victims
 from .storage import DenseStorage
 
 __all__ = ["DynamicPhysicalTable", "DynamicTableBatch", "DynamicTableState", "DynamicTableView", "map_bytes"]
 
 
 def map_bytes(config) -> int:
-    """Bytes a dynamic table needs beyond its rows and slots: the key map at its final size (with the floor its
-    eviction policy reads, if any) and the admission sketch (for the engine's memory check)."""
+    """Bytes a dynamic table needs beyond its rows and slots: the key map at its final size (with the floor and
+    order index its eviction policy reads, if any) and the admission sketch (for the engine's memory check)."""
     capacity = config.capacity
     sketch = 0
     if config.admission is not None and config.admission.min_count > 1:
         sketch = 4 * config.admission.sketch_width * config.admission.sketch_depth
-    floors = 0 if config.eviction is None or isinstance(config.eviction, EvictByScore) else \
-        4 * -(-capacity // FLOOR_BLOCK)
-    return 16 * capacity + 4 * (int(capacity / 0.75) + 1) + floors + sketch
+    return 16 * capacity + 4 * (int(capacity / 0.75) + 1) + eviction_bytes(config.eviction, capacity) + sketch
 
 
 @dataclass

@@ -18,31 +18,39 @@ An entry is *valid* while its row is live and still holds its key and metric; a 
 keeps the valid ones (pushed back when it ends: a read changes no row) and drops the others and repeats, so
 removing or re-keying a row costs the index nothing until a read meets the entry. The key map tells the index
 of every row it inserts or touches (:meth:`KeyRowMap.watch`); a row written below a pool's bound gets an entry,
-which keeps (*). A pool holds at most ``2 * target`` entries (``target = max(MIN_TARGET, capacity // SHARE)``);
-a full pool keeps the lower half and lowers its bound to the lowest entry it dropped, which keeps (*) too.
+which keeps (*). A pool holds at most ``2 * target`` entries (``target = max(MIN_TARGET, high_water // SHARE)``
+when it is built, ``high_water`` the row slots the map has used); a full pool first drops its stale entries,
+then, if more than half of it is left, keeps the lower half and lowers its bound to the lowest entry it
+dropped, which keeps (*) too.
 
 Refill without stopping the world. When the pool that serves reads holds fewer than ``target / 2`` entries
-(and does not hold every row), a second pool is built by a scan of the row slots in order, ``FLOOR_BLOCK``
-rows a block, its bound open at first and lowered as it fills; the scan skips the blocks whose floor
+(and does not hold every row: its bound is not open), a second pool is built by a scan of the row slots in
+order, ``FLOOR_BLOCK`` rows a block, lowering its bound as it fills; the scan skips the blocks whose floor
 (:meth:`KeyRowMap.floors`) lies above the bound and sets the floors of the blocks it reads to their exact
-minima. Each read advances the scan by ``MIN_BLOCKS + RATE * blocks * dropped / target`` blocks (``dropped``:
-the entries the read dropped, by which the serving pool shrank), so the scan ends after about
-``target / RATE`` entries were used up, long before the serving pool runs dry; rows written behind the scan
-reach the new pool as writes, so (*) holds for it when it replaces the old one. A read that finds its pool
-dry all the same (a batch wanting more victims than the pool holds, an expiry of more rows) finishes a scan
-at once, with a pool large enough for its answer, then rebuilds one of the usual size: passes bounded by the
-table, as when the index is first built (the first time it is asked for).
+minima. Its bound starts open, or for ``last_seen`` at ``(latest step written, 0)``: the rows written while it
+scans are newer than any a read will want before the next refill, so they need no entry. Each read advances
+the scan by ``MIN_BLOCKS + RATE * blocks * dropped / target`` blocks (``dropped``: the entries the read
+dropped, by which the serving pool shrank), so the scan ends after about ``target / RATE`` entries were used
+up, long before the serving pool runs dry; rows written behind the scan reach the new pool as writes, so (*)
+holds for it when it replaces the old one. A scan that ends with its bound still open holds every live row;
+it closes the bound just above the largest value held, ``(largest + 1, 0)``, so that the rows written above
+it later need no entry either (until a read reaches the bound and a refill takes them).
 
-Cost (``C`` the capacity, ``T = target >= C / SHARE``, ``P <= 2 T`` the entries of a pool): a read pops and
+A read that finds its pool dry all the same (all of it read, short of its answer) finishes the refill at
+once (or scans anew); if that pool is dry too and did not take every row, it scans again with pools twice
+as large until its answer fits (an expiry or a batch of victims larger than a pool), then builds one of the
+usual size: passes bounded by the table, as when the index is first built (the first time it is asked for).
+
+Cost (``H`` the row slots used, ``T = target >= H / SHARE``, ``P <= 2 T`` the entries of a pool): a read pops and
 pushes back its answer and the protected entries it meets, and pops the stale entries it meets,
 ``O(log P)`` each; a write of ``w`` rows costs ``O(w)`` checks against the bound and ``O(log P)`` per entry
-it adds (for ``last_seen``, a write at a step above every bound costs ``O(1)``); a refill scans ``O(RATE * C /
+it adds (for ``last_seen``, a write at a step above every bound costs ``O(1)``); a refill scans ``O(RATE * H /
 T) = O(RATE * SHARE)`` rows per entry used up. Which rows are found does not depend on any of this: exactly
 those a sort of every live row by ``(metric, key)`` would give.
 
 Memory: two pools of ``2 * target`` entries of 16 bytes (value int32, row int32, key uint64), and a bit per
-row slot marking the protected rows of a read: ``64 T / C + 1 / 8`` bytes a key (1.1 at ``SHARE = 64``), pages
-committed as they fill.
+row slot (the protected rows of a read, the rows of a write, each once): ``64 T / H + 1 / 8`` bytes a row slot
+used, 1.125 at ``SHARE = 64`` (pages committed as they fill).
 """
 
 from __future__ import annotations
@@ -55,7 +63,7 @@ from ..kernels.hash_map import FLOOR_BLOCK, FLOOR_SHIFT
 __all__ = ["OrderIndex", "METRICS", "SHARE", "MIN_TARGET", "RATE", "MIN_BLOCKS", "index_bytes"]
 
 METRICS = ("last_seen", "counts")
-SHARE = 64        # target entries per pool: capacity / SHARE (at least MIN_TARGET)
+SHARE = 64        # target entries per pool: high_water / SHARE (at least MIN_TARGET)
 MIN_TARGET = 256
 RATE = 4          # a refill scans the table while RATE * (entries used up) reach the target
 MIN_BLOCKS = 16   # blocks a read advances a refill at least
@@ -68,11 +76,7 @@ _DONE, _DRY = 0, 1         # how a read ended: its answer complete, or every ent
 
 def index_bytes(capacity: int) -> int:
     """The bytes an :class:`OrderIndex` of a key map of ``capacity`` rows takes at most (at its usual target)."""
-    return 2 * 2 * _target(capacity) * 16 + 8 * -(-capacity // 64)
-
-
-def _target(capacity: int) -> int:
-    return max(MIN_TARGET, capacity // SHARE)
+    return 2 * 2 * max(MIN_TARGET, capacity // SHARE) * 16 + 8 * -(-capacity // 64)
 
 
 # -- one pool: (values int32, keys uint64, rows int32, meta int64 [count, bound value], bound key uint64 [1]),
@@ -91,6 +95,13 @@ def _before(v1, k1, v2, k2):
 @njit(cache=True, inline="always")
 def _in_bound(v, k, meta, bound_key):
     return _before(np.int64(v), k, meta[_BOUND], bound_key[0])
+
+
+@njit(cache=True, inline="always")
+def _row_in_bound(v, row_keys, r, meta, bound_key):
+    """Whether row ``r`` (value ``v``) lies below the bound; its key is read only on a tie of values."""
+    b = meta[_BOUND]
+    return v < b or (v == b and row_keys[r] < bound_key[0])
 
 
 @njit(cache=True, inline="always")
@@ -201,21 +212,36 @@ def _push(pool, v, k, r, metric, counts, row_keys):
 
 
 @njit(cache=True)
+def _grown(a, n):
+    """``a`` (holding ``n`` entries) in an array twice as long."""
+    b = np.empty(max(2 * n, 16), a.dtype)
+    b[:n] = a[:n]
+    return b
+
+
+@njit(cache=True)
 def _add_written(pool, written, below_row, metric, counts, row_keys, seen):
     """Entries for the rows of ``written`` (those below row ``below_row``, each once: ``seen``, zero bits on
     entry and on return, marks them) whose ``(metric, key)`` is below the bound."""
     meta, bound_key = pool[3], pool[4]
     one = np.uint64(1)
+    distinct = np.empty(min(written.shape[0], 1024), np.int64)
+    n = 0
     for i in range(written.shape[0]):
         r = written[i]
         bit = one << np.uint64(r & 63)
         if r >= below_row or seen[r >> 6] & bit:
             continue
         seen[r >> 6] |= bit
-        if _in_bound(metric[r], row_keys[r], meta, bound_key):
-            _push(pool, np.int64(metric[r]), row_keys[r], np.int32(r), metric, counts, row_keys)
-    for i in range(written.shape[0]):
-        seen[written[i] >> 6] = np.uint64(0)
+        if n == distinct.shape[0]:
+            distinct = _grown(distinct, n)
+        distinct[n] = r
+        n += 1
+        v = np.int64(metric[r])
+        if _row_in_bound(v, row_keys, r, meta, bound_key):
+            _push(pool, v, row_keys[r], np.int32(r), metric, counts, row_keys)
+    for i in range(n):
+        seen[distinct[i] >> 6] = np.uint64(0)
 
 
 @njit(cache=True)
@@ -234,18 +260,20 @@ def _scan(pool, metric, counts, row_keys, floor, high, start, blocks):
                 continue
             v = metric[r]
             least = min(least, v)
-            if _in_bound(v, row_keys[r], meta, bound_key):
+            if _row_in_bound(np.int64(v), row_keys, r, meta, bound_key):
                 _push(pool, np.int64(v), row_keys[r], np.int32(r), metric, counts, row_keys)
         floor[b] = least
     return max(start, stop)
 
 
 @njit(cache=True)
-def _grown(a, n):
-    """``a`` (holding ``n`` entries) in an array twice as long."""
-    b = np.empty(max(2 * n, 16), a.dtype)
-    b[:n] = a[:n]
-    return b
+def _close(pool):
+    """Lower an open bound to just above the largest value held, ``(largest + 1, 0)`` (a pool holding every live
+    row: the rows written above it later need no entry until a read reaches them); an empty pool stays open."""
+    vals, meta, bound_key = pool[0], pool[3], pool[4]
+    if meta[_BOUND] == _OPEN and meta[_COUNT]:
+        meta[_BOUND] = np.int64(vals[:meta[_COUNT]].max()) + 1
+        bound_key[0] = 0
 
 
 @njit(cache=True)
@@ -270,7 +298,8 @@ def _walk(pool, metric, counts, row_keys, protected, n, limit, out):
         vals[0], keys[0], rows[0] = vals[last], keys[last], rows[last]
         meta[_COUNT] = last
         _sift_down(vals, keys, rows, 0, last)
-        if not _valid(v, k, r, metric, counts, row_keys) or (n_kept and v == kept_v[n_kept - 1] and k == kept_k[n_kept - 1]):
+        repeat = n_kept > 0 and v == kept_v[n_kept - 1] and k == kept_k[n_kept - 1]
+        if repeat or not _valid(v, k, r, metric, counts, row_keys):
             dropped += 1
             continue
         if n_kept == kept_v.shape[0]:
@@ -309,7 +338,8 @@ class OrderIndex:
     Args:
         key_map: the map.
         metric: ``"last_seen"`` or ``"counts"``.
-        target: entries a pool is sized for (default ``max(MIN_TARGET, capacity // SHARE)``).
+        target: entries a pool is sized for (default: ``max(MIN_TARGET, high_water // SHARE)`` when the pool
+            is built, ``high_water`` the rows the map has used).
         min_blocks: blocks a read advances a refill at least (default ``MIN_BLOCKS``).
     """
 
@@ -317,7 +347,7 @@ class OrderIndex:
         if metric not in METRICS:
             raise ValueError(f"table '{key_map.name}': an order index of {' or '.join(METRICS)}, not {metric!r}")
         self.metric = metric
-        self.target = _target(key_map.capacity) if target is None else max(1, int(target))
+        self.fixed_target = None if target is None else max(1, int(target))
         self.min_blocks = max(1, int(min_blocks))
         self.bits = np.zeros(-(-key_map.capacity // 64), np.uint64)  # protected rows of a read; rows of a write
         self.pool = None        # the pool reads use
@@ -325,8 +355,15 @@ class OrderIndex:
         self.refill = None      # the pool being built, or None
         self.cursor = 0         # the next block its scan reads
         self.blocks_scanned = 0  # by every scan so far (what the refills cost)
-        self._finish_refill(key_map, self.target)
+        self.step = -1           # the latest step written
+        self._finish_refill(key_map, self.target(key_map))
         key_map.watch(self)
+
+    def target(self, key_map) -> int:
+        """The entries a pool built now is sized for (it holds twice as many at most)."""
+        if self.fixed_target is not None:
+            return self.fixed_target
+        return max(MIN_TARGET, key_map.high_water // SHARE)
 
     @property
     def nbytes(self) -> int:
@@ -339,8 +376,10 @@ class OrderIndex:
     # -- writes -------------------------------------------------------------------------------------------
     def written(self, key_map, rows, step: int) -> None:
         """``rows`` (int64, maybe repeated) of ``key_map`` were inserted or touched at ``step``."""
-        if self.metric == "last_seen" and all(step > p[3][_BOUND] for p in self._pools()):
-            return  # they all hold last_seen == step, above every bound
+        self.step = max(self.step, step)
+        if self.metric == "last_seen" and all(step > p[3][_BOUND] or (step == p[3][_BOUND] and p[4][0] == 0)
+                                              for p in self._pools()):
+            return  # they all hold last_seen == step, at or above every bound
         metric = getattr(key_map, self.metric)
         for pool, below_row in ((self.pool, key_map.capacity), (self.refill, self.cursor << FLOOR_SHIFT)):
             if pool is not None:
@@ -363,53 +402,65 @@ class OrderIndex:
     def _read(self, key_map, n, limit, n_protected):
         metric = getattr(key_map, self.metric)
         out = np.empty(min(n, 1024), np.int64)
-        dropped, size = 0, self.target
+        dropped, target = 0, self.target(key_map)
+        size, whole = 0, False
         while True:
             out, m, d, state = _walk(self.pool, metric, key_map.counts, key_map.row_keys, self.bits, n, limit,
                                      out)
             dropped += d
             bound = self.pool[3][_BOUND]
-            if state == _DONE or bound == _OPEN or bound >= limit:
-                break  # complete, or every row the answer can hold was read
-            size = min(max(2 * size, 4 * m, 2 * min(n, len(key_map)) + n_protected), key_map.capacity)
-            self._finish_refill(key_map, size)
-        if size > self.target:
-            self._finish_refill(key_map, self.target)
+            if state == _DONE or whole or bound == _OPEN or bound >= limit:
+                break  # complete: enough found, or every row the answer can hold was read
+            size = target if size == 0 else \
+                min(max(2 * size, 4 * m, 2 * min(n, len(key_map)) + n_protected), key_map.capacity)
+            whole = self._finish_refill(key_map, size)
+        if size > target:
+            self._finish_refill(key_map, target)
         else:
-            self._advance(key_map, dropped)
+            self._advance(key_map, dropped, target)
         return out[:m]
 
     # -- refill -------------------------------------------------------------------------------------------
-    def _advance(self, key_map, used: int) -> None:
+    def _advance(self, key_map, used: int, target: int) -> None:
         """Start a refill when the pool runs low; scan in proportion to the entries ``used`` up."""
         meta = self.pool[3]
         if self.refill is None:
-            if meta[_BOUND] == _OPEN or meta[_COUNT] >= self.target // 2:
+            if meta[_BOUND] == _OPEN or meta[_COUNT] >= target // 2:
                 return
-            self._start_refill(self.target)
+            # last_seen: the rows written from now on are newer than any a read will want before the next refill
+            self._start_refill(target, self.step if self.metric == "last_seen" and self.step >= 0 else _OPEN)
         blocks = -(-key_map.high_water // FLOOR_BLOCK)
-        self._scan(key_map, self.min_blocks + -(-RATE * blocks * used // self.target))
+        self._scan(key_map, self.min_blocks + -(-RATE * blocks * used // (self.refill[0].shape[0] // 2)))
 
-    def _start_refill(self, target: int) -> None:
+    def _start_refill(self, target: int, bound: int = _OPEN) -> None:
+        """A new refill of ``2 * target`` entries, its bound ``(bound, 0)`` (open: it may take every row)."""
         size = 2 * target
         spare, self.spare = self.spare, None
         if spare is None or spare[0].shape[0] != size:
             spare = _new_pool(size)
-        spare[3][:] = (0, _OPEN)
+        spare[3][:] = (0, bound)
+        spare[4][0] = 0
         self.refill, self.cursor = spare, 0
 
-    def _scan(self, key_map, blocks: int) -> None:
+    def _scan(self, key_map, blocks: int) -> bool:
+        """Advance the refill by ``blocks``; when its scan is over it replaces the pool. Whether it did, holding
+        every live row."""
         start = self.cursor
         self.cursor = _scan(self.refill, getattr(key_map, self.metric), key_map.counts, key_map.row_keys,
                             key_map.floors(self.metric), key_map.high_water, self.cursor, blocks)
         self.blocks_scanned += self.cursor - start
-        if self.cursor << FLOOR_SHIFT >= key_map.high_water:
-            self.pool, self.spare, self.refill = self.refill, self.pool, None
+        if self.cursor << FLOOR_SHIFT < key_map.high_water:
+            return False
+        whole = self.refill[3][_BOUND] == _OPEN
+        _close(self.refill)
+        self.pool, self.spare, self.refill = self.refill, self.pool, None
+        return whole
 
-    def _finish_refill(self, key_map, target: int) -> None:
-        """Scan the rest of the table now: the refill running if its pool is of ``target``, else a new one."""
+    def _finish_refill(self, key_map, target: int) -> bool:
+        """Scan the rest of the table now: the refill running if its pool is of ``target``, else a new one;
+        whether the new pool holds every live row (as :meth:`_scan`)."""
         if self.refill is not None and self.refill[0].shape[0] != 2 * target:
             self.spare, self.refill = self.refill, None
         if self.refill is None:
             self._start_refill(target)
-        self._scan(key_map, -(-key_map.high_water // FLOOR_BLOCK))
+        return self._scan(key_map, -(-key_map.high_water // FLOOR_BLOCK))

@@ -18,6 +18,11 @@ Configuration (what a ``DynamicTableConfig`` takes; validated when made, equal b
     Numba (``njit``) the first time it scores; NaN refused. It sees the row's values, not its slots (the
     integration passes float32 rows; slots and 16-bit rows are for it to add).
 
+  Cost: LRU, LFU and TTL find their victims and expired rows through the key map's order index of their metric
+  (:func:`order_index`; :mod:`embedcore.tables.order_index`), in time proportional to what they find
+  (amortized), whatever the table's size; :class:`EvictByScore` scores every live row at each eviction, since
+  its score may change with the step alone.
+
 How the integration uses them: at each step of a dynamic table, (1) ``TTL``: ``map.remove_rows(expired_rows(
 map, step, ttl.steps))``; (2) ``rows = map.find(keys)``; the absent keys' ``AdmissionSketch.observe`` says which
 are admitted; (3) if the distinct admitted new keys ``k`` exceed ``map.free_rows``: ``map.remove_rows(
