@@ -34,7 +34,8 @@ Parts (``--parts``, a comma list):
   expires rows every step; a long one keeps the table full, so it evicts as LRU does) and
   ``EvictByScore(decayed_count)`` (an LFU whose counts halve every 8 steps unseen): ms per step (lookup +
   apply_gradients) after ``--evict-warmup`` untimed steps, the time spent choosing victims (``pick_victims``)
-  and expired rows (``expired_rows``) per step, and the rows evicted or expired per step. LRU, LFU and TTL
+  and expired rows (``expired_rows``) per step, the rows evicted or expired per step, and the slowest step
+  (and the most time one step spent choosing: a step that stopped the world would show here). LRU, LFU and TTL
   read their key map's order index (:mod:`embedcore.tables.order_index`); the score of ``EvictByScore`` may
   change with the step alone, so it scores every live row at each eviction (``--no-score`` leaves it out).
 
@@ -257,17 +258,21 @@ def bench_eviction(args, log) -> dict:
         for batch in batches[:args.evict_warmup]:
             contender.run(contender.prepare(batch))
         full = [len(contender.table(t)) for t in range(w.T)]
-        record = {}
+        record, choosing = {}, []
         with _Timed("pick_victims") as victims, _Timed("expired_rows") as expired:
             for batch in batches[args.evict_warmup:]:
+                before = victims.seconds + expired.seconds
                 _run_steps(contender, [batch], 1, 0, record)
+                choosing.append(victims.seconds + expired.seconds - before)
         n = len(record["step"])
         figures = {"step_ms": _median_ms(record["step"]), "pick_victims_ms_per_step": 1e3 * victims.seconds / n,
                    "expired_rows_ms_per_step": 1e3 * expired.seconds / n, "evicted_per_step": victims.rows / n,
-                   "expired_per_step": expired.rows / n, "keys_held_before": full}
+                   "expired_per_step": expired.rows / n, "keys_held_before": full,
+                   "slowest_step_ms": 1e3 * max(record["step"]), "slowest_choice_ms": 1e3 * max(choosing)}
         log(f"  {policy!r:12.40s} step {figures['step_ms']:8.2f} ms; pick_victims "
             f"{figures['pick_victims_ms_per_step']:6.2f} ms ({figures['evicted_per_step']:.0f} rows), expired_rows "
             f"{figures['expired_rows_ms_per_step']:6.2f} ms ({figures['expired_per_step']:.0f} rows) per step; "
+            f"slowest step {figures['slowest_step_ms']:.2f} ms (choosing {figures['slowest_choice_ms']:.2f}); "
             f"held before: {full}")
         out[repr(policy)] = figures
         contender.close()

@@ -9,19 +9,20 @@ An :class:`OrderIndex` watches a :class:`~embedcore.kernels.hash_map.KeyRowMap` 
   ``counts``);
 * :meth:`OrderIndex.below` ``(limit)``: the live rows with ``metric < limit``, in that order (TTL's expired rows).
 
-Pools. A pool is a binary min-heap of entries ``(value, key, row)`` ordered by ``(value, key)``, with an
-exclusive bound ``(value, key)`` above all of them, such that
+Pools. A pool holds entries ``(value, key, row)``, below an exclusive bound ``(value, key)``, such that
 
     (*) every live row whose ``(metric, key)`` is below the bound has an entry holding that ``(metric, key)``.
 
-An entry is *valid* while its row is live and still holds its key and metric; a read pops entries from the top,
-keeps the valid ones (pushed back when it ends: a read changes no row) and drops the others and repeats, so
-removing or re-keying a row costs the index nothing until a read meets the entry. The key map tells the index
-of every row it inserts or touches (:meth:`KeyRowMap.watch`); a row written below a pool's bound gets an entry,
-which keeps (*). A pool holds at most ``2 * target`` entries (``target = max(MIN_TARGET, high_water // SHARE)``
-when it is built, ``high_water`` the row slots the map has used); a full pool first drops its stale entries,
-then, if more than half of it is left, keeps the lower half and lowers its bound to the lowest entry it
-dropped, which keeps (*) too.
+The pool that serves reads is a binary min-heap by ``(value, key)``; a refill's pool (below) only gathers its
+entries, unordered, and is made a heap (``O(P)``) when it replaces the serving one. An entry is *valid* while
+its row is live and still holds its key and metric; a read pops entries from the top, keeps the valid ones
+(pushed back when it ends: a read changes no row) and drops the others and repeats, so removing or re-keying a
+row costs the index nothing until a read meets the entry. The key map tells the index of every row it inserts
+or touches (:meth:`KeyRowMap.watch`); a row written below a pool's bound gets an entry, which keeps (*). A
+pool holds at most ``2 * target`` entries (``target = max(MIN_TARGET, high_water // SHARE)`` when it is built,
+``high_water`` the row slots the map has used); a full pool first drops its stale entries, then, if more
+than half of it is left, keeps the lower half and lowers its bound to the lowest entry it dropped, which
+keeps (*) too (a refill's pool skips the first step: its entries were valid when its scan read them).
 
 Refill without stopping the world. When the pool that serves reads holds fewer than ``target / 2`` entries
 (and does not hold every row: its bound is not open), a second pool is built by a scan of the row slots in
@@ -68,7 +69,7 @@ MIN_TARGET = 256
 RATE = 4          # a refill scans the table while RATE * (entries used up) reach the target
 MIN_BLOCKS = 16   # blocks a read advances a refill at least
 
-_COUNT, _BOUND = 0, 1      # a pool's meta: entries held, bound value
+_COUNT, _BOUND, _HEAP = 0, 1, 2   # a pool's meta: entries held, bound value, whether they form a heap
 _OPEN = 2 ** 31            # a bound value above every int32: the pool holds every live row
 _NO_FLOOR = 2 ** 31 - 1
 _DONE, _DRY = 0, 1         # how a read ended: its answer complete, or every entry of its pool read
@@ -79,11 +80,12 @@ def index_bytes(capacity: int) -> int:
     return 2 * 2 * max(MIN_TARGET, capacity // SHARE) * 16 + 8 * -(-capacity // 64)
 
 
-# -- one pool: (values int32, keys uint64, rows int32, meta int64 [count, bound value], bound key uint64 [1]),
-#    a min-heap of (value, key) in its first ``count`` entries -----------------------------------------------
+# -- one pool: (values int32, keys uint64, rows int32, meta int64 [count, bound value, heap], bound key uint64
+#    [1]), its first ``count`` entries a min-heap of (value, key) when it serves reads (``heap``); a refill's
+#    pool only gathers them (appends, halvings), and becomes a heap when it replaces the serving one ----------
 def _new_pool(size: int) -> tuple:
     return (np.empty(size, np.int32), np.empty(size, np.uint64), np.empty(size, np.int32),
-            np.array([0, _OPEN], np.int64), np.zeros(1, np.uint64))
+            np.array([0, _OPEN, 0], np.int64), np.zeros(1, np.uint64))
 
 
 @njit(cache=True, inline="always")
@@ -116,7 +118,7 @@ def _swap(vals, keys, rows, i, j):
     rows[i], rows[j] = rows[j], rows[i]
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _sift_down(vals, keys, rows, i, n):
     while True:
         least = i
@@ -131,7 +133,7 @@ def _sift_down(vals, keys, rows, i, n):
         i = least
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _sift_up(vals, keys, rows, i):
     while i > 0:
         parent = (i - 1) >> 1
@@ -169,15 +171,18 @@ def _valid(v, k, r, metric, counts, row_keys):
 
 @njit(cache=True)
 def _shrink(pool, metric, counts, row_keys):
-    """Drop the stale entries; if more than half the pool is left, keep the lower half and lower the bound to
-    the lowest entry dropped. A heap again."""
+    """Drop the stale entries of a heap (those a refill gathered were valid when read: checking them, at
+    random rows, would cost more than they take); if more than half the pool is left, keep the lower half and
+    lower the bound to the lowest entry dropped (a heap again, if it was one)."""
     vals, keys, rows, meta, bound_key = pool
-    w = 0
-    for i in range(meta[_COUNT]):
-        if _valid(np.int64(vals[i]), keys[i], rows[i], metric, counts, row_keys):
-            if i != w:
-                _swap(vals, keys, rows, i, w)
-            w += 1
+    w = meta[_COUNT]
+    if meta[_HEAP]:
+        w = 0
+        for i in range(meta[_COUNT]):
+            if _valid(np.int64(vals[i]), keys[i], rows[i], metric, counts, row_keys):
+                if i != w:
+                    _swap(vals, keys, rows, i, w)
+                w += 1
     half = vals.shape[0] // 2
     if w > half:
         tv, tk = _at_rank(vals, keys, w, half)
@@ -191,24 +196,36 @@ def _shrink(pool, metric, counts, row_keys):
         meta[_BOUND] = tv
         bound_key[0] = tk
     meta[_COUNT] = w
-    for i in range(w // 2 - 1, -1, -1):
-        _sift_down(vals, keys, rows, i, w)
+    if meta[_HEAP]:
+        _heapify(pool)
 
 
 @njit(cache=True)
-def _push(pool, v, k, r, metric, counts, row_keys):
-    """Give row ``r`` (value ``v``, key ``k``) an entry if it lies below the bound, shrinking a full pool first."""
-    vals, keys, rows, meta, bound_key = pool
+def _heapify(pool):
+    """Make the entries a heap (and the pool one that keeps them so)."""
+    vals, keys, rows, meta = pool[0], pool[1], pool[2], pool[3]
+    n = meta[_COUNT]
+    for i in range(n // 2 - 1, -1, -1):
+        _sift_down(vals, keys, rows, i, n)
+    meta[_HEAP] = 1
+
+
+@njit(cache=True, inline="always")
+def _push(pool, vals, keys, rows, meta, bound_key, v, k, r, metric, counts, row_keys):
+    """Give row ``r`` (value ``v``, key ``k``, below the bound) an entry, shrinking a full pool first. The pool's
+    arrays come unpacked (``vals`` .. ``bound_key``): unpacking the tuple per entry costs reference counts
+    (atomic operations) that dwarf the entry's own work."""
     if meta[_COUNT] == vals.shape[0]:
         _shrink(pool, metric, counts, row_keys)
-    if not _in_bound(v, k, meta, bound_key):
-        return
+        if not _in_bound(v, k, meta, bound_key):
+            return
     e = meta[_COUNT]
     vals[e] = v
     keys[e] = k
     rows[e] = r
     meta[_COUNT] = e + 1
-    _sift_up(vals, keys, rows, e)
+    if meta[_HEAP]:
+        _sift_up(vals, keys, rows, e)
 
 
 @njit(cache=True)
@@ -223,7 +240,7 @@ def _grown(a, n):
 def _add_written(pool, written, below_row, metric, counts, row_keys, seen):
     """Entries for the rows of ``written`` (those below row ``below_row``, each once: ``seen``, zero bits on
     entry and on return, marks them) whose ``(metric, key)`` is below the bound."""
-    meta, bound_key = pool[3], pool[4]
+    vals, keys, rows, meta, bound_key = pool
     one = np.uint64(1)
     distinct = np.empty(min(written.shape[0], 1024), np.int64)
     n = 0
@@ -239,7 +256,7 @@ def _add_written(pool, written, below_row, metric, counts, row_keys, seen):
         n += 1
         v = np.int64(metric[r])
         if _row_in_bound(v, row_keys, r, meta, bound_key):
-            _push(pool, v, row_keys[r], np.int32(r), metric, counts, row_keys)
+            _push(pool, vals, keys, rows, meta, bound_key, v, row_keys[r], np.int32(r), metric, counts, row_keys)
     for i in range(n):
         seen[distinct[i] >> 6] = np.uint64(0)
 
@@ -249,7 +266,7 @@ def _scan(pool, metric, counts, row_keys, floor, high, start, blocks):
     """Give entries to the live rows below the bound of blocks ``start .. start + blocks - 1`` (those below the
     high water ``high``), skipping blocks whose floor lies above the bound, setting the floors of those read to
     their exact minima; returns the next block."""
-    meta, bound_key = pool[3], pool[4]
+    vals, keys, rows, meta, bound_key = pool
     stop = min((high + FLOOR_BLOCK - 1) >> FLOOR_SHIFT, start + blocks)
     for b in range(start, stop):
         if np.int64(floor[b]) > meta[_BOUND]:
@@ -261,7 +278,8 @@ def _scan(pool, metric, counts, row_keys, floor, high, start, blocks):
             v = metric[r]
             least = min(least, v)
             if _row_in_bound(np.int64(v), row_keys, r, meta, bound_key):
-                _push(pool, np.int64(v), row_keys[r], np.int32(r), metric, counts, row_keys)
+                _push(pool, vals, keys, rows, meta, bound_key, np.int64(v), row_keys[r], np.int32(r), metric, counts,
+                      row_keys)
         floor[b] = least
     return max(start, stop)
 
@@ -438,7 +456,7 @@ class OrderIndex:
         spare, self.spare = self.spare, None
         if spare is None or spare[0].shape[0] != size:
             spare = _new_pool(size)
-        spare[3][:] = (0, bound)
+        spare[3][:] = (0, bound, 0)
         spare[4][0] = 0
         self.refill, self.cursor = spare, 0
 
@@ -453,6 +471,7 @@ class OrderIndex:
             return False
         whole = self.refill[3][_BOUND] == _OPEN
         _close(self.refill)
+        _heapify(self.refill)
         self.pool, self.spare, self.refill = self.refill, self.pool, None
         return whole
 
