@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 import embedcore as ec
 from embedcore import compile_cache
 from embedcore.compiler import RowFunctionError, strip_del
-from embedcore.translate import framework_of, to_numpy_row_function
+from embedcore.translate import framework_of, optimizer_contract, to_numpy_row_function
 from embedcore.translate.numpy_source import Program, TranslationError, _literal
 
 DIMS = (1, 3, 8, 17)
@@ -112,11 +112,11 @@ def test_numpy_function_is_returned_unchanged():
 
 
 def _adagrad_program(epsilon):
-    p = Program("adagrad_program", "adagrad_program", __name__, "test program")
+    p = Program("adagrad_program", "adagrad_program", __name__, "test program", optimizer_contract((2,), 0))
     g, w = p.argument("gradient"), p.argument("embedding_table")
     acc = p.apply("add", p.argument("slot", 0), p.apply("mul", g, g))
     denominator = p.apply("add", p.apply("sqrt", acc), p.constant(np.float32(epsilon)))
-    p.set_outputs([p.apply("sub", w, p.apply("div", p.apply("mul", p.argument("learning_rate", rank=0), g),
+    p.set_outputs([p.apply("sub", w, p.apply("div", p.apply("mul", p.argument("learning_rate"), g),
                                                    denominator)), acc])
     return p
 
@@ -147,7 +147,7 @@ def test_fingerprint_follows_the_program():
 
 
 def test_row_constants_are_read_per_row_not_inlined():
-    p = Program("scaled", "scaled", __name__, "test program")
+    p = Program("scaled", "scaled", __name__, "test program", optimizer_contract())
     p.set_outputs([p.apply("mul", p.argument("embedding_table"), p.constant(np.array([1, 2, 3], np.float32)))])
     fn = p.to_function()
     assert "const_0 = np.array([1.0, 2.0, 3.0], dtype=np.float32)" in inspect.getsource(inspect.getmodule(fn)) \
@@ -159,7 +159,7 @@ def test_row_constants_are_read_per_row_not_inlined():
 
 
 def test_program_refuses_what_it_cannot_express():
-    p = Program("f", "f", __name__, "test program")
+    p = Program("f", "f", __name__, "test program", optimizer_contract())
     with pytest.raises(TranslationError, match="shape"):
         p.constant(np.zeros((2, 2), np.float32))
     with pytest.raises(TranslationError, match="vocabulary"):
