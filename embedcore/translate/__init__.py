@@ -191,10 +191,11 @@ def to_numpy_function(fn, contract: Contract, framework="auto"):
     try:
         program = module.to_program(fn, contract, name, qualname, module_name)
     except TranslationError as exc:
-        supported = (tensorflow_graph.SUPPORTED_OPS if framework == "tensorflow"
-                     else jaxpr.SUPPORTED_PRIMITIVES)
-        raise RowFunctionError(f"{who} cannot be translated from {label}: {exc}. "
-                               f"Supported: {', '.join(supported)}") from None
+        supported = ""
+        if isinstance(exc, (tensorflow_graph.UnsupportedOp, jaxpr.UnsupportedPrimitive)):
+            names = tensorflow_graph.SUPPORTED_OPS if framework == "tensorflow" else jaxpr.SUPPORTED_PRIMITIVES
+            supported = f". Supported: {', '.join(names)}"
+        raise RowFunctionError(f"{who} cannot be translated from {label}: {exc}{supported}") from None
     except RowFunctionError:
         raise
     except Exception as exc:  # the framework's own tracing errors, of many types
