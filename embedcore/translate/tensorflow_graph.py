@@ -20,7 +20,9 @@ translated in graph order:
 * ``Const`` (scalars and rows), ``Placeholder`` (the arguments), captured eager constants;
 * structure: ``Identity IdentityN StopGradient Snapshot PreventGradient EnsureShape``, ``Squeeze Reshape
   ExpandDims`` of a scalar, and slot or hyperparameter lists packed into one tensor and taken apart again
-  (``Pack``, then ``Unpack``, ``StridedSlice`` or ``GatherV2`` with constant indices).
+  (``Pack``, then ``Unpack``, ``StridedSlice`` or ``GatherV2`` with constant indices);
+* calls of other ``tf.function`` s (``PartitionedCall``, ``StatefulPartitionedCall``): the called graph is
+  translated in place, by the same rules.
 
 Anything else (a ``tf.Variable`` read, ``tf.cond`` or loops, indexing into the row, other ops) raises
 :class:`embedcore.compiler.RowFunctionError` naming the op and the function.
@@ -42,7 +44,8 @@ _UNARY = {"Neg": "neg", "Abs": "abs", "Sign": "sign", "Sqrt": "sqrt", "Rsqrt": "
 _REDUCTIONS = {"Sum": "sum", "Mean": "mean", "Max": "max", "Min": "min"}
 _ALIASES = {"Identity", "StopGradient", "Snapshot", "PreventGradient", "EnsureShape"}
 _RESHAPES = {"Squeeze", "Reshape", "ExpandDims"}
-SUPPORTED_OPS = tuple(sorted({*_BINARY, *_UNARY, *_REDUCTIONS, *_ALIASES, *_RESHAPES, "Const", "Placeholder",
+_CALLS = {"PartitionedCall", "StatefulPartitionedCall"}  # a tf.function calling another: inlined
+SUPPORTED_OPS = tuple(sorted({*_BINARY, *_UNARY, *_REDUCTIONS, *_ALIASES, *_RESHAPES, *_CALLS, "Const", "Placeholder",
                               "IdentityN", "ClipByValue", "Select", "SelectV2", "Cast", "EuclideanNorm", "Size",
                               "AddN", "Pack", "Unpack", "StridedSlice", "GatherV2", "Div"}))
 
@@ -249,8 +252,28 @@ def _translate_op(program, op, env, tf):
             env[t_out.name] = item
     elif kind in ("StridedSlice", "GatherV2"):
         env[out] = _take(program, op, env)
+    elif kind in _CALLS:
+        _inline_call(program, op, env, tf)
     else:
         raise UnsupportedOp(op)
+
+
+def _inline_call(program, op, env, tf):
+    """A call of another ``tf.function`` (one decorated function calling another): the called graph's ops
+    translated in place, its inputs the call's values, the call's outputs its outputs."""
+    try:
+        called = op.graph._get_function(op.get_attr("f").name).graph
+    except Exception:  # a TensorFlow without the function library lookup
+        raise UnsupportedOp(op, "calls a function whose graph TensorFlow does not expose") from None
+    if len(called.inputs) != len(op.inputs) or len(called.outputs) != len(op.outputs):
+        raise UnsupportedOp(op, "calls a function whose inputs or outputs do not match the call's")
+    inner = {t.name: env[s.name] for t, s in zip(called.inputs, op.inputs)}
+    needed = _needed_ops([t.op for t in called.outputs])
+    for called_op in called.get_operations():
+        if called_op.name in needed:
+            _translate_op(program, called_op, inner, tf)
+    for t_out, t_called in zip(op.outputs, called.outputs):
+        env[t_out.name] = inner[t_called.name]
 
 
 def _take(program, op, env):
