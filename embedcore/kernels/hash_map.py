@@ -222,25 +222,30 @@ def _delete_at(index, row_keys, b, row_bits):
 _LIVE, _HIGH, _FREE, _CURSOR = 0, 1, 2, 3
 
 
-@njit(cache=True, inline="always")
-def _find_one(key, row_keys, index, old, row_bits):
-    h = _hash(key)
-    r = _row_in(index, row_keys, key, h, row_bits)
-    if r < 0:
-        r = _row_in(old, row_keys, key, h, row_bits)
-    return r
-
-
+# The probe is written out in both loops: behind one more inlined function (a ``_find_one`` calling
+# ``_row_in``) Numba's serial loop ran ~10x slower (~50 ns a key instead of ~4).
 @njit(cache=True, parallel=True)
 def _find_parallel(keys, row_keys, index, old, row_bits, out):
+    migrating = old.shape[0] > 0
     for i in prange(keys.shape[0]):
-        out[i] = _find_one(keys[i], row_keys, index, old, row_bits)
+        key = keys[i]
+        h = _hash(key)
+        r = _row_in(index, row_keys, key, h, row_bits)
+        if r < 0 and migrating:
+            r = _row_in(old, row_keys, key, h, row_bits)
+        out[i] = r
 
 
 @njit(cache=True)
 def _find_serial(keys, row_keys, index, old, row_bits, out):
+    migrating = old.shape[0] > 0
     for i in range(keys.shape[0]):
-        out[i] = _find_one(keys[i], row_keys, index, old, row_bits)
+        key = keys[i]
+        h = _hash(key)
+        r = _row_in(index, row_keys, key, h, row_bits)
+        if r < 0 and migrating:
+            r = _row_in(old, row_keys, key, h, row_bits)
+        out[i] = r
 
 
 def _find(keys, row_keys, index, old, row_bits, out):
