@@ -227,6 +227,7 @@ _LIVE, _HIGH, _FREE, _CURSOR = 0, 1, 2, 3
 @njit(cache=True, parallel=True)
 def _find_parallel(keys, row_keys, index, old, row_bits, out):
     migrating = old.shape[0] > 0
+    misses = 0
     for i in prange(keys.shape[0]):
         key = keys[i]
         h = _hash(key)
@@ -234,11 +235,15 @@ def _find_parallel(keys, row_keys, index, old, row_bits, out):
         if r < 0 and migrating:
             r = _row_in(old, row_keys, key, h, row_bits)
         out[i] = r
+        if r < 0:
+            misses += 1
+    return misses
 
 
 @njit(cache=True)
 def _find_serial(keys, row_keys, index, old, row_bits, out):
     migrating = old.shape[0] > 0
+    misses = 0
     for i in range(keys.shape[0]):
         key = keys[i]
         h = _hash(key)
@@ -246,12 +251,16 @@ def _find_serial(keys, row_keys, index, old, row_bits, out):
         if r < 0 and migrating:
             r = _row_in(old, row_keys, key, h, row_bits)
         out[i] = r
+        if r < 0:
+            misses += 1
+    return misses
 
 
-def _find(keys, row_keys, index, old, row_bits, out):
-    """The row of each key into ``out`` (-1 where absent); below ``PARALLEL_MIN`` keys on one thread (a
-    parallel region costs more than the probes)."""
-    (_find_parallel if keys.shape[0] >= PARALLEL_MIN else _find_serial)(keys, row_keys, index, old, row_bits, out)
+def _find(keys, row_keys, index, old, row_bits, out) -> int:
+    """The row of each key into ``out`` (-1 where absent); returns how many are absent. Below
+    ``PARALLEL_MIN`` keys on one thread (a parallel region costs more than the probes)."""
+    find = _find_parallel if keys.shape[0] >= PARALLEL_MIN else _find_serial
+    return int(find(keys, row_keys, index, old, row_bits, out))
 
 
 @njit(cache=True, inline="always")
@@ -532,10 +541,13 @@ class KeyRowMap:
     def find(self, keys) -> np.ndarray:
         """The row of each key (int64, shaped like ``keys``), -1 where absent. Changes nothing."""
         shape = np.shape(keys)
+        return self.find_counted(keys)[0].reshape(shape)
+
+    def find_counted(self, keys) -> tuple:
+        """``(rows, absent)``: :meth:`find` of ``keys`` flattened, and how many of them are absent."""
         k = as_keys(keys, f"table '{self.name}': keys")
         out = np.empty(k.shape[0], np.int64)
-        _find(k, self.row_keys, self.index, self.old, self.row_bits, out)
-        return out.reshape(shape)
+        return out, _find(k, self.row_keys, self.index, self.old, self.row_bits, out)
 
     def __contains__(self, key) -> bool:
         return np.ndim(key) == 0 and bool(self.find([key])[0] >= 0)
@@ -553,9 +565,8 @@ class KeyRowMap:
         k = as_keys(keys, f"table '{self.name}': keys")
         step = self._checked_step(step)
         rows = np.empty(k.shape[0], np.int64)
-        _find(k, self.row_keys, self.index, self.old, self.row_bits, rows)
+        absent = _find(k, self.row_keys, self.index, self.old, self.row_bits, rows)
         inserted = np.zeros(k.shape[0], np.bool_)
-        absent = int(np.count_nonzero(rows < 0))
         if absent > self.free_rows:  # only then can the batch be too big: count its distinct new keys
             new = int(np.unique(k[rows < 0]).shape[0])
             if new > self.free_rows:
