@@ -109,7 +109,8 @@ from numba import njit, prange
 from .random import mix64  # the SplitMix64 finaliser (the tree's one copy)
 
 __all__ = ["KeyRowMap", "TableFullError", "as_keys", "MAX_LOAD", "GROWTH", "MIGRATE_PER_KEY", "MIGRATE_MIN",
-           "MAX_CAPACITY", "MAX_STEP", "FLOOR_BLOCK", "FLOOR_SHIFT", "PARALLEL_MIN", "first_occurrences"]
+           "MAX_CAPACITY", "MAX_STEP", "FLOOR_BLOCK", "FLOOR_SHIFT", "PARALLEL_MIN", "PIECE", "first_occurrences",
+           "find_in_maps", "touch_in_maps"]
 
 MAX_LOAD = 0.75        # keys per bucket at most
 GROWTH = 1.5           # index size factor per growth
@@ -122,6 +123,7 @@ FLOOR_SHIFT = 4                # rows per floor block: 2**FLOOR_SHIFT
 FLOOR_BLOCK = 1 << FLOOR_SHIFT
 _NO_FLOOR = 2 ** 31 - 1        # the floor of a block without live rows
 PARALLEL_MIN = 1 << 14         # batches of fewer keys are looked up on one thread
+PIECE = 1 << 13                # keys a thread looks up at a time
 _INITIAL_BUCKETS = 64
 
 _U = np.uint64
@@ -222,13 +224,14 @@ def _delete_at(index, row_keys, b, row_bits):
 _LIVE, _HIGH, _FREE, _CURSOR = 0, 1, 2, 3
 
 
-# The probe is written out in both loops: behind one more inlined function (a ``_find_one`` calling
-# ``_row_in``) Numba's serial loop ran ~10x slower (~50 ns a key instead of ~4).
-@njit(cache=True, parallel=True)
-def _find_parallel(keys, row_keys, index, old, row_bits, out):
+@njit(cache=True)
+def _find_range(keys, lo, hi, row_keys, index, old, row_bits, out):
+    """The row of each of ``keys[lo:hi]`` into ``out[lo:hi]`` (-1 where absent); how many are absent."""
+    # The probe is written out here: behind one more inlined function (a ``_find_one`` calling ``_row_in``) this
+    # loop ran ~10x slower (~50 ns a key instead of ~4); ``migrating`` is tested outside it for the same reason.
     migrating = old.shape[0] > 0
     misses = 0
-    for i in prange(keys.shape[0]):
+    for i in range(lo, hi):
         key = keys[i]
         h = _hash(key)
         r = _row_in(index, row_keys, key, h, row_bits)
@@ -238,29 +241,44 @@ def _find_parallel(keys, row_keys, index, old, row_bits, out):
         if r < 0:
             misses += 1
     return misses
+
+
+@njit(cache=True, parallel=True)
+def _find_pieces_parallel(keys, row_keys, index, old, row_bits, out, pieces, misses):
+    """For each piece ``(m, lo, hi)`` of ``pieces``: :func:`_find_range` of ``keys[m][lo:hi]`` in map ``m`` (its
+    arrays ``row_keys[m]``, ...; tuples of one array per map), misses into ``misses[piece]``."""
+    for c in prange(pieces.shape[0]):
+        m = pieces[c, 0]
+        misses[c] = _find_range(keys[m], pieces[c, 1], pieces[c, 2], row_keys[m], index[m], old[m], row_bits[m],
+                                out[m])
 
 
 @njit(cache=True)
-def _find_serial(keys, row_keys, index, old, row_bits, out):
-    migrating = old.shape[0] > 0
-    misses = 0
-    for i in range(keys.shape[0]):
-        key = keys[i]
-        h = _hash(key)
-        r = _row_in(index, row_keys, key, h, row_bits)
-        if r < 0 and migrating:
-            r = _row_in(old, row_keys, key, h, row_bits)
-        out[i] = r
-        if r < 0:
-            misses += 1
-    return misses
+def _find_pieces_serial(keys, row_keys, index, old, row_bits, out, pieces, misses):
+    """:func:`_find_pieces_parallel` on one thread."""
+    for c in range(pieces.shape[0]):
+        m = pieces[c, 0]
+        misses[c] = _find_range(keys[m], pieces[c, 1], pieces[c, 2], row_keys[m], index[m], old[m], row_bits[m],
+                                out[m])
 
 
-def _find(keys, row_keys, index, old, row_bits, out) -> int:
-    """The row of each key into ``out`` (-1 where absent); returns how many are absent. Below
-    ``PARALLEL_MIN`` keys on one thread (a parallel region costs more than the probes)."""
-    find = _find_parallel if keys.shape[0] >= PARALLEL_MIN else _find_serial
-    return int(find(keys, row_keys, index, old, row_bits, out))
+def find_in_maps(maps, keys) -> list:
+    """``[(rows, absent)]``: :meth:`KeyRowMap.find_counted` of ``keys[m]`` (uint64, flat) in ``maps[m]`` for
+    every map, in one pass: all threads share the pieces of ``PIECE`` keys of every map when there are
+    ``PARALLEL_MIN`` keys or more in all (one parallel region however many maps), else one thread. Changes
+    nothing."""
+    keys = [k if k.flags.writeable and k.flags.c_contiguous else np.array(k) for k in keys]  # one array type
+    rows = [np.empty(k.shape[0], np.int64) for k in keys]
+    pieces = np.array([(m, lo, min(lo + PIECE, k.shape[0])) for m, k in enumerate(keys)
+                       for lo in range(0, k.shape[0], PIECE)], np.int64).reshape(-1, 3)
+    misses = np.zeros(pieces.shape[0], np.int64)
+    if pieces.shape[0]:
+        total = sum(k.shape[0] for k in keys)
+        find = _find_pieces_parallel if total >= PARALLEL_MIN else _find_pieces_serial
+        find(tuple(keys), tuple(m.row_keys for m in maps), tuple(m.index for m in maps), tuple(m.old for m in maps),
+             np.array([m.row_bits for m in maps], np.uint64), tuple(rows), pieces, misses)
+    absent = np.bincount(pieces[:, 0], misses, minlength=len(keys)).astype(np.int64)
+    return [(r, int(a)) for r, a in zip(rows, absent)]
 
 
 @njit(cache=True, inline="always")
@@ -349,6 +367,26 @@ def _touch(rows, step, last_seen, counts, seen_floor):
         if counts[r] < _COUNT_MAX:
             counts[r] += 1
         _lower_floor(seen_floor, r, step, False)
+
+
+@njit(cache=True, parallel=True)
+def _touch_maps(rows, step, last_seen, counts, seen_floor):
+    """:func:`_touch` of ``rows[m]`` in map ``m`` for every map (tuples of one array per map), a map per
+    thread."""
+    for m in prange(len(rows)):
+        _touch(rows[m], step, last_seen[m], counts[m], seen_floor[m])
+
+
+def touch_in_maps(maps, rows, step: int) -> None:
+    """:meth:`KeyRowMap.touch_found` of ``rows[m]`` in ``maps[m]`` for every map, the maps shared out among the
+    threads (each map's rows on one thread, in order)."""
+    step = np.int32(step)
+    if len(maps) == 1:
+        _touch(np.ascontiguousarray(rows[0], np.int64), step, maps[0].last_seen, maps[0].counts,
+               maps[0].last_seen_floor)
+    elif maps:
+        _touch_maps(tuple(np.ascontiguousarray(r, np.int64) for r in rows), step, tuple(m.last_seen for m in maps),
+                    tuple(m.counts for m in maps), tuple(m.last_seen_floor for m in maps))
 
 
 @njit(cache=True, parallel=True)
@@ -545,9 +583,7 @@ class KeyRowMap:
 
     def find_counted(self, keys) -> tuple:
         """``(rows, absent)``: :meth:`find` of ``keys`` flattened, and how many of them are absent."""
-        k = as_keys(keys, f"table '{self.name}': keys")
-        out = np.empty(k.shape[0], np.int64)
-        return out, _find(k, self.row_keys, self.index, self.old, self.row_bits, out)
+        return find_in_maps([self], [as_keys(keys, f"table '{self.name}': keys")])[0]
 
     def __contains__(self, key) -> bool:
         return np.ndim(key) == 0 and bool(self.find([key])[0] >= 0)
@@ -564,8 +600,7 @@ class KeyRowMap:
         shape = np.shape(keys)
         k = as_keys(keys, f"table '{self.name}': keys")
         step = self._checked_step(step)
-        rows = np.empty(k.shape[0], np.int64)
-        absent = _find(k, self.row_keys, self.index, self.old, self.row_bits, rows)
+        rows, absent = self.find_counted(k)
         inserted = np.zeros(k.shape[0], np.bool_)
         if absent > self.free_rows:  # only then can the batch be too big: count its distinct new keys
             new = int(np.unique(k[rows < 0]).shape[0])
@@ -624,8 +659,7 @@ class KeyRowMap:
     def touch_found(self, rows, step: int) -> None:
         """:meth:`touch` (one count per occurrence) of rows that :meth:`find` or :meth:`find_or_insert` just
         returned for keys held (int64, all live: not checked again)."""
-        _touch(np.ascontiguousarray(rows, np.int64), self._checked_step(step), self.last_seen, self.counts,
-               self.last_seen_floor)
+        touch_in_maps([self], [rows], self._checked_step(step))
 
     def _live_rows(self, rows) -> np.ndarray:
         rows = np.asarray(rows)

@@ -46,11 +46,13 @@ import numpy as np
 
 from ..initializers import TruncatedNormal, fill_key_rows
 from ..inputs import InputError, TableBatch
-from ..kernels.hash_map import FLOOR_BLOCK, MAX_STEP, KeyRowMap, TableFullError, as_keys, first_occurrences
+from ..kernels.hash_map import (FLOOR_BLOCK, MAX_STEP, KeyRowMap, TableFullError, as_keys, find_in_maps,
+                                 first_occurrences, touch_in_maps)
 from .policies import TTL, EvictByScore, expired_rows, pick_victims
 from .storage import DenseStorage
 
-__all__ = ["DynamicTable", "DynamicTableBatch", "DynamicTableState", "DynamicTableView", "map_bytes"]
+__all__ = ["DynamicTable", "DynamicTableBatch", "DynamicTableState", "DynamicTableView", "map_bytes", "plan_tables",
+           "commit_plans"]
 
 
 def map_bytes(config) -> int:
@@ -204,10 +206,19 @@ class DynamicTable:
         takes them; their row offsets are not read) at ``step`` changes; refuse it (:class:`InputError` naming
         the table) before anything changed, expired rows and (until :meth:`cancel`) admission counts aside.
         Hold the result for :meth:`commit` or :meth:`cancel`."""
+        step, used, keys = self.keys_of(parts, step)
+        return self.plan_found(parts, step, used, keys, *self.key_map.find_counted(keys))
+
+    def keys_of(self, parts, step: int) -> tuple:
+        """The first half of :meth:`plan`: ``(step, used, keys)``, ``parts`` and ``step`` checked, the rows
+        expired at ``step`` removed (TTL), ``used`` and ``keys`` as :func:`_keys_looked_up` gives them."""
         step = self._checked_parts(parts, step)
         self.remove_expired(step)
-        used, keys = _keys_looked_up(parts)
-        found, absent = self.key_map.find_counted(keys)
+        return (step,) + _keys_looked_up(parts)
+
+    def plan_found(self, parts, step: int, used, keys, found, absent: int) -> _Plan:
+        """The second half of :meth:`plan`, given :meth:`keys_of` and the key map's ``find_counted`` of
+        ``keys``."""
         if not absent:  # every key held: nothing to admit, evict or fill
             return _Plan(parts, step, keys, used, found, _NO_ROWS, _NO_FLAGS, _NO_ROWS, _NO_KEYS, self._no_values,
                          _NO_ROWS, self._no_values[0], None)
@@ -274,11 +285,12 @@ class DynamicTable:
     def commit(self, plan: _Plan) -> np.ndarray:
         """Make ``plan``'s changes; returns the row slot of each key of ``plan.keys`` (``capacity + j`` for an
         unadmitted key, ``j`` its row in ``plan.pending_values``). The plan is used up (its rows are these)."""
+        return commit_plans([(self, plan)])[0]
+
+    def _commit_absent(self, plan: _Plan) -> np.ndarray:
+        """:meth:`commit` of a plan with keys absent from the key map."""
         key_map = self.key_map
         rows = plan.found
-        if not plan.absent_at.size:
-            key_map.touch_found(rows, plan.step)  # one count per occurrence
-            return rows
         if plan.victims.size:
             key_map.remove_rows(plan.victims)
             self.removals += 1
@@ -419,6 +431,35 @@ class DynamicTable:
         kind = type(self.optimizer).__name__ if self.optimizer is not None else "read-only"
         return (f"DynamicTable({self.name} [{len(self.key_map)} of {self.key_map.capacity} keys x {self.dim}, "
                 f"{kind}])")
+
+
+def plan_tables(table_parts, step: int) -> list:
+    """:meth:`DynamicTable.plan` of ``parts`` for each ``(table, parts)`` of ``table_parts``, their keys looked
+    up in one pass (:func:`~embedcore.kernels.hash_map.find_in_maps`). A refusal cancels the plans made and
+    raises (nothing changed, expired rows aside)."""
+    tables = [table for table, _ in table_parts]
+    looked_up = [table.keys_of(parts, step) for table, parts in table_parts]
+    found = find_in_maps([table.key_map for table in tables], [keys for _, _, keys in looked_up])
+    plans = []
+    try:
+        for (table, parts), (step, used, keys), (rows, absent) in zip(table_parts, looked_up, found):
+            plans.append(table.plan_found(parts, step, used, keys, rows, absent))
+    except BaseException:
+        for table, plan in zip(tables, plans):
+            table.cancel(plan)
+        raise
+    return plans
+
+
+def commit_plans(table_plans) -> list:
+    """:meth:`DynamicTable.commit` of each ``(table, plan)`` of ``table_plans``; returns their rows. The plans
+    whose keys were all held (the usual step once a table holds its keys) only touch their rows: all of them in
+    one pass (:func:`~embedcore.kernels.hash_map.touch_in_maps`)."""
+    held = [(table, plan) for table, plan in table_plans if not plan.absent_at.size]
+    if held:
+        touch_in_maps([table.key_map for table, _ in held], [plan.found for _, plan in held],
+                      held[0][1].step)
+    return [plan.found if not plan.absent_at.size else table._commit_absent(plan) for table, plan in table_plans]
 
 
 def _keys_looked_up(parts) -> tuple:

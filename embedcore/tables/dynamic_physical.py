@@ -28,7 +28,7 @@ import numpy as np
 
 from .. import inputs
 from ..inputs import TableBatch
-from .dynamic import DynamicTable, DynamicTableBatch, DynamicTableView
+from .dynamic import DynamicTable, DynamicTableBatch, DynamicTableView, commit_plans, plan_tables
 from .physical import NOTHING_FLAGGED, PhysicalTable, TableUpdate
 from .storage import DenseStorage
 
@@ -73,16 +73,9 @@ class DynamicPhysicalTable(PhysicalTable):
         ``step`` for every table they name; a refusal (:class:`~embedcore.inputs.InputError` naming the table)
         cancels the plans made, so nothing changed (expired rows aside). Hold the result for
         :meth:`lay_out_planned` or :meth:`cancel`."""
-        planned = []
-        try:
-            for k, at in self._by_table(parts):
-                table = self.members[k]
-                planned.append((table, at, table.plan([parts[i] for i in at], step)))
-        except BaseException:
-            for table, _, plan in planned:
-                table.cancel(plan)
-            raise
-        return _StackPlan(parts, planned)
+        groups = [(self.members[k], at) for k, at in self._by_table(parts)]
+        plans = plan_tables([(table, [parts[i] for i in at]) for table, at in groups], step)
+        return _StackPlan(parts, [(table, at, plan) for (table, at), plan in zip(groups, plans)])
 
     def cancel(self, plan: _StackPlan) -> None:
         """Undo a :meth:`plan` that will not be laid out (its admission counts)."""
@@ -96,7 +89,8 @@ class DynamicPhysicalTable(PhysicalTable):
     def lay_out_planned(self, plan: _StackPlan):
         """Commit ``plan`` and lay out its occurrences: ``(DynamicTableBatch, lease)`` as :meth:`lay_out`."""
         with self._held("look up"):
-            looked_up = [(table, at, p.used, table.commit(p), p.pending_values) for table, at, p in plan.tables]
+            rows = commit_plans([(table, p) for table, _, p in plan.tables])
+        looked_up = [(table, at, p.used, r, p.pending_values) for (table, at, p), r in zip(plan.tables, rows)]
         return self._lay_out_rows(plan.parts, looked_up)
 
     def lay_out_read_only(self, parts, step: int = 0):
