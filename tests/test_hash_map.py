@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from embedcore.kernels.hash_map import (MAX_LOAD, PARALLEL_MIN, PIECE, KeyRowMap, TableFullError, as_keys,
-                                        find_in_maps, touch_in_maps)
+from embedcore.kernels.hash_map import (MAX_LOAD, PARALLEL_MIN, PIECE, RECENT_TRIAL, KeyRowMap, TableFullError,
+                                        as_keys, find_in_maps, touch_in_maps)
 from embedcore.tables.policies import LFU, LRU, pick_victims
 
 MASK = (1 << 64) - 1
@@ -194,24 +194,28 @@ def test_maps_looked_up_and_touched_together_as_one_by_one(tables, step):
 
 
 def test_maps_looked_up_together_on_every_thread_count_alike():
-    """Batches beyond PARALLEL_MIN keys in all, split into pieces of PIECE keys: the same rows, and the same
-    touches, on one thread and on all of them."""
+    """Batches beyond PARALLEL_MIN keys in all, split into pieces of PIECE keys (skewed ones, which keep the
+    cache of recent rows, and distinct ones, which give it up after RECENT_TRIAL keys): each key's row as the
+    map's items say, and the same rows and touches on one thread and on all of them."""
     rng = np.random.default_rng(3)
-    sizes = (PARALLEL_MIN // 2 + 3, PIECE + 5, 1, 0)
-    pools = [rng.integers(-2 ** 63, 2 ** 63 - 1, 4000, dtype=np.int64, endpoint=True) for _ in sizes]
-    keys = [pool[rng.integers(0, 4000, size)].view(np.uint64) for pool, size in zip(pools, sizes)]
+    sizes = (PARALLEL_MIN // 2 + 3, PIECE + 5, 3 * RECENT_TRIAL, 1, 0)
+    pools = [rng.integers(-2 ** 63, 2 ** 63 - 1, 40_000, dtype=np.int64, endpoint=True) for _ in sizes]
+    skewed = [np.minimum(rng.zipf(1.2, size), 4000) - 1 for size in sizes]  # a few keys very often
+    keys = [pool[picks].view(np.uint64) for pool, picks in zip(pools, skewed)]
+    keys[2] = pools[2][rng.permutation(40_000)[:sizes[2]]].view(np.uint64)  # distinct keys, half of them held
     results = []
     threads = numba.get_num_threads()
     try:
         for n in sorted({1, threads}):
             numba.set_num_threads(n)
-            maps = [KeyRowMap(5000, f"t{k}") for k in range(len(sizes))]
+            maps = [KeyRowMap(40_000, f"t{k}") for k in range(len(sizes))]
             for m, pool in zip(maps, pools):
-                m.find_or_insert(pool[:3000])
+                m.find_or_insert(pool[::2])
             found = find_in_maps(maps, keys)
             for m, k, (rows, absent) in zip(maps, keys, found):
-                np.testing.assert_array_equal(rows, m.find(k))
-                assert absent == int(np.count_nonzero(rows < 0))
+                held = dict(zip(*(a.tolist() for a in m.items())))
+                expected = [held.get(key, -1) for key in k.view(np.int64).tolist()]
+                assert rows.tolist() == expected and absent == expected.count(-1)
             touch_in_maps(maps, [rows[rows >= 0] for rows, _ in found], 9)
             results.append([(rows, m.last_seen[:m.high_water].copy(), m.counts[:m.high_water].copy())
                             for m, (rows, _) in zip(maps, found)])

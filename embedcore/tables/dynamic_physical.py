@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from time import perf_counter
 
 import numpy as np
 
@@ -73,8 +74,12 @@ class DynamicPhysicalTable(PhysicalTable):
         ``step`` for every table they name; a refusal (:class:`~embedcore.inputs.InputError` naming the table)
         cancels the plans made, so nothing changed (expired rows aside). Hold the result for
         :meth:`lay_out_planned` or :meth:`cancel`."""
+        timer = self.tuning.phase_timer
+        t0 = perf_counter() if timer is not None else 0.0
         groups = [(self.members[k], at) for k, at in self._by_table(parts)]
         plans = plan_tables([(table, [parts[i] for i in at]) for table, at in groups], step)
+        if timer is not None:
+            timer("plan keys", perf_counter() - t0)
         return _StackPlan(parts, [(table, at, plan) for (table, at), plan in zip(groups, plans)])
 
     def cancel(self, plan: _StackPlan) -> None:
@@ -88,8 +93,12 @@ class DynamicPhysicalTable(PhysicalTable):
 
     def lay_out_planned(self, plan: _StackPlan):
         """Commit ``plan`` and lay out its occurrences: ``(DynamicTableBatch, lease)`` as :meth:`lay_out`."""
+        timer = self.tuning.phase_timer
+        t0 = perf_counter() if timer is not None else 0.0
         with self._held("look up"):
             rows = commit_plans([(table, p) for table, _, p in plan.tables])
+        if timer is not None:
+            timer("commit keys", perf_counter() - t0)
         looked_up = [(table, at, p.used, r, p.pending_values) for (table, at, p), r in zip(plan.tables, rows)]
         return self._lay_out_rows(plan.parts, looked_up)
 
