@@ -69,11 +69,11 @@ more; insertions, removals and migration run serially in batch order, since line
 insertion order.
 
 A find looks each key up first in a direct-mapped cache of the rows it found for earlier keys of the same
-piece of ``PIECE`` keys (``2**RECENT_BITS`` entries, slot ``hash & (2**RECENT_BITS - 1)``; a scratch array, so
-the result is the index's whatever the cache holds): a skewed batch (the same keys over and over, as Zipf ids
-are) probes the index about once per distinct key and piece, from a cache that stays in L1/L2 however large the
-index; a piece whose first ``RECENT_TRIAL`` keys hit it less than 1 time in 8 (keys mostly distinct) probes the
-rest directly.
+piece of ``PIECE`` keys (``2**RECENT_BITS`` entries, slot ``(key ^ key >> 29) mod 2**RECENT_BITS``, no hash; a
+scratch array, so the result is the index's whatever the cache holds): a skewed batch (the same keys over and
+over, as Zipf ids are) probes the index about once per distinct key and piece, and its repeats cost a load and
+a compare however large and full the index; a piece whose first ``RECENT_TRIAL`` keys hit the cache less than
+1 time in 8 (keys mostly distinct, or colliding in their low bits) probes the rest directly.
 
 How a dynamic table uses it (:mod:`embedcore.tables.dynamic` does this)
 ------------------------------------------------------------------------
@@ -134,6 +134,7 @@ _U = np.uint64
 _LOW32 = np.uint64(0xFFFFFFFF)
 _S32 = np.uint64(32)
 _HASH_OFFSET = np.uint64(0x632BE59BD9B4E019)
+_FOLD = np.uint64(29)  # a key's cache slot: its low bits xor those 29 above
 
 
 class TableFullError(ValueError):
@@ -243,12 +244,12 @@ def _find_range(keys, lo, hi, row_keys, index, old, row_bits, out):
     misses = 0
     for i in range(lo, hi):
         key = keys[i]
-        h = _hash(key)
-        slot = h & slot_mask  # the low bits: the index's home bucket comes from the high ones
+        slot = (key ^ (key >> _FOLD)) & slot_mask  # no hash: a hit costs a load and a compare
         if caching and recent_rows[slot] != -2 and recent_keys[slot] == key:
             r = recent_rows[slot]
             hits += 1
         else:
+            h = _hash(key)
             r = _row_in(index, row_keys, key, h, row_bits)
             if r < 0 and migrating:
                 r = _row_in(old, row_keys, key, h, row_bits)
