@@ -229,39 +229,65 @@ def _delete_at(index, row_keys, b, row_bits):
 _LIVE, _HIGH, _FREE, _CURSOR = 0, 1, 2, 3
 
 
+# The probe is written out in both loops below: behind one more inlined function (a ``_find_one`` calling
+# ``_row_in``) a loop ran ~10x slower (~50 ns a key instead of ~4); ``migrating`` is tested outside the loops
+# for the same reason.
 @njit(cache=True)
-def _find_range(keys, lo, hi, row_keys, index, old, row_bits, out):
-    """The row of each of ``keys[lo:hi]`` into ``out[lo:hi]`` (-1 where absent); how many are absent. Keys are
-    first looked for in a scratch cache of the rows found so far (see ``RECENT_BITS``)."""
-    # The probe is written out here: behind one more inlined function (a ``_find_one`` calling ``_row_in``) this
-    # loop ran ~10x slower (~50 ns a key instead of ~4); ``migrating`` is tested outside it for the same reason.
+def _find_direct(keys, lo, hi, row_keys, index, old, row_bits, out):
+    """The row of each of ``keys[lo:hi]`` into ``out[lo:hi]`` (-1 where absent); how many are absent."""
     migrating = old.shape[0] > 0
-    recent_keys = np.empty(1 << RECENT_BITS, np.uint64)
-    recent_rows = np.full(1 << RECENT_BITS, -2, np.int64)  # -2: an empty entry (-1 is a key found absent)
-    slot_mask = _U((1 << RECENT_BITS) - 1)
-    caching = True
-    hits = 0
     misses = 0
     for i in range(lo, hi):
         key = keys[i]
+        h = _hash(key)
+        r = _row_in(index, row_keys, key, h, row_bits)
+        if r < 0 and migrating:
+            r = _row_in(old, row_keys, key, h, row_bits)
+        out[i] = r
+        if r < 0:
+            misses += 1
+    return misses
+
+
+@njit(cache=True)
+def _find_recent(keys, lo, hi, row_keys, index, old, row_bits, out, recent_keys, recent_rows):
+    """:func:`_find_direct`, each key first looked for in the cache ``recent_keys``, ``recent_rows`` (filled as
+    keys are probed; -2 marks an empty entry); ``(absent, cache hits)``."""
+    migrating = old.shape[0] > 0
+    slot_mask = _U(recent_rows.shape[0] - 1)
+    misses = 0
+    hits = 0
+    for i in range(lo, hi):
+        key = keys[i]
         slot = (key ^ (key >> _FOLD)) & slot_mask  # no hash: a hit costs a load and a compare
-        if caching and recent_rows[slot] != -2 and recent_keys[slot] == key:
-            r = recent_rows[slot]
+        r = recent_rows[slot]
+        if r != -2 and recent_keys[slot] == key:
             hits += 1
         else:
             h = _hash(key)
             r = _row_in(index, row_keys, key, h, row_bits)
             if r < 0 and migrating:
                 r = _row_in(old, row_keys, key, h, row_bits)
-            if caching:
-                recent_keys[slot] = key
-                recent_rows[slot] = r
-        if i - lo == RECENT_TRIAL:
-            caching = hits * 8 >= RECENT_TRIAL
+            recent_keys[slot] = key
+            recent_rows[slot] = r
         out[i] = r
         if r < 0:
             misses += 1
-    return misses
+    return misses, hits
+
+
+@njit(cache=True)
+def _find_range(keys, lo, hi, row_keys, index, old, row_bits, out):
+    """:func:`_find_direct` of ``keys[lo:hi]``, through a cache of the rows found (see ``RECENT_BITS``) as long
+    as it pays: kept past the first ``RECENT_TRIAL`` keys if they hit it 1 time in 8."""
+    recent_keys = np.empty(1 << RECENT_BITS, np.uint64)
+    recent_rows = np.full(1 << RECENT_BITS, -2, np.int64)
+    trial = min(hi, lo + RECENT_TRIAL)
+    misses, hits = _find_recent(keys, lo, trial, row_keys, index, old, row_bits, out, recent_keys, recent_rows)
+    if 8 * hits >= trial - lo:
+        return misses + _find_recent(keys, trial, hi, row_keys, index, old, row_bits, out, recent_keys,
+                                     recent_rows)[0]
+    return misses + _find_direct(keys, trial, hi, row_keys, index, old, row_bits, out)
 
 
 @njit(cache=True, parallel=True)
