@@ -3,6 +3,8 @@ admission and eviction rules (exact counts, sorted candidate lists), initial val
 formulas, and the NumPy optimizer oracle of ``tests/reference.py``."""
 
 import collections
+import os
+import tempfile
 
 import numba
 import numpy as np
@@ -12,6 +14,7 @@ from hypothesis import strategies as st
 
 import embedcore as ec
 from embedcore.app.quickstart import custom_adagrad
+from embedcore.checkpoint import open_snapshot
 from embedcore.initializers import fill_key_rows, stream_key
 
 from . import reference as ref
@@ -742,8 +745,15 @@ def test_stacked_dynamic_tables_are_bit_identical_to_unstacked_ones(configs, dty
                     results.append(str(e))
             assert results[0] == results[1]
         assert_same_state(engine_state(stacked), engine_state(alone))
-
-
+    with tempfile.TemporaryDirectory() as tmp:  # both save the same files (one per table), and load each other's
+        for name, emb in (("stacked", stacked), ("alone", alone)):
+            emb.save(os.path.join(tmp, name))
+        files = [open_snapshot(os.path.join(tmp, name)).manifest["files"] for name in ("stacked", "alone")]
+        assert files[0] == files[1] and sum(f.startswith("dynamic-") for f in files[0]) == 4
+        for emb, other in ((stacked, "alone"), (alone, "stacked")):
+            loaded = _stacking_engine(emb is stacked, configs, dtype)
+            loaded.load(os.path.join(tmp, other))
+            assert_same_state(engine_state(loaded), engine_state(emb))
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
