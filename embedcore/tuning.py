@@ -31,7 +31,8 @@ class Tuning:
             each block's rows), instead of grouping occurrences by row with a sort.
         parallel_layout_min: pooled features of at least this many ids are laid out by all threads.
         phase_timer: called as ``phase_timer(phase, seconds)`` after each phase of a step (layout, gather,
-            gradient check, grouping, update), for profiling; ``None`` times nothing.
+            gradient check, grouping, update; for dynamic tables also their keys' plan and commit), for
+            profiling; ``None`` times nothing.
     """
 
     row_type_limit: int = 2 ** 31

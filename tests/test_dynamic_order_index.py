@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from embedcore.kernels.hash_map import FLOOR_BLOCK, KeyRowMap, TableFullError
+from embedcore.kernels.hash_map import FLOOR_BLOCK, KeyRowMap, TableFullError, touch_in_maps
 from embedcore.tables.order_index import METRICS, OrderIndex, index_bytes
 from embedcore.tables.policies import LFU, LRU, TTL, expired_rows, order_index, pick_victims
 
@@ -133,6 +133,29 @@ def test_refills_in_flight_keep_the_answers_exact(capacity, metric, target, seed
     """Refills that run over many steps (a block a read at least), writes landing behind and ahead of their
     scan: the answers stay the sort's."""
     steady_steps(capacity, metric, target, seed)
+
+
+@pytest.mark.parametrize("n_maps", [1, 3])
+@pytest.mark.parametrize("metric", METRICS)
+def test_touches_of_stacked_maps_reach_their_indexes(metric, n_maps):
+    """touch_in_maps (the stack's maps touched in one pass) tells each map's index of its rows, as touch_found
+    does: the pools keep an entry for every row below their bound (touched at older steps too, so that
+    ``last_seen`` lands below the bounds), and the answers stay the sort's."""
+    rng = np.random.default_rng(n_maps)
+    maps = [KeyRowMap(200, f"t{i}") for i in range(n_maps)]
+    indexes = []
+    for i, m in enumerate(maps):
+        keys = rng.permutation(2 ** 20)[:200].astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15 + 2 * i)
+        for step in range(4):
+            m.touch_found(m.find_or_insert(keys[step * 50:(step + 1) * 50], step)[0], step)
+        indexes.append(OrderIndex(m, metric, target=64, min_blocks=1))
+    for step in range(4, 30):
+        touched = [rng.choice(m.high_water, rng.integers(1, 40)).astype(np.int64) for m in maps]
+        touch_in_maps(maps, touched, int(rng.integers(0, step + 1)))
+        for m, index in zip(maps, indexes):
+            check_pools(index, m)
+            assert index.lowest(m, 12, np.array([-1], np.int64)).tolist() == in_order(m, metric, live(m))[:12]
+            check_pools(index, m)
 
 
 @pytest.mark.parametrize("metric", METRICS)
