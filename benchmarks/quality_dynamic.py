@@ -2,7 +2,8 @@
 
 Run from the repository root::
 
-    PYTHONPATH=. python benchmarks/quality_dynamic.py                 # full vocabulary (minutes)
+    PYTHONPATH=. python benchmarks/quality_dynamic.py --full --min-vocab 100000 --init-std 0.01 --min-count 3
+                                                        # full vocabulary (minutes; BENCHMARKS.md's figures)
     PYTHONPATH=. python benchmarks/quality_dynamic.py --tiny          # smoke run (seconds)
 
 Data: :class:`embedcore.app.data.synthetic.SyntheticClickLog` (the demo's click log, 26 categorical features
