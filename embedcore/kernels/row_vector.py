@@ -24,6 +24,7 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from . import half_ir
 from .prefetch import CACHE_LINE_FLOATS, emit_prefetch
 
 __all__ = ["weighted_sum_registers", "sequential_sum_registers", "weighted_sum_registers_16", "sums_in_registers",
@@ -99,31 +100,6 @@ def _block_sum_intrinsic(group_size, stored="float32"):
     return block_sum
 
 
-def _splat(builder, vector, value):
-    return ir.Constant(vector, [value] * vector.count)
-
-
-def _decode(builder, raw, stored):
-    """A ``<w x i16>`` vector of 16-bit values as ``<w x float>`` (exact: kernels/half.py's conversions)."""
-    w = raw.type.count
-    ints = ir.VectorType(_I32, w)
-    h = builder.zext(raw, ints)
-    if stored == "bfloat16":  # the float32 with these 16 high bits
-        return builder.bitcast(builder.shl(h, _splat(builder, ints, 16)), ir.VectorType(ir.FloatType(), w))
-    sign = builder.shl(builder.and_(h, _splat(builder, ints, 0x8000)), _splat(builder, ints, 16))
-    exponent = builder.and_(h, _splat(builder, ints, 0x7C00))
-    mantissa = builder.and_(h, _splat(builder, ints, 0x3FF))
-    magnitude = builder.shl(builder.and_(h, _splat(builder, ints, 0x7FFF)), _splat(builder, ints, 13))
-    normal = builder.add(magnitude, _splat(builder, ints, 112 << 23))    # exponent 15 -> 127
-    special = builder.add(magnitude, _splat(builder, ints, 224 << 23))   # infinity, NaN: all-ones exponent
-    floats = ir.VectorType(ir.FloatType(), w)
-    subnormal = builder.fmul(builder.uitofp(mantissa, floats), _splat(builder, floats, 2.0 ** -24))
-    bits = builder.select(builder.icmp_unsigned("==", exponent, _splat(builder, ints, 0x7C00)), special, normal)
-    bits = builder.select(builder.icmp_unsigned("==", exponent, _splat(builder, ints, 0)),
-                          builder.bitcast(subnormal, ints), bits)
-    return builder.bitcast(builder.or_(bits, sign), floats)
-
-
 def _block_sum_signature(group_size, stored, dst, d, lo, hi, index, gain, src, ahead, col, width):
     """``dst[d, col:col + width] = sum over k in [lo, hi) of gain[k] * src[index[k], col:col + width]`` (the
     module docstring's order for ``group_size``; ``gain`` None: every gain 1, no product, the same sums since
@@ -169,7 +145,7 @@ def _block_sum_signature(group_size, stored, dst, d, lo, hi, index, gain, src, a
             else:
                 raw = builder.load(builder.bitcast(arrays.pointer("src", source_row(k), col_v),
                                                    ir.VectorType(ir.IntType(16), w).as_pointer()), align=2)
-                values = _decode(builder, raw, stored)
+                values = half_ir.decode(half_ir.Lanes(builder, w), raw, stored)
             if unit:
                 return values
             scale = builder.load(arrays.pointer("gain", k))
