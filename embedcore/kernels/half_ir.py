@@ -53,11 +53,9 @@ class Lanes:
     def select(self, condition, if_true, if_false):
         return self.b.select(condition, if_true, if_false)
 
-    def clamp(self, value, low: int, high: int):
-        """``min(max(value, low), high)`` of signed ``i32`` lanes."""
-        b = self.b
-        value = self.select(b.icmp_signed("<", value, self.i32(low)), self.i32(low), value)
-        return self.select(b.icmp_signed(">", value, self.i32(high)), self.i32(high), value)
+    def unsigned_min(self, value, high: int):
+        """``min(value, high)`` of ``i32`` lanes taken as unsigned."""
+        return self.select(self.b.icmp_unsigned(">", value, self.i32(high)), self.i32(high), value)
 
 
 def decode(lanes: Lanes, bits, stored: str):
@@ -140,13 +138,14 @@ def encode_checked(lanes: Lanes, value, random, stored: str):
 
 def _f16_subnormal_stochastic(lanes: Lanes, a, r):
     """Stochastic rounding of magnitudes ``a`` (float32 bits) below 2**-14 to float16 subnormals (the module
-    docstring), as ``i32`` lanes."""
+    docstring), as ``i32`` lanes; other lanes get values to be discarded. A float32 subnormal (``e`` 0) is
+    taken as ``e`` 0 with the implicit bit: it drops 126 bits, 40 or more, and rounds to zero either way."""
     b, c = lanes.b, lanes.i32
-    e = b.lshr(a, c(23))
-    m = b.or_(b.and_(a, c(0x7FFFFF)), lanes.select(b.icmp_unsigned(">", e, c(0)), c(0x800000), c(0)))
-    dropped = b.sub(c(126), lanes.select(b.icmp_unsigned(">", e, c(1)), e, c(1)))
-    cut = lanes.clamp(b.sub(dropped, c(16)), 0, 24)
-    rounded = lanes.clamp(dropped, 0, 16)
+    m = b.or_(b.and_(a, c(0x7FFFFF)), c(0x800000))
+    dropped = b.sub(c(126), b.lshr(a, c(23)))  # >= 14 below 2**-14; "negative" (huge, unsigned) above it
+    over = b.sub(dropped, c(16))
+    cut = lanes.select(b.icmp_unsigned(">", dropped, c(16)), lanes.unsigned_min(over, 24), c(0))
+    rounded = lanes.unsigned_min(dropped, 16)
     mask = b.sub(b.shl(c(1), rounded), c(1))
     return b.lshr(b.add(b.lshr(m, cut), b.and_(r, mask)), rounded)
 

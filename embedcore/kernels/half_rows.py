@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 from llvmlite import ir
-from numba import types
+from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
@@ -142,25 +142,29 @@ def row_storer(stored: str, stochastic: bool):
         def store_row(dst, r, values, key, counter, random_words, encoded, dim):
             raise NotImplementedError("only callable from jitted code")
 
+        @njit
+        def value_by_value(dst, r, values, key, counter, random_words, encoded, dim):
+            random_16 = random_words.view(np.uint16)
+            if stochastic:
+                for q in range(0, (dim + 3) // 4, ROUNDING_LANES):
+                    rounding_words(random_words, q, key, counter + np.uint64(q))
+            ok = True
+            for j in range(dim):
+                encoded[j] = encode(values[j], random_16[j])
+                ok = ok & finite(encoded[j])
+            if ok:
+                for j in range(dim):
+                    dst[r, j] = encoded[j]
+            return ok
+
+        # (value_by_value is called, not inlined: Numba's inliner mislabels its variables when it inlines the
+        # same loops twice in one kernel, as an update of 16-bit rows and 16-bit slots does)
         @overload(store_row, inline="always", prefer_literal=True)
         def _store_row_impl(dst, r, values, key, counter, random_words, encoded, dim):
             if in_registers(dim, dst, values):
                 return lambda dst, r, values, key, counter, random_words, encoded, dim: \
                     registers(dst, r, values, key, counter, dim)
-
-            def impl(dst, r, values, key, counter, random_words, encoded, dim):
-                random_16 = random_words.view(np.uint16)
-                if stochastic:
-                    for q in range(0, (dim + 3) // 4, ROUNDING_LANES):
-                        rounding_words(random_words, q, key, counter + np.uint64(q))
-                ok = True
-                for j in range(dim):
-                    encoded[j] = encode(values[j], random_16[j])
-                    ok = ok & finite(encoded[j])
-                if ok:
-                    for j in range(dim):
-                        dst[r, j] = encoded[j]
-                return ok
-            return impl
+            return lambda dst, r, values, key, counter, random_words, encoded, dim: \
+                value_by_value(dst, r, values, key, counter, random_words, encoded, dim)
         _STORERS[stored, stochastic] = store_row
     return _STORERS[stored, stochastic]

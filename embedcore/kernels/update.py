@@ -312,7 +312,7 @@ def _store(slot_dims, weights, slot_rows, slot_scalars, formats, dim_arg):
     lines += [f"copy_row(keep_{array}, {array}[r])" for array, _, _ in rows[:-1]]
     for i, (array, store, key) in enumerate(rows):
         call = f"{store}({array}, r, {values[array]}, {key}, counter, random_words, encoded, {dim_arg})"
-        lines.append(f"rounded = {call}" if i == 0 else f"rounded = rounded and {call}")
+        lines += [f"rounded = {call}"] if i == 0 else ["if rounded:", f"    rounded = {call}"]
     if rows:
         lines += ["if not rounded:"] + [f"    copy_row({array}[r], keep_{array})" for array, _, _ in rows[:-1]]
         lines += _flag("STATUS_OUTPUT")
