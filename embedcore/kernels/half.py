@@ -22,6 +22,10 @@ bits ``16 * (j % 4)`` and up), so a value's rounding does not depend on threads,
 A value too large for the format rounds to infinity, which the update treats like any non-finite result:
 the row is left as it was and reported. float16 holds magnitudes up to 65504 (subnormals down to 2**-24);
 bfloat16 has float32's range with 8 significant bits.
+
+The conversions are built in LLVM IR by :mod:`embedcore.kernels.half_ir` (32-bit lanes, no branch, so the
+loops that call them vectorise); the update reads and writes whole 16-bit rows with
+:mod:`embedcore.kernels.half_rows`.
 """
 
 from __future__ import annotations

@@ -16,9 +16,11 @@ loops that call them over a row) and a vector of a row's values (``row_vector``'
   subnormal) ``|x| * 2**24`` rounded to an integer: the bits of ``|x| + 0.5`` less those of 0.5, since 0.5's
   float32 step is 2**-24 and the hardware's addition rounds ties to even; 65520 and above round to infinity.
   Stochastically: a normal adds the low 13 random bits; a subnormal drops ``126 - e >= 14`` bits of its
-  24-bit significand ``m`` (``e`` the float32 exponent, 1 for a float32 subnormal): the first
-  ``max(0, 126 - e - 16)`` bits are cut (all of ``m`` from 40 on), the last ``min(16, 126 - e)`` rounded with
-  as many random bits; 2**16 and above as to nearest (infinity, or NaN).
+  24-bit significand ``m`` (``e`` the float32 exponent): the first ``max(0, 126 - e - 16)`` bits are cut (all
+  of ``m`` from 40 on, so a float32 subnormal gives zero), the last ``min(16, 126 - e)`` rounded with as many
+  random bits; 2**16 and above as to nearest (infinity, or NaN).
+
+The random bits come from :func:`rounding_bits`, ``half.rounding_bits``'s words hashed four to a vector.
 """
 
 from __future__ import annotations
