@@ -76,14 +76,14 @@ class LookupContext:
     leases: list = field(default_factory=list)   # (WorkspacePool, Workspace) pairs
     training: bool = True
 
-    def __post_init__(self):
-        self._finalizer = weakref.finalize(self, _return_leases, self.leases) if self.leases else None
-
     def release(self) -> None:
         """Give the leased workspaces back; the table batches must not be used afterwards."""
         self.table_batches = None
-        if self._finalizer is not None:
-            self._finalizer()
+        _return_leases(self.leases)
+
+    def __del__(self):
+        # Not weakref.finalize: its registry is a global dict that one entry per step would churn.
+        _return_leases(self.leases)
 
 
 def _return_leases(leases):

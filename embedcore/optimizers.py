@@ -149,6 +149,12 @@ class Optimizer:
                "once per row, on row views")
         return f"{compiler.describe(c.python_function)} runs {how}: {c.reason}"
 
+    def __deepcopy__(self, memo):
+        """The optimizer itself: it is an immutable configuration whose functions and callable rates are shared
+        by a copy anyway (a learning rate reading a ``tf.Variable`` must go on reading that variable, and a
+        traced ``tf.function`` cannot be deep-copied)."""
+        return self
+
     def _key(self):
         return (type(self), tuple(sorted(vars(self).items())))
 

@@ -561,3 +561,36 @@ def test_a_leaf_that_is_not_a_feature_config_is_a_type_error_naming_its_path():
         convert.features({"a": E.FeatureConfig(E.TableConfig(4, 2)), "b": [E.FeatureConfig(E.TableConfig(4, 2)), 3]})
     with pytest.raises(TypeError, match="TableConfig"):
         convert.table("table")
+
+
+def test_deepcopy_of_an_engine_shares_tf_functions_and_the_variables_its_rates_read():
+    """A copy trains as the original: its CustomOptimizer's ``tf.function`` (which cannot be deep-copied) is
+    shared, and its learning rate goes on reading the same ``tf.Variable`` (a copied variable would never see
+    the user's ``assign``)."""
+    import copy
+
+    rate = tf.Variable(0.5)
+    tf_optimizer = E.CustomOptimizer(tf.function(adagrad_optimizer_computation), learning_rate=lambda: rate,
+                                     slot_names=["accumulators"], slot_initializers=[tf.constant_initializer(0.1)])
+    table = E.TableConfig(6, 3, initializer=tf.constant_initializer(0.25), optimizer=tf_optimizer, name="t")
+    engine = ec.Embedding(convert.features({"f": E.FeatureConfig(table)}).features)
+    twin = copy.deepcopy(engine)
+    assert twin.optimizer is engine.optimizer and twin.tables["t"].optimizer is engine.tables["t"].optimizer
+    ids = np.array([1, 4, 4], np.int64)
+    for value in (0.5, 0.125):
+        rate.assign(value)
+        for emb in (engine, twin):
+            acts, ctx = emb({"f": ids})
+            emb.apply_gradients({"f": np.full_like(acts["f"], 0.5)}, ctx)
+    np.testing.assert_array_equal(twin.embedding_tables["t"], engine.embedding_tables["t"])
+    np.testing.assert_array_equal(twin.slot_variables["t"]["accumulators"],
+                                  engine.slot_variables["t"]["accumulators"])
+    assert twin.embedding_tables["t"] is not engine.embedding_tables["t"]
+    # the oracle: two Adagrad steps of the documented computation with the rates assigned
+    expected = np.full((6, 3), 0.25, np.float32)
+    accumulators = np.full((6, 3), 0.1, np.float32)
+    for lr in (0.5, 0.125):
+        for i, g in ((1, 0.5), (4, 1.0)):
+            accumulators[i] += np.float32(g) * np.float32(g)
+            expected[i] -= np.float32(lr) * np.float32(g) / np.sqrt(accumulators[i])
+    np.testing.assert_allclose(engine.embedding_tables["t"], expected, rtol=1e-6)

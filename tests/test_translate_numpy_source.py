@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 import embedcore as ec
 from embedcore import compile_cache
 from embedcore.compiler import RowFunctionError, strip_del
-from embedcore.translate import framework_of, to_numpy_row_function
+from embedcore.translate import SCORE, framework_of, optimizer_contract, to_numpy_row_function
 from embedcore.translate.numpy_source import Program, TranslationError, _literal
 
 DIMS = (1, 3, 8, 17)
@@ -112,11 +112,11 @@ def test_numpy_function_is_returned_unchanged():
 
 
 def _adagrad_program(epsilon):
-    p = Program("adagrad_program", "adagrad_program", __name__, "test program")
+    p = Program("adagrad_program", "adagrad_program", __name__, "test program", optimizer_contract((2,), 0))
     g, w = p.argument("gradient"), p.argument("embedding_table")
     acc = p.apply("add", p.argument("slot", 0), p.apply("mul", g, g))
     denominator = p.apply("add", p.apply("sqrt", acc), p.constant(np.float32(epsilon)))
-    p.set_outputs([p.apply("sub", w, p.apply("div", p.apply("mul", p.argument("learning_rate", rank=0), g),
+    p.set_outputs([p.apply("sub", w, p.apply("div", p.apply("mul", p.argument("learning_rate"), g),
                                                    denominator)), acc])
     return p
 
@@ -147,7 +147,7 @@ def test_fingerprint_follows_the_program():
 
 
 def test_row_constants_are_read_per_row_not_inlined():
-    p = Program("scaled", "scaled", __name__, "test program")
+    p = Program("scaled", "scaled", __name__, "test program", optimizer_contract())
     p.set_outputs([p.apply("mul", p.argument("embedding_table"), p.constant(np.array([1, 2, 3], np.float32)))])
     fn = p.to_function()
     assert "const_0 = np.array([1.0, 2.0, 3.0], dtype=np.float32)" in inspect.getsource(inspect.getmodule(fn)) \
@@ -159,7 +159,7 @@ def test_row_constants_are_read_per_row_not_inlined():
 
 
 def test_program_refuses_what_it_cannot_express():
-    p = Program("f", "f", __name__, "test program")
+    p = Program("f", "f", __name__, "test program", optimizer_contract())
     with pytest.raises(TranslationError, match="shape"):
         p.constant(np.zeros((2, 2), np.float32))
     with pytest.raises(TranslationError, match="vocabulary"):
@@ -168,6 +168,80 @@ def test_program_refuses_what_it_cannot_express():
         p.apply("logical_and", p.argument("gradient"), p.argument("embedding_table"))
     with pytest.raises(TranslationError, match="returns nothing"):
         p.set_outputs([])
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Contracts: the optimizer's and EvictByScore's score, without a framework.
+
+def test_contracts_describe_their_arguments():
+    assert optimizer_contract((2, 1), 1).describe() == (
+        "f(gradient float32 [n], embedding_table float32 [n], slot_variables (float32 [n], float32 []), "
+        "learning_rate float32 [], hyperparameters (float32 [],)) -> the new row, or a tuple (new row, new slots...)")
+    assert SCORE.describe() == ("f(embedding_table float32 [n], last_seen int64 [], count int64 [], step int64 []) "
+                                "-> one real number")
+    assert [(leaf.source, leaf.rank, leaf.dtype) for leaf in optimizer_contract((1,), 2).leaves()] == [
+        ("gradient", 1, "float32"), ("embedding_table", 1, "float32"), ("slot_variables[0]", 0, "float32"),
+        ("learning_rate", 0, "float32"), ("hyperparameters[0]", 0, "float32"), ("hyperparameters[1]", 0, "float32")]
+    with pytest.raises(ValueError, match="no argument 'gradient'"):
+        Program("f", "f", __name__, "test program", SCORE).argument("gradient")
+
+
+def _score_program(outputs):
+    """A SCORE program: ``outputs(program, row, last_seen, count, step)`` gives the values it returns."""
+    p = Program("score", "score", __name__, "test program", SCORE)
+    p.set_outputs(outputs(p, *p.arguments()))
+    return p
+
+
+def test_score_program_emits_the_score_signature_and_int64_arithmetic():
+    def age_and_norm(p, row, last_seen, count, step):
+        age = p.apply("cast", p.apply("sub", step, last_seen), dtype="float32")
+        norm = p.apply("sqrt", p.apply("sum", p.apply("mul", row, row)))
+        return [p.apply("sub", norm, p.apply("mul", age, p.apply("cast", p.apply("maximum", count,
+                                                                                   p.constant(np.int64(2))),
+                                                                        dtype="float32")))]
+
+    fn = _score_program(age_and_norm).to_function()
+    source = inspect.getsource(fn)
+    assert source.startswith("def score(embedding_table, last_seen, count, step):")
+    assert "NumPy-level score function" in source and "np.maximum(count, np.int64(2))" in source
+
+    def oracle(row, last_seen, count, step):
+        age = np.float32(step - last_seen)
+        return np.sqrt(np.sum(row * row)) - age * np.float32(max(count, 2))
+
+    row = np.array([3, -4, 12], np.float32)
+    compiled, expected = numba.njit(fn), numba.njit(oracle)
+    for args in [(np.int64(5), np.int64(0), np.int64(9)), (np.int64(2 ** 40), np.int64(7), np.int64(2 ** 40 + 3))]:
+        assert compiled(row, *args) == expected(row, *args)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(-2 ** 31, 2 ** 31 - 1), st.integers(-2 ** 31, 2 ** 31 - 1))
+def test_narrow_integer_results_wrap_at_their_width(a, b):
+    """Numba computes int32 + int32 in int64; the emitted source wraps it back to int32 (as JAX's int32)."""
+    def int32_sum(p, row, last_seen, count, step):
+        x, y = (p.apply("cast", v, dtype="int32") for v in (last_seen, step))
+        return [p.apply("neg", p.apply("add", p.apply("mul", x, y), y))]
+
+    fn = numba.njit(_score_program(int32_sum).to_function())
+    wrapped = -((a * b + b + 2 ** 31) % 2 ** 32 - 2 ** 31)
+    expected = (wrapped + 2 ** 31) % 2 ** 32 - 2 ** 31  # -(-2**31) wraps too
+    assert int(fn(np.zeros(1, np.float32), np.int64(a), np.int64(0), np.int64(b))) == expected
+
+
+def test_score_program_refuses_rows_several_values_booleans_and_integer_division():
+    with pytest.raises(TranslationError, match=r"returns a row .*reduce the row"):
+        _score_program(lambda p, row, *_: [p.apply("abs", row)])
+    with pytest.raises(TranslationError, match="returns 2 values; a score function returns one number"):
+        _score_program(lambda p, row, last_seen, count, step: [count, step])
+    with pytest.raises(TranslationError, match="returns a boolean"):
+        _score_program(lambda p, row, last_seen, count, step: [p.apply("less", count, step)])
+    for op in ("div", "floordiv", "mod", "pow"):
+        with pytest.raises(TranslationError, match=f"{op} of int64 values is not supported"):
+            _score_program(lambda p, row, last_seen, count, step: [p.apply(op, count, step)])
+    with pytest.raises(TranslationError, match="sqrt of int64"):
+        _score_program(lambda p, row, last_seen, count, step: [p.apply("sqrt", count)])
 
 
 @settings(max_examples=300, deadline=None)

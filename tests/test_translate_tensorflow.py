@@ -280,6 +280,36 @@ def test_row_constant():
     assert_compiled_equal(translated, numpy_weighted, (), 0, dims=(3,))
 
 
+@tf.function
+def tf_scaled_square(x, scale):
+    return scale * tf.square(x)
+
+
+@tf.function
+def tf_rms_with_a_helper(gradient, embedding_table, slot_variables, learning_rate, hyperparameters):
+    del hyperparameters
+    accumulator = slot_variables[0] + tf_scaled_square(gradient, 0.5)  # a call of another tf.function
+    return embedding_table - learning_rate * gradient * tf.math.rsqrt(accumulator), accumulator
+
+
+@pytest.mark.parametrize("fn", [tf_rms_with_a_helper, tf.function(adagrad_optimizer_computation)],
+                         ids=["helper", "wrapped-twice"])
+def test_calls_of_other_tf_functions_are_translated_in_place(fn):
+    """A tf.function that calls another (a decorated helper, or TensorFlow's decorated example wrapped again)
+    traces as a call op; the called graph is translated in place and computes what TensorFlow computes."""
+    graph = fn.get_concrete_function(*_row_specs((2,), 0)).graph
+    assert any(op.type in ("PartitionedCall", "StatefulPartitionedCall") for op in graph.get_operations())
+    translated = to_numpy_row_function(fn, (2,), 0)
+    assert_matches_tensorflow(fn, translated, (2,), 0, rtol=1e-5)
+    if fn is not tf_rms_with_a_helper:
+        assert_compiled_equal(translated, numpy_adagrad, (2,), 0)
+
+
+def _row_specs(slot_dims, n_hyper):
+    row, scalar = tf.TensorSpec([None], tf.float32), tf.TensorSpec([], tf.float32)
+    return row, row, tuple(row if d == 2 else scalar for d in slot_dims), scalar, (scalar,) * n_hyper
+
+
 # ----------------------------------------------------------------------------------------------------------
 # What cannot be translated is refused, naming the op and the function.
 

@@ -63,3 +63,39 @@ def test_wiring_untranslatable_function_is_refused_at_construction():
 
     with pytest.raises(RowFunctionError, match="uses_tanh.*Tanh"):
         ec.CustomOptimizer(uses_tanh, 0.1)
+
+
+@jax.jit  # as a user writes it: the module attribute is the decorated function's own name
+def jitted_jax_adagrad(gradient, embedding_table, slot_variables, learning_rate, hyperparameters):
+    return jax_adagrad(gradient, embedding_table, slot_variables, learning_rate, hyperparameters)
+
+
+@pytest.mark.parametrize("fn", [adagrad_optimizer_computation, jitted_jax_adagrad], ids=["tf.function", "jax.jit"])
+def test_wiring_framework_functions_pickle_and_restore_by_import_path(fn, tmp_path):
+    """A module-level ``tf.function`` / ``jax.jit`` custom computation is named by its import path like a def:
+    pickling and ``restore(allow_import=True)`` import the same object, and the engines go on equally."""
+    import copy
+    import pickle
+
+    import numpy as np
+
+    from embedcore.checkpoint import CheckpointError
+
+    def train_step(emb):
+        acts, ctx = emb({"f": [[1, 3], [3], []]})
+        emb.apply_gradients({"f": acts["f"] * 0.5 + 0.25}, ctx)
+
+    engine = ec.Embedding({"f": ec.FeatureConfig(ec.TableConfig(12, 4, name="t"))},
+                          ec.CustomOptimizer(fn, 0.5, ["a"], [0.1]))
+    train_step(engine)
+    engine.save(tmp_path / "ckpt")
+    with pytest.raises(CheckpointError, match="never imports code on its own"):
+        ec.Embedding.restore(tmp_path / "ckpt")
+    twins = [pickle.loads(pickle.dumps(engine)), ec.Embedding.restore(tmp_path / "ckpt", allow_import=True)]
+    train_step(engine)
+    for twin in twins:
+        assert twin.optimizer.custom_computation is fn
+        train_step(twin)
+        np.testing.assert_array_equal(twin.embedding_tables["t"], engine.embedding_tables["t"])
+        np.testing.assert_array_equal(twin.slot_variables["t"]["a"], engine.slot_variables["t"]["a"])
+    assert copy.deepcopy(engine).optimizer is engine.optimizer

@@ -54,7 +54,6 @@ folder or creatable as one. A refusal is a :class:`ConfigError` naming the key, 
 from __future__ import annotations
 
 import copy
-import inspect
 import json
 import math
 import os
@@ -67,7 +66,7 @@ from .. import optimizers as _optimizers
 from ..config import DTYPES
 from ..kernels.hash_map import MAX_CAPACITY
 from ..tables.policies import LFU, LRU, TTL, CountAdmission
-from ..checkpoint.config_codec import constructor_parameters, import_function
+from ..checkpoint.config_codec import constructor_parameters, import_function, is_python_function
 from .data import CsvClickLog, MovieLens, SyntheticClickLog
 from .data.batch import EXCERPT_CHARS
 from .models import dense_optimizers as _dense
@@ -436,13 +435,14 @@ def _optimizer_class(name, where):
 
 def _custom_computation(path: str, where: str):
     """The Python function ``module:function`` names. Importing runs the module, as naming it asks; nothing
-    else is called, and anything but a ``def`` function (a builtin, a class, a callable object) is refused."""
+    else is called, and anything but a ``def`` function (also one wrapped by ``tf.function``, ``jax.jit`` or
+    ``numba.njit``) is refused: a builtin, a class, a callable object."""
     try:
         fn = import_function(path)
     except Exception as e:  # the user's module may fail to import in any way
         raise ConfigError(f"{where}.optimizer: cannot import the custom computation {_shown(path)}: "
                           f"{type(e).__name__}: {_clip(str(e), 200)}") from None
-    if not inspect.isfunction(fn):
+    if not is_python_function(fn):
         raise ConfigError(f"{where}.optimizer {_shown(path)} names a {type(fn).__name__}, not a Python function "
                           f"(a custom computation is a 'def f(gradient, embedding_table, slot_variables, "
                           f"learning_rate, hyperparameters)')")

@@ -35,6 +35,7 @@ from .. import initializers as _initializers
 from .. import optimizers as _optimizers
 from ..config import DTYPES, DynamicTableConfig, FeatureConfig, TableConfig
 from ..engine import NON_FINITE_POLICIES
+from ..translate import python_function as translate_python_function
 from .errors import CheckpointError
 
 __all__ = ["encode_engine_config", "decode_engine_config", "check_config", "function_path", "import_function",
@@ -186,17 +187,21 @@ class FunctionResolver:
             raise CheckpointError(f"{where}: importing '{path}' failed: {type(e).__name__}: {e}") from None
         if base is not None:
             _check_class(found, base, where, path, "the checkpoint")
-        elif not _is_python_function(found):
+        elif not is_python_function(found):
             raise CheckpointError(f"{where}: '{path}' is {_describe(found)}, not a Python function; a checkpoint may "
                                   f"name only Python functions (row functions, learning-rate and initializer "
                                   f"callables) and embedcore Optimizer/Initializer classes, so it is not used")
         return found
 
 
-def _is_python_function(obj) -> bool:
-    """A ``def``/``lambda`` function, or one compiled with ``numba.njit`` (still a Python function inside)."""
+def is_python_function(obj) -> bool:
+    """A ``def``/``lambda`` function, or one wrapped by ``numba.njit``, ``tf.function`` or ``jax.jit`` (the
+    custom computations embedcore compiles or translates): still a Python function inside."""
     if isinstance(obj, types.FunctionType):
         return True
+    from ..translate import jaxpr, tensorflow_graph
+    if tensorflow_graph.is_tf_function(obj) or jaxpr.is_jax_function(obj):
+        return isinstance(translate_python_function(obj), types.FunctionType)
     import numba
     return isinstance(obj, numba.core.registry.CPUDispatcher) and isinstance(obj.py_func, types.FunctionType)
 

@@ -38,7 +38,7 @@ def aligned_empty(shape, dtype) -> np.ndarray:
 def aligned_view(raw: np.ndarray, shape, dtype, alignment: int = CACHE_LINE) -> np.ndarray:
     """An array of ``shape`` and ``dtype`` over the bytes ``raw`` (uint8, at least ``alignment - 1`` bytes
     longer than the array), starting at its first multiple of ``alignment``; its ``base`` is ``raw``."""
-    start = -raw.ctypes.data % alignment
+    start = -address(raw) % alignment
     return np.ndarray(shape, dtype, buffer=raw, offset=start)  # (a slice of no bytes would not move)
 
 
@@ -49,6 +49,12 @@ def aligned_zeros(shape, dtype) -> np.ndarray:
     return out
 
 
+def address(array: np.ndarray) -> int:
+    """Where ``array``'s data starts (not ``array.ctypes.data``: that fills a cache inside ctypes, which
+    shows as memory growing step by step in the leak checks of ``tests/test_memory.py``)."""
+    return array.__array_interface__["data"][0]
+
+
 def is_aligned(array: np.ndarray, alignment: int = CACHE_LINE) -> bool:
     """Whether ``array``'s data starts at a multiple of ``alignment`` bytes."""
-    return array.ctypes.data % alignment == 0
+    return address(array) % alignment == 0

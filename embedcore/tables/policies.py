@@ -41,6 +41,7 @@ import numba
 import numpy as np
 from numba import njit, prange, types
 
+from .. import translate
 from ..compiler import RowFunctionError, check_python_function, describe
 from ..initializers import stream_key
 from ..kernels.hash_map import FLOOR_BLOCK, FLOOR_SHIFT, PARALLEL_MIN, KeyRowMap, TableFullError, as_keys
@@ -228,13 +229,20 @@ _SCORE_SIGNATURE = (types.Array(types.float32, 1, "A"), types.int64, types.int64
 class EvictByScore(EvictionPolicy):
     """Evict the rows with the lowest ``fn(embedding_table, last_seen, count, step)`` first: ``embedding_table``
     the row's float32 values ``[dim]``, the others int64; ``fn`` returns a real number (NaN refused; what it raises
-    becomes a ``RowFunctionError`` naming the table). ``fn`` is a Python function (def or lambda, or one
-    decorated with ``numba.njit``), compiled with Numba the first time it scores (:meth:`compiled`). Equal when
-    ``fn`` is the same object."""
+    becomes a ``RowFunctionError`` naming the table). ``fn`` is a Python function over NumPy (def or lambda, or
+    one decorated with ``numba.njit``), or one written in TensorFlow (a ``tf.function`` or a plain function of
+    TF ops) or ``jax.numpy``, recognised as ``CustomOptimizer`` recognises them and translated here, at
+    construction, into a NumPy-level function (:func:`embedcore.translate.to_numpy_function` with the
+    :data:`~embedcore.translate.SCORE` contract; an unsupported op, or a result that is not one number, is a
+    ``RowFunctionError`` naming ``fn``). That function, or ``fn`` itself, is compiled with Numba the first time
+    it scores (:meth:`compiled`). ``.fn`` stays the object given; equal when ``fn`` is the same object."""
 
     def __init__(self, fn):
-        check_python_function(fn, "EvictByScore:", _SCORE_CONTRACT, "four")
+        framework = translate.framework_of(fn)
+        if framework == "numpy":
+            check_python_function(fn, "EvictByScore:", _SCORE_CONTRACT, "four")
         self.fn = fn
+        self._score_function = translate.to_numpy_function(fn, translate.SCORE, framework)  # fn if NumPy
 
     def __hash__(self):
         return hash((EvictByScore, id(self.fn)))
@@ -243,7 +251,10 @@ class EvictByScore(EvictionPolicy):
         return type(other) is EvictByScore and other.fn is self.fn
 
     def __repr__(self):
-        return f"EvictByScore({describe(self.fn)})"
+        return f"EvictByScore({describe(translate.python_function(self.fn))})"
+
+    def __deepcopy__(self, memo):
+        return self  # immutable configuration, functions shared (a traced tf.function cannot be deep-copied)
 
     def compiled(self):
         """The Numba dispatcher of ``fn``, compiled for the contract's argument types (``RowFunctionError``
@@ -251,7 +262,7 @@ class EvictByScore(EvictionPolicy):
         dispatcher = self.__dict__.get("_dispatcher")
         if dispatcher is not None:
             return dispatcher
-        fn = self.fn
+        fn = self._score_function
         dispatcher = fn if isinstance(fn, numba.core.registry.CPUDispatcher) else numba.njit(fn)
         try:
             dispatcher.compile(_SCORE_SIGNATURE)

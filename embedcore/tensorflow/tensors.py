@@ -26,6 +26,7 @@ import numpy as np
 import tensorflow as tf
 
 from ..inputs import Ragged, Sparse
+from ..kernels.aligned import is_aligned
 
 __all__ = ["Leaf", "leaf", "compose", "to_numpy", "to_tensor", "gradient_to_numpy", "dense_gradient", "DENSE", "RAGGED",
            "SPARSE"]
@@ -120,7 +121,7 @@ def to_tensor(array: np.ndarray) -> tf.Tensor:
     """``array`` as an eager ``tf.Tensor``: sharing its memory through DLPack when it is C-contiguous float32
     or float16 and 64-byte aligned (TensorFlow's kernels need that; the tensor keeps the array alive), else
     copied. The caller must not write ``array`` later."""
-    if array.dtype in _DLPACK_DTYPES and array.flags.c_contiguous and array.ctypes.data % _TF_ALIGNMENT == 0:
+    if array.dtype in _DLPACK_DTYPES and array.flags.c_contiguous and is_aligned(array, _TF_ALIGNMENT):
         try:
             return tf.experimental.dlpack.from_dlpack(array.__dlpack__())
         except (tf.errors.InvalidArgumentError, TypeError, BufferError):

@@ -1,10 +1,16 @@
 """JAX custom computations -> :class:`~.numpy_source.Program`, through their jaxpr.
 
 The function (over ``jax.numpy`` / ``jax.lax``, jitted or not) is traced once with ``jax.make_jaxpr`` on
-``jax.ShapeDtypeStruct``\\ s of float32: the gradient and the row of a *symbolic* length (``jax.export``'s
-shape polymorphism, so one translation serves every ``dim``: ``jnp.mean`` divides by the row's length, not
-by a number fixed at tracing), each slot a row (``slot_dims`` 2) or ``()`` (``slot_dims`` 1), the
-learning rate ``()`` and the hyperparameters a tuple of ``()``. Its equations are translated in order:
+one ``jax.ShapeDtypeStruct`` per value of its :class:`~.contracts.Contract`, nested as the contract's
+parameters nest, each row of a *symbolic* length (``jax.export``'s shape polymorphism, so one translation
+serves every ``dim``: ``jnp.mean`` divides by the row's length, not by a number fixed at tracing): for the
+optimizer, float32 gradient and row, each slot a row (``slot_dims`` 2) or ``()`` (``slot_dims`` 1), the
+learning rate ``()`` and the hyperparameters a tuple of ``()``; for ``EvictByScore``'s score, the row
+float32 and ``last_seen``, ``count`` and ``step`` int64 ``()``. JAX traces in the process's own
+configuration: without ``jax_enable_x64`` an int64 argument is an int32 in the jaxpr, and the translation
+converts it on entry as JAX converts such an argument (wrapping), then follows the jaxpr's int32
+arithmetic. JAX promotes mixed dtypes with explicit ``convert_element_type`` equations, so each equation
+is of one dtype, as the program's operations are. Its equations are translated in order:
 
 * ``add sub mul div neg max min pow rem`` (``rem`` is C's ``fmod``), ``abs sign sqrt rsqrt square exp
   log``, ``integer_pow`` (as XLA computes it: repeated squaring, ``x**2 = x * x``, a negative power
@@ -65,29 +71,37 @@ def _symbolic_length():
     return n
 
 
-def trace(fn, slot_dims, n_hyperparameters):
-    """``jax.make_jaxpr`` of ``fn`` for the row contract (a row of symbolic length)."""
+def trace(fn, contract):
+    """``jax.make_jaxpr`` of ``fn`` for ``contract`` (each row of symbolic length)."""
     import jax
     import jax.numpy as jnp
 
-    row = jax.ShapeDtypeStruct((_symbolic_length(),), jnp.float32)
-    scalar = jax.ShapeDtypeStruct((), jnp.float32)
-    slots = tuple(row if d == 2 else scalar for d in slot_dims)
-    hyper = tuple(scalar for _ in range(n_hyperparameters))
-    return jax.make_jaxpr(fn)(row, row, slots, scalar, hyper)
+    length = _symbolic_length()
+
+    def spec(rank, dtype):
+        return jax.ShapeDtypeStruct((length,) if rank == 1 else (), jnp.dtype(dtype))
+
+    specs = [spec(p.rank, p.dtype) if p.items is None else tuple(spec(r, p.dtype) for r in p.items)
+             for p in contract.parameters]
+    return jax.make_jaxpr(fn)(*specs)
 
 
-def to_program(fn, slot_dims, n_hyperparameters, name, qualname, module) -> Program:
-    closed = trace(fn, slot_dims, n_hyperparameters)
-    program = Program(name, qualname, module, f"JAX function {module}.{qualname}")
+def to_program(fn, contract, name, qualname, module) -> Program:
+    """Trace ``fn`` for ``contract`` and translate its jaxpr (raises :class:`TranslationError`; other
+    exceptions come from tracing)."""
+    closed = trace(fn, contract)
+    program = Program(name, qualname, module, f"JAX function {module}.{qualname}", contract)
     jaxpr = closed.jaxpr
-    arguments = [("gradient", None, 1), ("embedding_table", None, 1)]
-    arguments += [("slot", k, 1 if d == 2 else 0) for k, d in enumerate(slot_dims)]
-    arguments += [("learning_rate", None, 0)] + [("hyperparameter", k, 0) for k in range(n_hyperparameters)]
-    if len(jaxpr.invars) != len(arguments):
-        raise TranslationError(f"its jaxpr takes {len(jaxpr.invars)} inputs for the {len(arguments)} values of "
-                               f"the contract")
-    env = {var: program.argument(which, index, rank) for var, (which, index, rank) in zip(jaxpr.invars, arguments)}
+    leaves = contract.leaves()
+    if len(jaxpr.invars) != len(leaves):
+        raise TranslationError(f"its jaxpr takes {len(jaxpr.invars)} inputs for the {len(leaves)} values of "
+                               f"{contract.describe()}")
+    env = {}
+    for var, leaf, value in zip(jaxpr.invars, leaves, program.arguments()):
+        traced = np.dtype(var.aval.dtype).name
+        if traced != leaf.dtype:  # JAX's int32 for an int64 argument without jax_enable_x64
+            value = program.apply("cast", value, dtype=traced, note=f"JAX takes {leaf.dtype} {leaf.source} as {traced}")
+        env[var] = value
     outputs = _run(program, jaxpr, closed.consts, env)
     program.set_outputs(outputs)
     return program

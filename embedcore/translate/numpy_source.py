@@ -1,9 +1,10 @@
-"""A small op-level program of one row update, and the one emitter that writes it as NumPy-level Python.
+"""A small op-level program of one per-row function, and the one emitter that writes it as NumPy-level Python.
 
-Both translators (:mod:`.tensorflow_graph`, :mod:`.jaxpr`) build a :class:`Program`: the five contract
-arguments, constants, and operations from the fixed vocabulary :data:`OPS`, each producing a
-:class:`Value` that is either a *scalar* (rank 0: one number per table row, such as the learning rate, a
-hyperparameter, a ``slot_dims=1`` slot or a reduction) or a *row* (rank 1: one number per element of the
+Both translators (:mod:`.tensorflow_graph`, :mod:`.jaxpr`) build a :class:`Program` for one
+:class:`~.contracts.Contract` (the optimizer's or ``EvictByScore``'s): the contract's arguments,
+constants, and operations from the fixed vocabulary :data:`OPS`, each producing a :class:`Value` that is
+either a *scalar* (rank 0: one number per table row, such as the learning rate, a hyperparameter, a
+``slot_dims=1`` slot, a score's ``step`` or a reduction) or a *row* (rank 1: one number per element of the
 row). Broadcasting is NumPy's: a scalar combined with a row acts on every element. A value with a single
 element (TensorFlow's ``keepdims`` reductions, shape ``[1]``) is a scalar here, which broadcasts the same way.
 
@@ -32,8 +33,14 @@ definition:
 ``select``                ``where(c, a, b)``: ``a`` where ``c`` holds, else ``b``
 ``cast``                  to ``dtype``; bool -> number is 0/1, number -> bool is ``!= 0``
 ``sum mean max min``      over the row, giving a scalar (of a scalar: the scalar itself)
-``row_length``            the number of elements of a row (``gradient.size``)
+``row_length``            the number of elements of a row (the contract's first row argument's ``.size``)
 ========================  ================================================================================
+
+Integers are fixed-width and wrap, as in TensorFlow, JAX and NumPy; Numba computes integer arithmetic on
+scalars in int64, so a result of a narrower integer dtype (JAX's int32 without ``jax_enable_x64``) is
+written ``np.int32(...)``, which wraps it back. Integer ``div div_no_nan floordiv mod fmod pow mean`` and
+the float functions (``sqrt rsqrt exp log reciprocal``) of integers are refused (``TranslationError``):
+their frameworks' definitions (truncation or flooring, division by zero) differ; cast to a float first.
 """
 
 from __future__ import annotations
@@ -46,15 +53,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["Program", "Value", "OPS", "ARGUMENTS", "TranslationError", "ensure_source"]
+from .contracts import Contract
+
+__all__ = ["Program", "Value", "OPS", "TranslationError", "ensure_source"]
 
 
 class TranslationError(Exception):
     """An operation, shape or dtype that the program cannot express; the translators turn it into a
     :class:`embedcore.compiler.RowFunctionError` naming the function."""
 
-
-ARGUMENTS = ("gradient", "embedding_table", "slot", "learning_rate", "hyperparameter")
 
 _DTYPES = {"float16", "float32", "float64", "bool", "int8", "int16", "int32", "int64", "uint8", "uint16",
            "uint32", "uint64"}
@@ -75,6 +82,10 @@ OPS = {
     "row_length": (0, "length"),
 }
 _REDUCTIONS = ("sum", "mean", "max", "min")
+_FLOAT_ONLY = ("div", "div_no_nan", "floordiv", "mod", "fmod", "pow", "mean", "sqrt", "rsqrt", "exp", "log",
+               "reciprocal")
+# integer results that Numba computes in int64 and the emitter wraps to a narrower dtype
+_WRAPPED = ("add", "sub", "mul", "neg", "abs", "sign", "square", "maximum", "minimum", "sum", "max", "min")
 
 _BINARY_OPERATORS = {"add": "+", "sub": "-", "mul": "*", "div": "/", "less": "<", "less_equal": "<=",
                      "greater": ">", "greater_equal": ">=", "equal": "==", "not_equal": "!="}
@@ -105,18 +116,21 @@ class _Node:
 
 @dataclass
 class Program:
-    """A row update as operations over :class:`Value`\\ s, in program (topological) order.
+    """A function of a :class:`~.contracts.Contract` as operations over :class:`Value`\\ s, in program
+    (topological) order.
 
     Args:
         name: the Python name of the emitted function (the user's function's ``__name__``).
         qualname, module: what ``__qualname__`` and ``__module__`` of the emitted function say.
         origin: a phrase for its docstring and errors, such as ``"TensorFlow function m.adagrad"``.
+        contract: the arguments the function receives (their ranks and dtypes) and what it returns.
     """
 
     name: str
     qualname: str
     module: str
     origin: str
+    contract: Contract
     nodes: list = field(default_factory=list)
     outputs: tuple = ()
     returns_tuple: bool = True
@@ -131,15 +145,21 @@ class Program:
         self.nodes.append(_Node(op, tuple(inputs), dict(attrs), value, note))
         return value
 
-    def argument(self, which: str, index: int | None = None, rank: int = 1) -> Value:
-        """The contract argument ``which`` (see :data:`ARGUMENTS`); ``index`` for a slot or a
-        hyperparameter; ``rank`` 0 for scalars (learning rate, hyperparameters, ``slot_dims=1`` slots)."""
-        if which not in ARGUMENTS:
-            raise ValueError(f"unknown argument {which!r}")
+    def argument(self, which: str, index: int | None = None) -> Value:
+        """The contract's argument ``which`` (a parameter's name, or its entries' name, such as ``"slot"``,
+        with ``index``), of the rank and dtype the contract gives it."""
+        leaf = next((leaf for leaf in self.contract.leaves() if (leaf.which, leaf.index) == (which, index)), None)
+        if leaf is None:
+            raise ValueError(f"the contract {self.contract} has no argument {which!r}"
+                             f"{'' if index is None else f' [{index}]'}")
         key = (which, index)
         if key not in self._arguments:
-            self._arguments[key] = self._add("argument", (), {"which": which, "index": index}, rank, "float32")
+            self._arguments[key] = self._add("argument", (), {"source": leaf.source}, leaf.rank, leaf.dtype)
         return self._arguments[key]
+
+    def arguments(self) -> list:
+        """Every argument's value, in the contract's flattened order (the traced graph's inputs)."""
+        return [self.argument(leaf.which, leaf.index) for leaf in self.contract.leaves()]
 
     def constant(self, value, dtype: str | None = None) -> Value:
         """A constant: a number, or an array of one element (a scalar) or of shape ``[k]`` (a row)."""
@@ -180,16 +200,29 @@ class Program:
             dtype = np.result_type(*(np.dtype(v.dtype) for v in operands)).name
         if op in _REDUCTIONS and inputs[0].rank == 0:
             return inputs[0]  # a reduction of one value is that value
+        if op in _FLOAT_ONLY and np.dtype(dtype).kind != "f":
+            raise TranslationError(f"{op} of {dtype} values is not supported (its integer definitions differ "
+                                   "between frameworks): cast to a float first")
         if op.startswith("logical_") and any(v.dtype != "bool" for v in inputs):
             raise TranslationError(f"{op} of non-boolean values")
         return self._add(op, inputs, attrs, rank, dtype, note)
 
     def set_outputs(self, values) -> None:
-        """The function returns ``values``: the new row alone if there is one value (a framework function
-        returning a 1-tuple for a table without slots returns its row), else a tuple (new row, new slots)."""
+        """The function returns ``values``. Under the optimizer contract: the new row alone if there is one
+        value (a framework function returning a 1-tuple for a table without slots returns its row), else a
+        tuple (new row, new slots). Under a contract returning a scalar: one number."""
         self.outputs = tuple(values)
         if not self.outputs:
             raise TranslationError("it returns nothing")
+        if self.contract.returns == "scalar":
+            what = f"a {self.contract.kind} returns one number per table row"
+            if len(self.outputs) != 1:
+                raise TranslationError(f"it returns {len(self.outputs)} values; {what}")
+            if self.outputs[0].rank != 0:
+                raise TranslationError(f"it returns a row (one value per element, shape [n]); {what}: reduce "
+                                       "the row (a sum, a norm, a maximum)")
+            if self.outputs[0].dtype == "bool":
+                raise TranslationError(f"it returns a boolean; {what}: cast it to a number")
         self.returns_tuple = len(self.outputs) != 1
 
     # -- emitting ---------------------------------------------------------------------------------------
@@ -206,9 +239,7 @@ class Program:
             if v.index not in used:
                 continue
             if node.op == "argument":
-                which, index = node.attrs["which"], node.attrs["index"]
-                names[v.index] = {"slot": f"slot_variables[{index}]",
-                                  "hyperparameter": f"hyperparameters[{index}]"}.get(which, which)
+                names[v.index] = node.attrs["source"]
                 continue
             if node.op == "constant":
                 array = node.attrs["array"]
@@ -234,10 +265,10 @@ class Program:
         else:
             ret = f"return {results[0]}"
         name = self.python_name
-        doc = f"NumPy-level row function translated from the {self.origin} ({len(body)} operations)."
+        doc = f"NumPy-level {self.contract.kind} translated from the {self.origin} ({len(body)} operations)."
         lines = [f"# Generated by embedcore.translate from the {self.origin}.", ""]
         lines += preamble + ([""] if preamble else [])
-        lines.append(f"def {name}(gradient, embedding_table, slot_variables, learning_rate, hyperparameters):")
+        lines.append(f"def {name}({self.contract.signature}):")
         lines.append(f"    \"\"\"{doc}\"\"\"")
         lines += body
         lines.append(f"    {ret}")
@@ -274,6 +305,15 @@ class Program:
         return live
 
     def _expression(self, node, args) -> str:
+        expression = self._numpy_expression(node, args)
+        dtype = np.dtype(node.value.dtype)
+        if node.op in _WRAPPED and dtype.kind in "iu" and dtype.itemsize < 8:
+            if node.value.rank == 0:
+                return f"np.{dtype.name}({expression})"
+            return f"({expression}).astype(np.{dtype.name})"
+        return expression
+
+    def _numpy_expression(self, node, args) -> str:
         op, v = node.op, node.value
         if op in _BINARY_OPERATORS:
             return f"{args[0]} {_BINARY_OPERATORS[op]} {args[1]}"
@@ -307,7 +347,8 @@ class Program:
         if op in _REDUCTIONS:
             return f"np.{op}({args[0]})"
         if op == "row_length":
-            return "gradient.size"
+            row = next(leaf.source for leaf in self.contract.leaves() if leaf.rank == 1)
+            return f"{row}.size"
         raise TranslationError(f"no NumPy form for {op}")  # unreachable: apply() checks the vocabulary
 
 

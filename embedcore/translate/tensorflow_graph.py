@@ -1,10 +1,13 @@
 """TensorFlow custom computations -> :class:`~.numpy_source.Program`.
 
 The function (a ``tf.function``, or a plain Python function using TF ops, which is wrapped in
-``tf.function`` as TensorFlow's TPU embedding does) is traced once with ``tf.TensorSpec``\\ s of float32:
-the gradient and the row ``[None]``, each slot ``[None]`` (``slot_dims`` 2) or ``[]`` (``slot_dims`` 1),
-the learning rate ``[]`` and the hyperparameters as a tuple of ``[]``. The ops the outputs depend on
-(data inputs only: control dependencies, such as assertions, are not part of a row update) are
+``tf.function`` as TensorFlow's TPU embedding does) is traced once with one ``tf.TensorSpec`` per value
+of its :class:`~.contracts.Contract`, nested as the contract's parameters nest: for the optimizer, float32
+gradient and row ``[None]``, each slot ``[None]`` (``slot_dims`` 2) or ``[]`` (``slot_dims`` 1), the
+learning rate ``[]`` and the hyperparameters as a tuple of ``[]``; for ``EvictByScore``'s score, the row
+float32 ``[None]`` and ``last_seen``, ``count`` and ``step`` int64 ``[]``. TensorFlow refuses to mix dtypes
+without ``tf.cast``, so the graph's ops are each of one dtype, as the program's are. The ops the outputs
+depend on (data inputs only: control dependencies, such as assertions, are not part of a row update) are
 translated in graph order:
 
 * element-wise math: ``AddV2 Add Sub Mul RealDiv Div DivNoNan FloorDiv FloorMod TruncateMod Pow Maximum
@@ -17,7 +20,9 @@ translated in graph order:
 * ``Const`` (scalars and rows), ``Placeholder`` (the arguments), captured eager constants;
 * structure: ``Identity IdentityN StopGradient Snapshot PreventGradient EnsureShape``, ``Squeeze Reshape
   ExpandDims`` of a scalar, and slot or hyperparameter lists packed into one tensor and taken apart again
-  (``Pack``, then ``Unpack``, ``StridedSlice`` or ``GatherV2`` with constant indices).
+  (``Pack``, then ``Unpack``, ``StridedSlice`` or ``GatherV2`` with constant indices);
+* calls of other ``tf.function`` s (``PartitionedCall``, ``StatefulPartitionedCall``): the called graph is
+  translated in place, by the same rules.
 
 Anything else (a ``tf.Variable`` read, ``tf.cond`` or loops, indexing into the row, other ops) raises
 :class:`embedcore.compiler.RowFunctionError` naming the op and the function.
@@ -39,7 +44,8 @@ _UNARY = {"Neg": "neg", "Abs": "abs", "Sign": "sign", "Sqrt": "sqrt", "Rsqrt": "
 _REDUCTIONS = {"Sum": "sum", "Mean": "mean", "Max": "max", "Min": "min"}
 _ALIASES = {"Identity", "StopGradient", "Snapshot", "PreventGradient", "EnsureShape"}
 _RESHAPES = {"Squeeze", "Reshape", "ExpandDims"}
-SUPPORTED_OPS = tuple(sorted({*_BINARY, *_UNARY, *_REDUCTIONS, *_ALIASES, *_RESHAPES, "Const", "Placeholder",
+_CALLS = {"PartitionedCall", "StatefulPartitionedCall"}  # a tf.function calling another: inlined
+SUPPORTED_OPS = tuple(sorted({*_BINARY, *_UNARY, *_REDUCTIONS, *_ALIASES, *_RESHAPES, *_CALLS, "Const", "Placeholder",
                               "IdentityN", "ClipByValue", "Select", "SelectV2", "Cast", "EuclideanNorm", "Size",
                               "AddN", "Pack", "Unpack", "StridedSlice", "GatherV2", "Div"}))
 
@@ -72,42 +78,45 @@ def python_function(fn):
     return getattr(fn, "python_function", None) or getattr(fn, "_python_function", None) or fn
 
 
-def trace(fn, slot_dims, n_hyperparameters):
-    """The ``ConcreteFunction`` of ``fn`` for the row contract's ``TensorSpec``\\ s."""
+def trace(fn, contract):
+    """The ``ConcreteFunction`` of ``fn`` for the ``TensorSpec``\\ s of ``contract``."""
     import tensorflow as tf
 
     if _is_concrete(fn):
         return fn
     function = fn if is_tf_function(fn) else tf.function(fn)
-    row, scalar = tf.TensorSpec([None], tf.float32), tf.TensorSpec([], tf.float32)
-    slots = tuple(row if d == 2 else scalar for d in slot_dims)
-    hyper = tuple(scalar for _ in range(n_hyperparameters))
     if getattr(function, "input_signature", None) is not None:
         return function.get_concrete_function()
-    return function.get_concrete_function(row, row, slots, scalar, hyper)
+
+    def spec(rank, dtype):
+        return tf.TensorSpec([None] if rank == 1 else [], tf.as_dtype(dtype))
+
+    specs = [spec(p.rank, p.dtype) if p.items is None else tuple(spec(r, p.dtype) for r in p.items)
+             for p in contract.parameters]
+    return function.get_concrete_function(*specs)
 
 
-def to_program(fn, slot_dims, n_hyperparameters, name, qualname, module) -> Program:
-    """Trace ``fn`` and translate its graph (raises :class:`TranslationError`; other exceptions come
-    from tracing)."""
+def to_program(fn, contract, name, qualname, module) -> Program:
+    """Trace ``fn`` for ``contract`` and translate its graph (raises :class:`TranslationError`; other
+    exceptions come from tracing)."""
     import tensorflow as tf
 
-    concrete = trace(fn, slot_dims, n_hyperparameters)
+    concrete = trace(fn, contract)
     graph = concrete.graph
-    program = Program(name, qualname, module, f"TensorFlow function {module}.{qualname}")
+    program = Program(name, qualname, module, f"TensorFlow function {module}.{qualname}", contract)
     env = {}
-    arguments = [("gradient", None, 1), ("embedding_table", None, 1)]
-    arguments += [("slot", k, 1 if d == 2 else 0) for k, d in enumerate(slot_dims)]
-    arguments += [("learning_rate", None, 0)] + [("hyperparameter", k, 0) for k in range(n_hyperparameters)]
+    leaves = contract.leaves()
     inputs = list(graph.inputs)
-    if len(inputs) < len(arguments):
-        raise TranslationError(f"its graph has {len(inputs)} inputs for the {len(arguments)} values of "
-                               f"(gradient, embedding_table, {len(slot_dims)} slot(s), learning_rate, "
-                               f"{n_hyperparameters} hyperparameter(s))")
-    for tensor, (which, index, rank) in zip(inputs, arguments):
-        env[tensor.name] = program.argument(which, index, rank)
+    if len(inputs) < len(leaves):
+        raise TranslationError(f"its graph has {len(inputs)} inputs for the {len(leaves)} values of "
+                               f"{contract.describe()}")
+    for tensor, leaf, value in zip(inputs, leaves, program.arguments()):
+        if tensor.dtype.name != leaf.dtype:
+            raise TranslationError(f"its input {tensor.name} is {tensor.dtype.name} (an input_signature?), where "
+                                   f"{contract.describe()} passes {leaf.source} as {leaf.dtype}")
+        env[tensor.name] = value
     captured = list(getattr(concrete, "captured_inputs", ()))
-    for tensor, value in zip(inputs[len(arguments):], captured):
+    for tensor, value in zip(inputs[len(leaves):], captured):
         if value.dtype == tf.resource:
             raise TranslationError(
                 f"it reads a tf.Variable ({tensor.name}); a per-row function sees only its arguments: pass "
@@ -243,8 +252,28 @@ def _translate_op(program, op, env, tf):
             env[t_out.name] = item
     elif kind in ("StridedSlice", "GatherV2"):
         env[out] = _take(program, op, env)
+    elif kind in _CALLS:
+        _inline_call(program, op, env, tf)
     else:
         raise UnsupportedOp(op)
+
+
+def _inline_call(program, op, env, tf):
+    """A call of another ``tf.function`` (one decorated function calling another): the called graph's ops
+    translated in place, its inputs the call's values, the call's outputs its outputs."""
+    try:
+        called = op.graph._get_function(op.get_attr("f").name).graph
+    except Exception:  # a TensorFlow without the function library lookup
+        raise UnsupportedOp(op, "calls a function whose graph TensorFlow does not expose") from None
+    if len(called.inputs) != len(op.inputs) or len(called.outputs) != len(op.outputs):
+        raise UnsupportedOp(op, "calls a function whose inputs or outputs do not match the call's")
+    inner = {t.name: env[s.name] for t, s in zip(called.inputs, op.inputs)}
+    needed = _needed_ops([t.op for t in called.outputs])
+    for called_op in called.get_operations():
+        if called_op.name in needed:
+            _translate_op(program, called_op, inner, tf)
+    for t_out, t_called in zip(op.outputs, called.outputs):
+        env[t_out.name] = inner[t_called.name]
 
 
 def _take(program, op, env):
