@@ -210,4 +210,5 @@ def random_lanes(builder: ir.IRBuilder, words: list, first: int, count: int):
         raise ValueError(f"values {first}..{first + count - 1} span two vectors of rounding words")
     bits = builder.bitcast(words[first // per_vector], ir.VectorType(_I16, per_vector))
     start = first % per_vector
-    return builder.shuffle_vector(bits, bits, ir.Constant(ir.VectorType(_I32, count), list(range(start, start + count))))
+    lanes = ir.Constant(ir.VectorType(_I32, count), list(range(start, start + count)))
+    return builder.shuffle_vector(bits, bits, lanes)

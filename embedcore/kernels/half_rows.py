@@ -61,10 +61,11 @@ def _load_intrinsic(stored):
         def codegen(context, builder, signature, args):
             row = context.cast(builder, args[2], signature.args[2], types.intp)
             bits_type = ir.VectorType(ir.IntType(16), n)
-            source = _row_pointer(context, builder, signature.args[1], args[1], [row, context.get_constant(types.intp, 0)])
+            zero = context.get_constant(types.intp, 0)
+            source = _row_pointer(context, builder, signature.args[1], args[1], [row, zero])
             bits = builder.load(builder.bitcast(source, bits_type.as_pointer()), align=2)
             values = half_ir.decode(half_ir.Lanes(builder, n), bits, stored)
-            target = _row_pointer(context, builder, signature.args[0], args[0], [context.get_constant(types.intp, 0)])
+            target = _row_pointer(context, builder, signature.args[0], args[0], [zero])
             builder.store(values, builder.bitcast(target, values.type.as_pointer()), align=4)
             return context.get_dummy_value()
         return types.void(dst, src, r, dim), codegen

@@ -65,8 +65,8 @@ from .prefetch import prefetch_row
 from .row_vector import block_width
 from .rows import copy_row, fixed_length, sequential_sum, sequential_sum_fixed
 
-__all__ = ["update_kernel", "fused_update_kernel", "compile_for", "all_finite", "balanced_chunks", "CHUNK_ROWS", "ROWS_AHEAD",
-           "OCCURRENCES_AHEAD", "STATUS_GRADIENT", "STATUS_OUTPUT", "STATUS_LENGTH", "STATUS_RAISED"]
+__all__ = ["update_kernel", "fused_update_kernel", "compile_for", "all_finite", "balanced_chunks", "CHUNK_ROWS",
+           "ROWS_AHEAD", "OCCURRENCES_AHEAD", "STATUS_GRADIENT", "STATUS_OUTPUT", "STATUS_LENGTH", "STATUS_RAISED"]
 
 CHUNK_ROWS = 256
 ROWS_AHEAD = 4          # unique rows whose table and slot rows are prefetched ahead of the current one
@@ -304,7 +304,8 @@ def _store(slot_dims, weights, slot_rows, slot_scalars, formats, dim_arg):
         if scalars:
             lines.append("ok = True")
             for k in scalars:
-                bits = f"np.uint16(rounding_bits(key_s{k}, np.uint64(t_row)) & np.uint64(0xFFFF))" if stochastic else "0"
+                bits = (f"np.uint16(rounding_bits(key_s{k}, np.uint64(t_row)) & np.uint64(0xFFFF))" if stochastic
+                        else "0")
                 lines += [f"e_v{k} = enc_s({slot_scalars[k]}, {bits})", f"ok = ok & fin_s(e_v{k})"]
             lines += ["if not ok:"] + _flag("STATUS_OUTPUT")
     rows = _rows_16(slot_dims, formats)
