@@ -361,6 +361,24 @@ def test_lookups_equal_float32_lookups_of_the_same_values_bit_for_bit(name, dim)
             assert np.array_equal(got[f].view(np.uint32), want[f].view(np.uint32)), f
 
 
+@pytest.mark.parametrize("dim", [64, 5])
+@pytest.mark.parametrize("name", ["float32", *sorted(DTYPES)])
+def test_lookups_streamed_past_the_caches_are_the_lookups_through_them(name, dim):
+    """``Tuning.stream_activations_min_bytes`` changes where activations are written, never their bits
+    (rows of whole cache lines are streamed; others are not, whatever the tuning)."""
+    table = ec.TableConfig(300, dim, name="t", combiner="mean", weights_dtype=name)
+    engines = [ec.Embedding({"f": ec.FeatureConfig(table)}, ec.SGD(0.1), seed=4, tuning=ec.Tuning(**tuning))
+               for tuning in ({"stream_activations_min_bytes": 0}, {"stream_activations_min_bytes": None})]
+    rng = np.random.default_rng(dim)
+    for _ in range(3):
+        samples = random_samples(rng, 3000, 300, 6, rng.integers(0, 300, 3))
+        ids, weights = as_input(samples, random_weights(rng, samples), "ragged")
+        (streamed, _), (through, _) = (emb({"f": ids}, {"f": weights}) for emb in engines)
+        assert np.array_equal(streamed["f"].view(np.uint32), through["f"].view(np.uint32))
+    assert not ec.Tuning(stream_activations_min_bytes=None).streams(1 << 40)
+    assert ec.Tuning(stream_activations_min_bytes=64).streams(64) and not ec.Tuning().streams(64)
+
+
 def test_initial_values_are_the_float32_ones_rounded_to_nearest():
     for name, dtype in DTYPES.items():
         for init in (None, ec.RandomUniform(-0.3, 0.3, seed=5), ec.Constant(0.1), lambda s, d: np.full(s, 0.7)):
