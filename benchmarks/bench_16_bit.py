@@ -10,7 +10,8 @@ Workload: the update shape (:func:`embedcore.bench.workloads.update_workload`): 
 ``ids`` ids a step from the bounded Zipf distribution calibrated to ~150,000 distinct ids (one id per
 sample, sum combiner), so most rows a step reads are not in any cache: the lookup is a cold gather and the
 update a random read-modify-write of ~150,000 rows. Each contender is an ``Embedding`` whose table has
-``weights_dtype`` of its name (slots float32, stochastic rounding on), all with the same optimizer
+``weights_dtype`` of its name (slots float32, stochastic rounding on; a name ending ``-nearest``, e.g.
+``bfloat16-nearest``: rounding to nearest, to time what the random bits cost), all with the same optimizer
 (row-wise Adagrad by default, FBGEMM's conventions: accumulators from 0, eps 1e-8) and the same batches,
 under each of the ``--tunings``: ``default`` (:data:`embedcore.DEFAULT_TUNING`) and ``through-caches``
 (``Tuning(stream_activations_min_bytes=None)``: activations written with normal stores).
@@ -103,7 +104,8 @@ def main(argv=None) -> int:
     sums = np.empty(args.ids, np.float32)
     for dtype, tuning in contenders:
         table = ec.TableConfig(args.rows, args.dim, name="t", combiner="sum", initializer=ec.RandomUniform(-0.05, 0.05),
-                               weights_dtype=dtype)
+                               weights_dtype=dtype.removesuffix("-nearest"),
+                               stochastic_rounding=not dtype.endswith("-nearest"))
         emb = ec.Embedding({"f": ec.FeatureConfig(table)}, _optimizer(args.optimizer), seed=1, tuning=TUNINGS[tuning])
         for ids, grad in inputs[:2]:  # compile, and touch every page the batches map
             acts, ctx = emb({"f": ids})
@@ -142,18 +144,18 @@ def main(argv=None) -> int:
             print(f"# probe {name}: median {statistics.median(per_round):.1f} GB/s "
                   f"({min(per_round):.1f}-{max(per_round):.1f} over rounds)")
     base = {}
-    print(f"{'table':<10} {'tuning':<15} {'lookup ms':>10} {'vs f32':>7} {'read ms':>8} {'update ms':>10} "
+    print(f"{'table':<16} {'tuning':<15} {'lookup ms':>10} {'vs f32':>7} {'read ms':>8} {'update ms':>10} "
           f"{'vs f32':>7} {'step ms':>8} {'MB a step':>10}")
     for dtype, tuning in contenders:
         t = times[dtype, tuning]
         med = {phase: statistics.median(t[phase]) for phase in t}
         base.setdefault(tuning, med)
         step = statistics.median(sum(parts) for parts in zip(t["lookup"], t["read"], t["update"]))
-        itemsize = ITEMSIZE[dtype]
+        itemsize = ITEMSIZE[dtype.removesuffix("-nearest")]
         rows_and_slots = statistics.median(n_unique) * 2 * (args.dim * itemsize + slot_bytes)
         mb = (args.ids * args.dim * (itemsize + 4) + rows_and_slots + 2 * args.ids * args.dim * 4) / 1e6
         read = f"{med['read'] * 1e3:>8.2f}" if args.read_activations else f"{'-':>8}"
-        print(f"{dtype:<10} {tuning:<15} {med['lookup'] * 1e3:>10.2f} {med['lookup'] / base[tuning]['lookup']:>6.2f}x "
+        print(f"{dtype:<16} {tuning:<15} {med['lookup'] * 1e3:>10.2f} {med['lookup'] / base[tuning]['lookup']:>6.2f}x "
               f"{read} {med['update'] * 1e3:>10.2f} {med['update'] / base[tuning]['update']:>6.2f}x {step * 1e3:>8.2f} "
               f"{mb:>10.0f}")
     return 0
