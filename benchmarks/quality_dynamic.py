@@ -2,7 +2,8 @@
 
 Run from the repository root::
 
-    PYTHONPATH=. python benchmarks/quality_dynamic.py                 # full vocabulary (minutes)
+    PYTHONPATH=. python benchmarks/quality_dynamic.py --full --min-vocab 100000 --init-std 0.01 --min-count 3
+                                                        # full vocabulary (minutes; BENCHMARKS.md's figures)
     PYTHONPATH=. python benchmarks/quality_dynamic.py --tiny          # smoke run (seconds)
 
 Data: :class:`embedcore.app.data.synthetic.SyntheticClickLog` (the demo's click log, 26 categorical features
@@ -13,12 +14,15 @@ feature with at least ``--min-vocab`` ids gets room for only ``--fraction`` (a t
 Models (each the demo's :class:`~embedcore.app.models.DLRM` over an :class:`embedcore.Embedding` of dim
 ``--dim``, Adagrad ``--lr``, the same seed, batches and number of steps):
 
-* ``hashed``: a static ``TableConfig(rows)`` per budgeted feature; id ``i`` reads bucket ``mix64(i) mod
-  rows`` (SplitMix64, :func:`embedcore.kernels.random.mix64`): colliding ids share a row.
 * ``dynamic-lru`` / ``dynamic-lfu`` (``--evictions``): a ``DynamicTableConfig(capacity=rows,
   admission=CountAdmission(--min-count), eviction=LRU() or LFU())`` per budgeted feature, fed the ids as keys.
-  The key map adds about 21 bytes a row (and the admission sketch ``16 x --sketch-width`` bytes a table, by
-  default 16 bytes a row) beyond the rows both models hold: printed.
+  The key map adds about 21 bytes a row and the admission sketch ``16 x --sketch-width`` bytes a table (by
+  default 16 bytes a row) beyond its rows and slots.
+* ``hashed``: a static ``TableConfig(buckets)`` per budgeted feature; id ``i`` reads bucket ``mix64(i) mod
+  buckets`` (SplitMix64, :func:`embedcore.kernels.random.mix64`): colliding ids share a row. With the default
+  ``--same-memory`` a feature's buckets take the bytes its dynamic table takes in all (rows, slots, key map and
+  sketch), so ``buckets > rows``; ``--no-same-memory`` gives it ``rows`` buckets (the dynamic tables then hold
+  more memory).
 * ``full`` (``--full``): static tables of the whole vocabulary, the unconstrained reference.
 
 Evaluation reads the tables without changing them: each feature's rows by id (a dynamic table's view gives
@@ -76,6 +80,26 @@ def budget_rows(spec, args) -> int | None:
     return max(1, math.ceil(args.fraction * spec.vocabulary_size))
 
 
+def row_bytes(dim: int) -> int:
+    """Bytes of one float32 row and its Adagrad accumulator."""
+    return 2 * 4 * dim
+
+
+def dynamic_table(spec, rows, eviction, init, args) -> ec.DynamicTableConfig:
+    admission = ec.CountAdmission(args.min_count, sketch_width=max(64, args.sketch_width or rows))
+    return ec.DynamicTableConfig(args.dim, rows, name=spec.name, combiner=spec.combiner, initializer=init,
+                                 admission=admission, eviction={"lru": ec.LRU(), "lfu": ec.LFU()}[eviction])
+
+
+def hashed_buckets(spec, rows, args) -> int:
+    """Buckets of a feature's hashed table: ``rows``, or with ``--same-memory`` as many as the bytes of its
+    dynamic table (rows, slots, key map and admission sketch) hold."""
+    if not args.same_memory:
+        return rows
+    dynamic = dynamic_table(spec, rows, "lru", None, args)
+    return rows + map_bytes(dynamic) // row_bytes(args.dim)
+
+
 class Model:
     """One engine + DLRM; ``kind`` is ``hashed``, ``dynamic-lru``, ``dynamic-lfu`` or ``full``."""
 
@@ -89,13 +113,10 @@ class Model:
                 table = ec.TableConfig(spec.vocabulary_size, args.dim, combiner=spec.combiner, name=spec.name,
                                        initializer=init)
             elif kind == "hashed":
+                rows = hashed_buckets(spec, rows, args)
                 table = ec.TableConfig(rows, args.dim, combiner=spec.combiner, name=spec.name, initializer=init)
             else:
-                eviction = {"dynamic-lru": ec.LRU(), "dynamic-lfu": ec.LFU()}[kind]
-                table = ec.DynamicTableConfig(args.dim, rows, name=spec.name, combiner=spec.combiner, initializer=init,
-                                              admission=ec.CountAdmission(args.min_count, sketch_width=max(
-                                                  64, args.sketch_width or rows)),
-                                              eviction=eviction)
+                table = dynamic_table(spec, rows, kind[len("dynamic-"):], init, args)
             if rows is not None:
                 self.budget[spec.name] = rows
             features[spec.name] = ec.FeatureConfig(table)
@@ -132,7 +153,7 @@ class Model:
     def table_bytes(self) -> tuple:
         """``(rows and slots, key maps and sketches)``: bytes of the budgeted features' tables (float32 rows and
         one Adagrad accumulator a value), and what their dynamic tables add (:func:`map_bytes`)."""
-        rows = sum(4 * 2 * n * self.configs[name].dim for name, n in self.budget.items())
+        rows = sum(row_bytes(self.configs[name].dim) * n for name, n in self.budget.items())
         extra = sum(map_bytes(self.configs[name]) for name in self.budget
                     if isinstance(self.configs[name], ec.DynamicTableConfig))
         return rows, extra
@@ -189,6 +210,8 @@ def _parser():
                    help="CountAdmission(sketch_width); 0: the table's rows (4 x 4 bytes a row for the sketch)")
     p.add_argument("--evictions", default="lru,lfu", help="dynamic models: comma list of lru, lfu")
     p.add_argument("--full", action="store_true", help="also train full-vocabulary static tables")
+    p.add_argument("--same-memory", action=argparse.BooleanOptionalAction, default=True,
+                   help="hashed tables get the bytes the dynamic tables take in all (key maps and sketches too)")
     p.add_argument("--init-std", type=float, default=None,
                    help="every table's initializer: TruncatedNormal(0, this) (default: 1/sqrt(dim), the tables' default)")
     p.add_argument("--seed", type=int, default=0)
@@ -237,7 +260,8 @@ def main(argv=None) -> int:
         results["models"][kind] = entry
         print(f"{kind:12s} eval AUC {result['auc']:.4f} (optimum {optimum['auc']:.4f}), log loss "
               f"{result['log_loss']:.4f}; {len(losses)} steps in {seconds:.1f} s; budgeted features: rows+slots "
-              f"{entry['budgeted_bytes'][0]:,} B, key maps+sketches {entry['budgeted_bytes'][1]:,} B" + (f"; keys held {sum(held.values()):,}" if held else ""))
+              f"{entry['budgeted_bytes'][0]:,} B, key maps+sketches {entry['budgeted_bytes'][1]:,} B"
+              + (f"; keys held {sum(held.values()):,}" if held else ""))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1, default=str)

@@ -977,3 +977,53 @@ def test_tpu_embedding_one_sgd_step_on_random_bags(bags, data, combiner):
 def embedding_table(embedding):
     (table,) = embedding.embedding_tables
     return table
+
+
+@pytest.mark.parametrize("front", ["v2", "tpu_embedding", "keras"])
+def test_ops_run_plain_python_not_autograph_converted_code(front, monkeypatch):
+    """The Python the lookup and update ops call each step is the module's own, not autograph's conversion
+    of it (converted code routes every call through autograph at run time): traced under autograph (the
+    tf.function default), each front's ops hold functions from embedcore's source files."""
+    from embedcore.tensorflow.keras import EmbeddingLayer
+    feature_config, _, _ = tf_feature_config()
+    features, weights = tf_features()
+    called = []
+    numpy_function = tf.numpy_function
+
+    def recording(func, inp, Tout, stateful=True, name=None):
+        called.append(func)
+        return numpy_function(func, inp, Tout, stateful=stateful, name=name)
+
+    monkeypatch.setattr(tf, "numpy_function", recording)
+    if front == "v2":
+        embedding = TPUEmbeddingV2(feature_config, E.SGD(0.1))
+
+        def step():
+            with tf.GradientTape() as tape:
+                activations, preserved = embedding(features, weights)
+                tape.watch(activations)
+                loss = model_loss(activations)
+            embedding.apply_gradients(tape.gradient(loss, activations), preserved)
+    elif front == "tpu_embedding":
+        embedding = TPUEmbedding(feature_config, E.SGD(0.1))
+
+        def step():
+            embedding.enqueue(features, weights=weights, training=True)
+            with tf.GradientTape() as tape:
+                activations = embedding.dequeue()
+                tape.watch(activations)
+                loss = model_loss(activations)
+            embedding.apply_gradients(tape.gradient(loss, activations))
+    else:
+        layer = EmbeddingLayer(feature_config, E.SGD(0.1))
+
+        def step():
+            with tf.GradientTape() as tape:
+                loss = model_loss(layer(features, weights, training=True))
+            tape.gradient(loss, layer.trainable_variables)
+
+    tf.function(step, autograph=True)()
+    assert len(called) == 2  # the lookup and the update
+    for func in called:
+        assert func.__code__.co_filename.endswith(os.path.join("embedcore", "tensorflow", "graph.py")), \
+            f"{func.__qualname__} runs code from {func.__code__.co_filename}"

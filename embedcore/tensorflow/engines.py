@@ -83,6 +83,9 @@ from . import checkpoint, convert, graph
 
 __all__ = ["TPUEmbeddingV2", "TPUEmbedding", "TPUEmbeddingForServing"]
 
+# Autograph never converts TensorFlow's own engines; these branch on Python structure only (see graph.py).
+_not_converted = tf.autograph.experimental.do_not_convert
+
 
 def _convert(feature_config, optimizer):
     """``(embedcore features nest, [(given table, embedcore table)], embedcore optimizer or None)``."""
@@ -316,10 +319,12 @@ class TPUEmbeddingV2(_Front):
                                             **{n: _table_tensor(s) for n, s in slots.items()}}
         return out
 
+    @_not_converted
     def __call__(self, features, weights=None):
         """Call the mid level api to do embedding lookup (see :meth:`embedding_lookup`)."""
         return self.embedding_lookup(features, weights)
 
+    @_not_converted
     def embedding_lookup(self, features, weights=None):
         """Look ``features`` (and ``weights``) up; returns ``(activations, preserved_outputs)``.
 
@@ -340,6 +345,7 @@ class TPUEmbeddingV2(_Front):
         self._last_shapes = shapes
         return activations, {"embedcore_lookup": handle}
 
+    @_not_converted
     def apply_gradients(self, gradients, preserved_outputs):
         """Apply ``gradients`` (mirroring the feature config; ``None`` entries update nothing) to the lookup
         that returned ``preserved_outputs``.
@@ -487,6 +493,7 @@ class TPUEmbedding(_Front):
             state = self._states[g] = _StepState()
         return state
 
+    @_not_converted
     def enqueue(self, features, weights=None, training: bool = True, name=None, device=None):
         """Look up ``features`` (and ``weights``: ragged/sparse only, mirroring the ids) for the next
         :meth:`dequeue`. ``device`` is accepted and ignored (there is one host).
@@ -517,6 +524,7 @@ class TPUEmbedding(_Front):
         activations, handle, shapes = self._lookup(features, weights, bool(training), name=name)
         state.enqueued = (activations, handle, shapes, bool(training))
 
+    @_not_converted
     def dequeue(self, name=None):
         """The activations of the batch last enqueued, a nest like the feature config.
 
@@ -536,6 +544,7 @@ class TPUEmbedding(_Front):
         state.dequeued = [handle, shapes, training, False]
         return activations
 
+    @_not_converted
     def apply_gradients(self, gradients, name=None):
         """Update the tables with ``gradients`` of the activations last dequeued (``None`` entries: no update
         for that feature).
@@ -606,9 +615,11 @@ class TPUEmbeddingForServing(_Front):
         self._ec_features = tf.nest.pack_sequence_as(self._ec_features, plain)
         return self._ec_features
 
+    @_not_converted
     def __call__(self, features, weights=None):
         return self.embedding_lookup(features, weights)
 
+    @_not_converted
     def embedding_lookup(self, features, weights=None):
         """Apply the serving lookup (see the class docstring) to ``features``: a nest of some or all of the
         feature config's features (matched by path, as TensorFlow's ``serving_embedding_lookup`` matches
