@@ -21,6 +21,9 @@ Parts (``--parts``, a comma list):
   ``apply_gradients`` through the public API (:class:`embedcore.bench.contenders.embedcore_engine.
   EmbedcoreContender`). Printed: medians over all timed steps, per phase, and the ratio dynamic / static
   (issue 27's target: at most 1.5).
+* ``find``: :func:`~embedcore.kernels.hash_map.find_in_maps` alone on the step part's keys (its ``--T`` maps
+  holding every key of its ``--n-batches`` batches; each batch's ``T x B x L`` skewed keys, many repeats):
+  the median time of one call over ``--rounds`` x ``--steps`` x 4 calls, cycling over the batches.
 * ``lookups``: :meth:`KeyRowMap.find` on a map holding ``n`` random keys, for each ``n`` of ``--sizes``
   (10^6 and 10^7 by default): batches of ``--lookup-batch`` keys drawn uniformly among those held (hits) and
   fresh random keys (misses), keys per second (median over ``--rounds`` x ``--steps``). Also the dynamic
@@ -67,10 +70,10 @@ import embedcore as ec
 from embedcore.bench.contenders.embedcore_engine import EmbedcoreContender
 from embedcore.bench.machine import allocator_name
 from embedcore.bench.workloads import make_batches, make_optim, tbe_workload
-from embedcore.kernels.hash_map import KeyRowMap
+from embedcore.kernels.hash_map import KeyRowMap, find_in_maps
 from embedcore.tables import dynamic as dynamic_module
 
-PARTS = ("step", "lookups", "eviction")
+PARTS = ("step", "find", "lookups", "eviction")
 TINY = {"T": 2, "E": 2000, "D": 8, "B": 64, "L": 4, "n_batches": 2, "rounds": 2, "steps": 2,
         "sizes": "1000,5000", "lookup_batch": 2048, "lookup_dim": 4, "evict_capacity": 100, "evict_T": 2, "evict_D": 8, "evict_fill_steps": 4,
         "evict_warmup": 2, "evict_steps": 3}
@@ -161,6 +164,30 @@ def bench_step(args, log) -> dict:
     log(f"  ratio dynamic / static: {ratio:.3f} (target <= 1.5); keys held per table: {held}")
     return {"workload": w.as_dict(), "agreement_max_abs_diff": worst, "keys_held": held, "median_ms": medians,
             "ratio": ratio, "steps_ms": {n: [1e3 * s for s in rec["step"]] for n, rec in records.items()}}
+
+
+def bench_find(args, log) -> dict:
+    w = tbe_workload(args.T, args.E, args.D, args.B, args.L, make_optim(args.optimizer), alpha=args.alpha,
+                     dist=args.dist, n_batches=args.n_batches, seed=args.seed)
+    batches = make_batches(w)
+    rng = np.random.default_rng(args.seed + 27)
+    keys = [random_keys(rng, w.E) for _ in range(w.T)]
+    per_batch = [[np.ascontiguousarray(keys[t][b.ids[t]]).view(np.uint64) for t in range(w.T)] for b in batches]
+    maps = [KeyRowMap(w.E, f"t{t}") for t in range(w.T)]
+    for batch_keys in per_batch:
+        for m, k in zip(maps, batch_keys):
+            m.find_or_insert(k)
+    find_in_maps(maps, per_batch[0])  # compiles
+    seconds = []
+    for k in range(4 * args.rounds * args.steps):
+        t0 = time.perf_counter()
+        find_in_maps(maps, per_batch[k % len(per_batch)])
+        seconds.append(time.perf_counter() - t0)
+    n = sum(k.shape[0] for k in per_batch[0])
+    median = _median_ms(seconds)
+    log(f"find: {n:,} keys of {w.T} maps ({[len(m) for m in maps]} keys held): {median:.3f} ms a call "
+        f"({1e6 * median / n:.2f} ns a key), median of {len(seconds)}")
+    return {"keys": n, "median_ms": median, "ms": [1e3 * s for s in seconds]}
 
 
 # -- part 2: key lookups per second ---------------------------------------------------------------------
@@ -331,7 +358,7 @@ def main(argv=None) -> int:
     results = {"threads": numba.get_num_threads(), "allocator": alloc, "ld_preload": preload,
                "args": vars(args)}
     for part in parts:
-        results[part] = {"step": bench_step, "lookups": bench_lookups, "eviction": bench_eviction}[part](args, log)
+        results[part] = {"step": bench_step, "find": bench_find, "lookups": bench_lookups, "eviction": bench_eviction}[part](args, log)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1, default=str)

@@ -286,17 +286,17 @@ class Embedding(TrainingEngine):
 
     def _static_state(self) -> tuple:
         """``(tables, slots)`` of the static tables, as :meth:`set_state` takes them."""
-        dynamic = {t.name for t in self._physical if t.dynamic}
+        dynamic = self.dynamic_tables
         return ({n: v for n, v in self.embedding_tables.items() if n not in dynamic},
                 {n: v for n, v in self.slot_variables.items() if n not in dynamic})
 
     def _dynamic_states(self) -> dict:
         """Dynamic table name -> its :class:`~embedcore.tables.dynamic.DynamicTableState` (copies)."""
-        return {t.name: t.state() for t in self._physical if t.dynamic}
+        return {name: t.state() for name, t in self.dynamic_tables.items()}
 
     def _set_dynamic_states(self, states: dict) -> None:
         """Make ``states`` (as :meth:`_dynamic_states` gives) the dynamic tables' states, all checked first."""
-        tables = {t.name: t for t in self._physical if t.dynamic}
+        tables = self.dynamic_tables
         if set(states) != set(tables):
             raise ValueError(f"dynamic tables {sorted(states)} given, the engine has {sorted(tables)}")
         for apply in [tables[name].prepare_state(state) for name, state in states.items()]:

@@ -190,6 +190,12 @@ class TableLookup:
         return self._physical
 
     @property
+    def dynamic_tables(self) -> dict:
+        """Dynamic table name -> its :class:`~embedcore.tables.dynamic.DynamicTable` (keys, admission, eviction
+        and rows of one table; for tests, checkpoints and tools), in the order of :attr:`physical_tables`."""
+        return {t.name: t for space in self._physical if getattr(space, "dynamic", False) for t in space.members}
+
+    @property
     def embedding_tables(self) -> dict:
         """Table name -> its ``[vocabulary_size, dim]`` array in the table's ``weights_dtype`` (float32,
         ``np.float16`` or ``ml_dtypes.bfloat16``; a view of the engine's storage); for a dynamic table, a

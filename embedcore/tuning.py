@@ -35,7 +35,8 @@ class Tuning:
             before the model reads them, and a normal store first reads every line it writes. ``None``:
             never.
         phase_timer: called as ``phase_timer(phase, seconds)`` after each phase of a step (layout, gather,
-            gradient check, grouping, update), for profiling; ``None`` times nothing.
+            gradient check, grouping, update; for dynamic tables also their keys' plan and commit), for
+            profiling; ``None`` times nothing.
     """
 
     row_type_limit: int = 2 ** 31

@@ -31,6 +31,7 @@ def test_bench_dynamic_tiny(tmp_path, capsys):
     step = result["step"]
     assert step["agreement_max_abs_diff"] == 0.0
     assert step["ratio"] > 0 and set(step["median_ms"]) == {"static", "dynamic"}
+    assert result["find"]["keys"] == 2 * 64 * 4 and result["find"]["median_ms"] > 0  # T x B x L of --tiny
     assert set(result["lookups"]) == {"1000", "5000"}
     assert all(rate > 0 for figures in result["lookups"].values() for rate in figures.values())
     eviction = result["eviction"]

@@ -120,7 +120,7 @@ def test_without_eviction_k_ranks_equal_one_process(jobs, world):
         np.testing.assert_array_equal(merged[np.argsort(merged[:, 0])], policy, err_msg=name)
     np.testing.assert_allclose(tables["tags/weights"], emb.embedding_tables["tags"], **tolerance)
     # Admission: each rank's sketch counts its own keys exactly as the one process's does (wide sketches).
-    sketch = next(t for t in emb.physical_tables if getattr(t, "name", None) == "users").sketch
+    sketch = emb.dynamic_tables["users"].sketch
     for k in range(world):
         np.testing.assert_array_equal(ranks[k]["sketch/estimates"], sketch.estimate(ranks[k]["sketch/keys"]))
     users = emb.embedding_tables["users"]
@@ -177,8 +177,7 @@ def assert_same_engines(a, b, exact):
             np.testing.assert_allclose(b.slot_variables[name][slot][keys], values[keys], err_msg=f"{name}/{slot}",
                                        **tolerance)
         np.testing.assert_array_equal(mpi_dynamic.policy_metadata(b, name), mpi_dynamic.policy_metadata(a, name))
-    sketches = [next(t for t in e.physical_tables if getattr(t, "name", None) == "users").sketch.counters
-                for e in (a, b)]
+    sketches = [e.dynamic_tables["users"].sketch.counters for e in (a, b)]
     np.testing.assert_array_equal(sketches[1], sketches[0])  # the ranks' counts add up to one process's
     np.testing.assert_allclose(b.embedding_tables["tags"], a.embedding_tables["tags"], **tolerance)
     assert a.step == b.step

@@ -62,7 +62,8 @@ def train(emb, batches):
 
 
 def dynamic_table(emb):
-    return next(t for t in emb.physical_tables if t.dynamic)
+    (table,) = emb.dynamic_tables.values()
+    return table
 
 
 def full_state(emb):

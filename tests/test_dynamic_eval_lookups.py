@@ -19,16 +19,16 @@ from .test_dynamic_tables import EXTREME, LOW, HIGH, M, SEED, Model, Run, assert
 def whole_state(emb):
     """Everything a lookup could change, per dynamic table, as copies."""
     out = {"step": emb.step}
+    for t in emb.dynamic_tables.values():
+        s = t.state()
+        out.update({f"{t.name}/{k}": np.copy(getattr(s, k)) for k in ("keys", "weights", "last_seen", "counts",
+                                                                       "rows", "free")})
+        out.update({f"{t.name}/slot/{k}": np.copy(v) for k, v in s.slots.items()})
+        out[f"{t.name}/sketch"] = None if t.sketch is None else t.sketch.counters.copy()
+        out[f"{t.name}/removals"] = t.removals
+        out[f"{t.name}/map"] = (len(t.key_map), t.key_map.free_rows, t.key_map.high_water)
     for t in emb.physical_tables:
-        if t.dynamic:
-            s = t.state()
-            out.update({f"{t.name}/{k}": np.copy(getattr(s, k)) for k in ("keys", "weights", "last_seen", "counts",
-                                                                           "rows", "free")})
-            out.update({f"{t.name}/slot/{k}": np.copy(v) for k, v in s.slots.items()})
-            out[f"{t.name}/sketch"] = None if t.sketch is None else t.sketch.counters.copy()
-            out[f"{t.name}/removals"] = t.removals
-            out[f"{t.name}/map"] = (len(t.key_map), t.key_map.free_rows, t.key_map.high_water)
-        else:
+        if not t.dynamic:
             out.update({f"{t.table_names[0]}/static/{k}": np.array(w).copy()
                         for k, w in enumerate((t.weights,) + tuple(t.slots))})
     return out
@@ -89,7 +89,7 @@ def test_read_only_lookup_of_keys_absent_unadmitted_and_expired_reads_initial_va
     assert run.step({"f": [[1, 1], [-7]]}, rng)      # step 0: 1 admitted (seen twice), -7 counted once
     assert run.step({"f": [[2, 2], [5, 5]]}, rng)    # step 1: 2 and 5 admitted
     assert run.step({"f": [[2]]}, rng)               # step 2: 1 removed (unseen for 2 > 1 steps)
-    held = emb.physical_tables[0].key_map.keys().view(np.int64).tolist()
+    held = emb.dynamic_tables["t"].key_map.keys().view(np.int64).tolist()
     assert held == [2, 5] and emb.embedding_tables["t"].keys().tolist() == [2]  # at step 3, 5 is expired
     samples = [[1, 2], [-7, 99], [], [2, 5, 2]]
     check_read_only(emb, model, samples, weights=[[0.5, 2.0], [1.0, 1.0], [], [1.0, 0.25, 3.0]])
@@ -120,7 +120,7 @@ def test_static_tables_read_alike_and_a_mixed_context_is_refused():
     trained, _ = emb(features)  # a training lookup of the same batch: static alike, dynamic keys admitted
     np.testing.assert_array_equal(trained["s"], read["s"])
     np.testing.assert_array_equal(trained["d"], read["d"])  # new keys' rows hold their initial values
-    dynamic = next(t for t in emb.physical_tables if t.dynamic)
+    dynamic = emb.dynamic_tables["dyn"]
     assert len(emb.embedding_tables["dyn"]) == 3 and dynamic.removals > before["dyn/removals"]
 
 

@@ -3,6 +3,8 @@ admission and eviction rules (exact counts, sorted candidate lists), initial val
 formulas, and the NumPy optimizer oracle of ``tests/reference.py``."""
 
 import collections
+import os
+import tempfile
 
 import numba
 import numpy as np
@@ -12,6 +14,7 @@ from hypothesis import strategies as st
 
 import embedcore as ec
 from embedcore.app.quickstart import custom_adagrad
+from embedcore.checkpoint import open_snapshot
 from embedcore.initializers import fill_key_rows, stream_key
 
 from . import reference as ref
@@ -684,6 +687,73 @@ def test_bit_identical_across_thread_counts_and_reruns():
 
 
 POLICIES = st.sampled_from([None, ec.LRU(), ec.LFU(), ec.TTL(steps=1), ec.TTL(steps=3)])
+
+
+def _stacking_engine(stack, configs, dtype):
+    """Four dynamic tables (three of one storage, which stack; one bfloat16, rounded stochastically) read by
+    interleaved features (a, b, a again, a sequence of c; d), and a static table of equal shape."""
+    tables = [ec.DynamicTableConfig(2, capacity, name=name, initializer=ec.RandomUniform(LOW, HIGH), combiner="sum",
+                                    admission=ec.CountAdmission(min_count) if min_count > 1 else None,
+                                    eviction=eviction, weights_dtype=dtype if name == "d" else "float32",
+                                    slot_dtype=dtype if name == "d" else "float32")
+              for name, (capacity, min_count, eviction) in zip("abcd", configs)]
+    static = ec.TableConfig(4, 2, name="s", initializer=ec.RandomUniform(LOW, HIGH), combiner="sum")
+    a, b, c, d = tables
+    features = {"f0": ec.FeatureConfig(a), "f1": ec.FeatureConfig(b), "f2": ec.FeatureConfig(a),
+                "f3": ec.FeatureConfig(c, max_sequence_length=2), "f4": ec.FeatureConfig(d),
+                "f5": ec.FeatureConfig(static)}
+    return ec.Embedding(features, ec.Adagrad(0.3, initial_accumulator_value=0.1), seed=SEED, stack_tables=stack)
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(configs=st.lists(st.tuples(st.integers(1, 6), st.integers(1, 2), POLICIES), min_size=4, max_size=4),
+       dtype=st.sampled_from(["float32", "bfloat16", "float16"]), data=st.data())
+def test_stacked_dynamic_tables_are_bit_identical_to_unstacked_ones(configs, dtype, data):
+    """Dynamic tables of one shape share a physical table (never with the static one); every lookup,
+    refusal, stale context, update and view is what unstacked tables give, bit for bit (pending keys,
+    eviction, TTL, 16-bit stochastic rounding keyed by each table's own row slots)."""
+    stacked, alone = _stacking_engine(True, configs, dtype), _stacking_engine(False, configs, dtype)
+    assert stacked.num_physical_tables == (2 if dtype == "float32" else 3) and alone.num_physical_tables == 5
+    pool = st.sampled_from(EXTREME[:5])
+    pending = []
+    for _ in range(data.draw(st.integers(1, 6))):
+        batch = {f: data.draw(st.lists(st.lists(pool, max_size=3), min_size=2, max_size=2)) for f in
+                 ("f0", "f1", "f2", "f3", "f4")}
+        batch["f5"] = data.draw(st.lists(st.lists(st.integers(0, 4), max_size=2), min_size=2, max_size=2))
+        outcomes = []
+        for emb in (stacked, alone):
+            try:
+                outcomes.append(emb(batch))
+            except ec.InputError as e:
+                outcomes.append(str(e))
+        if isinstance(outcomes[0], str) or isinstance(outcomes[1], str):
+            assert outcomes[0] == outcomes[1]
+        else:
+            (acts, ctx), (acts_alone, ctx_alone) = outcomes
+            for f in acts:
+                assert acts[f].tobytes() == acts_alone[f].tobytes(), f
+            pending.append((ctx, ctx_alone, {f: np.float32(0.5) * np.cos(a + 3 * len(pending)) for f, a in
+                                             acts.items()}))
+        if pending and data.draw(st.booleans()):  # apply an earlier context, or see both refuse it as stale
+            ctx, ctx_alone, grads = pending.pop(data.draw(st.integers(0, len(pending) - 1)))
+            results = []
+            for emb, c in ((stacked, ctx), (alone, ctx_alone)):
+                try:
+                    report = emb.apply_gradients(grads, c)
+                    results.append((report.skipped, report.failed))
+                except ec.InputError as e:
+                    results.append(str(e))
+            assert results[0] == results[1]
+        assert_same_state(engine_state(stacked), engine_state(alone))
+    with tempfile.TemporaryDirectory() as tmp:  # both save the same files (one per table), and load each other's
+        for name, emb in (("stacked", stacked), ("alone", alone)):
+            emb.save(os.path.join(tmp, name))
+        files = [open_snapshot(os.path.join(tmp, name)).manifest["files"] for name in ("stacked", "alone")]
+        assert files[0] == files[1] and sum(f.startswith("dynamic-") for f in files[0]) == 4
+        for emb, other in ((stacked, "alone"), (alone, "stacked")):
+            loaded = _stacking_engine(emb is stacked, configs, dtype)
+            loaded.load(os.path.join(tmp, other))
+            assert_same_state(engine_state(loaded), engine_state(emb))
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])

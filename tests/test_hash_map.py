@@ -7,7 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from embedcore.kernels.hash_map import MAX_LOAD, KeyRowMap, TableFullError, as_keys
+from embedcore.kernels.hash_map import (MAX_LOAD, PARALLEL_MIN, PIECE, RECENT_TRIAL, KeyRowMap, TableFullError,
+                                        as_keys, find_in_maps, touch_in_maps)
 from embedcore.tables.policies import LFU, LRU, pick_victims
 
 MASK = (1 << 64) - 1
@@ -161,6 +162,70 @@ def test_matches_the_model(capacity, initial_buckets, ops):
         else:
             m.migrate(arg)
         check_same(m, model, sorted(seen))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 30), batches, batches, st.booleans(), st.lists(st.integers(0, 1000))),
+                min_size=0, max_size=4), st.integers(0, 3))
+def test_maps_looked_up_and_touched_together_as_one_by_one(tables, step):
+    """find_in_maps / touch_in_maps of several maps at once (held keys, absent ones, a growth being migrated,
+    read-only key arrays) give each map what its own find and touch give, and its model."""
+    maps, models, probes = [], [], []
+    for capacity, held, probe, grow, touched in tables:
+        m, model = KeyRowMap(capacity, "t", initial_buckets=2), ModelMap(capacity)
+        held = [k for k in dict.fromkeys(k & MASK for k in held)][:capacity]
+        m.find_or_insert(np.array(signed(held), np.int64))
+        model.find_or_insert(held, 0)
+        if grow:
+            m.grow()  # migrated by no one: lookups probe the new index, then the old
+        keys = np.array(signed(probe + held[:3]), np.int64).view(np.uint64)
+        keys.flags.writeable = len(maps) % 2 == 0
+        maps.append(m), models.append(model), probes.append(keys)
+    found = find_in_maps(maps, probes)
+    assert len(found) == len(maps)
+    for m, model, keys, (rows, absent) in zip(maps, models, probes, found):
+        expected = model.find(keys.tolist())
+        assert rows.tolist() == expected and absent == expected.count(-1)
+    live = [[r for r in rows if r >= 0] for rows, _ in found]
+    touch_in_maps(maps, [np.array(r, np.int64) for r in live], step)
+    for m, model, rows in zip(maps, models, live):
+        model.touch(rows, step)
+        check_same(m, model, [])
+
+
+def test_maps_looked_up_together_on_every_thread_count_alike():
+    """Batches beyond PARALLEL_MIN keys in all, split into pieces of PIECE keys (skewed ones, which keep the
+    cache of recent rows, and distinct ones, which give it up after RECENT_TRIAL keys): each key's row as the
+    map's items say, and the same rows and touches on one thread and on all of them."""
+    rng = np.random.default_rng(3)
+    sizes = (PARALLEL_MIN // 2 + 3, PIECE + 5, 3 * RECENT_TRIAL, 1, 0)
+    pools = [rng.integers(-2 ** 63, 2 ** 63 - 1, 40_000, dtype=np.int64, endpoint=True) for _ in sizes]
+    skewed = [np.minimum(rng.zipf(1.2, size), 4000) - 1 for size in sizes]  # a few keys very often
+    keys = [pool[picks].view(np.uint64) for pool, picks in zip(pools, skewed)]
+    keys[2] = pools[2][rng.permutation(40_000)[:sizes[2]]].view(np.uint64)  # distinct keys, half of them held
+    results = []
+    threads = numba.get_num_threads()
+    try:
+        for n in sorted({1, threads}):
+            numba.set_num_threads(n)
+            maps = [KeyRowMap(40_000, f"t{k}") for k in range(len(sizes))]
+            for m, pool in zip(maps, pools):
+                m.find_or_insert(pool[::2])
+            found = find_in_maps(maps, keys)
+            for m, k, (rows, absent) in zip(maps, keys, found):
+                held = dict(zip(*(a.tolist() for a in m.items())))
+                expected = [held.get(key, -1) for key in k.view(np.int64).tolist()]
+                assert rows.tolist() == expected and absent == expected.count(-1)
+            touch_in_maps(maps, [rows[rows >= 0] for rows, _ in found], 9)
+            results.append([(rows, m.last_seen[:m.high_water].copy(), m.counts[:m.high_water].copy())
+                            for m, (rows, _) in zip(maps, found)])
+    finally:
+        numba.set_num_threads(threads)
+    assert sum(sizes) >= PARALLEL_MIN
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            for x, y in zip(a, b):
+                np.testing.assert_array_equal(x, y)
 
 
 def test_growth_is_migrated_in_bounded_steps_and_lookups_never_miss():

@@ -120,12 +120,11 @@ def test_evaluation_changes_no_dynamic_table(tmp_path):
 def dynamic_state(emb):
     """Every dynamic table's whole state (keys, rows, slots, policy metadata, row slots, sketch) as arrays."""
     out = {}
-    for t in emb.physical_tables:
-        if t.dynamic:
-            s = t.state()
-            out.update({f"{t.name}/{k}": getattr(s, k) for k in ("keys", "weights", "last_seen", "counts", "rows",
-                                                                  "free", "sketch")})
-            out.update({f"{t.name}/slot/{k}": v for k, v in s.slots.items()})
+    for t in emb.dynamic_tables.values():
+        s = t.state()
+        out.update({f"{t.name}/{k}": getattr(s, k) for k in ("keys", "weights", "last_seen", "counts", "rows",
+                                                              "free", "sketch")})
+        out.update({f"{t.name}/slot/{k}": v for k, v in s.slots.items()})
     return out
 
 

@@ -94,14 +94,14 @@ def write_table_shards(writer, configs: dict, tables: dict, slots: dict, shards:
 
 
 def dynamic_tables(emb) -> dict:
-    """Table name -> the :class:`~embedcore.tables.dynamic.DynamicPhysicalTable` of each dynamic table of ``emb``."""
-    return {t.name: t for t in emb.physical_tables if getattr(t, "dynamic", False)}
+    """Table name -> the :class:`~embedcore.tables.dynamic.DynamicTable` of each dynamic table of ``emb``."""
+    return emb.dynamic_tables
 
 
 def write_dynamic_tables(writer, configs: dict, tables: dict, step: int, suffix: str = "") -> dict:
-    """Write each dynamic table's state (``tables``: name -> its physical table) as one file; TTL tables first
-    remove the rows expired at ``step`` (as the next lookup would; views hide them already). Returns their
-    manifest entries."""
+    """Write each dynamic table's state (``tables``: name -> its :class:`~embedcore.tables.dynamic.DynamicTable`)
+    as one file; TTL tables first remove the rows expired at ``step`` (as the next lookup would; views hide them
+    already). Returns their manifest entries."""
     entries = {}
     for k, (name, table) in enumerate(tables.items()):
         table.remove_expired(step)
@@ -278,8 +278,8 @@ def check_dynamic_kinds(snap: Snapshot, dynamic: dict, seed: int) -> None:
 
 def stage_dynamic(state, where: str, table, convert_dtypes: bool = False):
     """Check ``state`` (a dynamic table's, read by :func:`.dynamic.read_state` from ``where``) against ``table``
-    (its physical table); returns the function of no arguments that loads it
-    (:meth:`~embedcore.tables.dynamic.DynamicPhysicalTable.prepare_state`). Refusals are
+    (its :class:`~embedcore.tables.dynamic.DynamicTable`); returns the function of no arguments that loads it
+    (:meth:`~embedcore.tables.dynamic.DynamicTable.prepare_state`). Refusals are
     :class:`CheckpointError` and change nothing."""
     storage = table.storage
     state.weights = as_stored(storage.weights, state.weights, f"{where} weights", convert_dtypes)

@@ -399,7 +399,7 @@ def chain_to_extend(emb, path, incremental: bool):
 def write_changed_rows(writer, emb, chain: DeltaChain) -> dict:
     """Write each table's changes since ``chain``'s last save as one file each (a static table's changed
     rows: ids, weights, slots; a dynamic table's: :func:`_write_dynamic_delta`); the manifest's ``tables``."""
-    dynamic = {t.table_names[0]: t for t in emb._physical if t.dynamic}
+    dynamic = emb.dynamic_tables
     changed = {name: t.changed_rows(name) for t in emb._physical if not t.dynamic for name in t.table_names}
     tables, slots = emb.embedding_tables, emb.slot_variables
     entries = {}
@@ -465,7 +465,7 @@ def after_commit(emb, path, writer, chain, incremental: bool) -> None:
     links = (chain.links if chain is not None else ()) + (link,)
     for table in emb._physical:
         table.track_changes()
-    marks = {table.table_names[0]: KeyMarks.of(table) for table in emb._physical if table.dynamic}
+    marks = {name: KeyMarks.of(table) for name, table in emb.dynamic_tables.items()}
     emb._delta_chain = DeltaChain(os.path.realpath(os.fspath(path)), links, marks)
 
 

@@ -7,7 +7,7 @@ Placement
     processes, runs and versions, the same for every table. The salt keeps it independent of the hash the
     key map itself buckets by (``mix64(k)``), so a rank's keys still spread over all of its buckets.
 Capacity
-    Each rank holds one :class:`~embedcore.tables.dynamic.DynamicPhysicalTable` per dynamic table, with the
+    Each rank holds one :class:`~embedcore.tables.dynamic.DynamicTable` per dynamic table, with the
     table's admission and eviction, of ``capacity // K`` rows, one more on the first ``capacity mod K`` ranks
     (:func:`rank_capacity`: ``ceil(capacity / K)`` or ``floor``, so that the ranks together hold exactly
     ``capacity`` rows and the merged table fits a single-process checkpoint; a table of fewer rows than
@@ -178,7 +178,7 @@ class DynamicShards:
 
     Args:
         spaces: the engine's id spaces of the dynamic tables (one table each), in the engine's order.
-        tables: this rank's :class:`~embedcore.tables.dynamic.DynamicPhysicalTable` of each, same order.
+        tables: this rank's :class:`~embedcore.tables.dynamic.DynamicTable` of each, same order.
         first_space: the index of ``spaces[0]`` among the engine's id spaces (feature slots' ``group``).
         world, rank: the communicator's size and this rank.
         tuning: the engine's :class:`~embedcore.tuning.Tuning` (how requests' table batches are laid out).
@@ -272,7 +272,7 @@ class DynamicShards:
 
     def read_only(self, route: DynamicRoute, step: int) -> None:
         """As :meth:`plan` for a read-only lookup (``training=False``): each table reads the keys it received
-        (:meth:`~embedcore.tables.dynamic.DynamicPhysicalTable.read_only_rows`), changing nothing, and
+        (:meth:`~embedcore.tables.dynamic.DynamicTable.read_only_rows`), changing nothing, and
         :meth:`commit_and_answer` answers what they read."""
         for table, owned in zip(self.tables, route.owned):
             occurrences = np.repeat(owned.keys, owned.counts)

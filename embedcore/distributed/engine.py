@@ -203,14 +203,16 @@ class ShardedEmbedding(TrainingEngine):
         self._shard_tables = physical_tables(
             static, optimizer, seed=self.seed, tuning=self.tuning, unit_gains=unit,
             shards={name: (s.first, s.stride, s.rows) for name, s in self.shards.items()}) if static else ()
+        # One physical table per dynamic table: each one's exchanges and update are its own.
         owned = physical_tables([rank_config(t, self.world_size, self.rank) for t in dynamic], optimizer,
-                                seed=self.seed, tuning=self.tuning, unit_gains=unit) if dynamic else ()
+                                stack_tables=False, seed=self.seed, tuning=self.tuning,
+                                unit_gains=unit) if dynamic else ()
         engine = weakref.ref(self)
         for table in owned:  # views of TTL tables hide the rows expired at the engine's current step
             table.clock = lambda: getattr(engine(), "step", 0)
         self._physical = self._shard_tables + owned
-        self._dynamic = DynamicShards(spaces[self._n_static:], owned, self._n_static, self.world_size, self.rank,
-                                      self.tuning)
+        self._dynamic = DynamicShards(spaces[self._n_static:], [table.members[0] for table in owned],
+                                      self._n_static, self.world_size, self.rank, self.tuning)
         self._layout = Layout(self._spaces[:self._n_static], static, self._rotation, self._shard_tables,
                               self.world_size)
         self._workspace = Workspace()

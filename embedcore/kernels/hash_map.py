@@ -68,30 +68,32 @@ free rows). :meth:`~KeyRowMap.find` runs in parallel (it only reads) on batches 
 more; insertions, removals and migration run serially in batch order, since linear probing's layout depends on
 insertion order.
 
+A find looks each key up first in a direct-mapped cache of the rows it found for earlier keys of the same
+piece of ``PIECE`` keys (``2**RECENT_BITS`` entries, slot ``(key ^ key >> 29) mod 2**RECENT_BITS``, no hash; a
+scratch array, so the result is the index's whatever the cache holds): a skewed batch (the same keys over and
+over, as Zipf ids are) probes the index about once per distinct key and piece, and its repeats cost a load and
+a compare however large and full the index; a piece whose first ``RECENT_TRIAL`` keys hit the cache less than
+1 time in 8 (keys mostly distinct, or colliding in their low bits) probes the rest directly.
+
 How a dynamic table uses it (:mod:`embedcore.tables.dynamic` does this)
 ------------------------------------------------------------------------
-A ``DynamicStorage`` (a :class:`~embedcore.tables.storage.Storage` of ``capacity`` rows plus a
-:class:`KeyRowMap`) plugs into :class:`~embedcore.tables.physical.PhysicalTable`. Lookup maps the batch's keys
-to rows *before* ``inputs.build_table_batch`` groups occurrences, so grouping, gathering and the update kernel
-see ordinary row ids:
+A :class:`~embedcore.tables.dynamic.DynamicTable` is a map and ``capacity`` rows of a stacked storage. Lookup
+maps the batch's keys to rows *before* ``inputs.build_table_batch`` groups occurrences, so grouping, gathering
+and the update kernel see ordinary row ids:
 
-1. ``rows = map.find(keys)``; the keys still absent go through the table's admission
-   (:class:`embedcore.tables.policies.AdmissionSketch`); an unadmitted key's occurrences read the key's
-   initial value and get no gradient. That value depends only on the seed, the table and the key: the
-   table's initializer evaluated as if the key were row ``mix(key) >> b`` of the conceptual table
-   (``Initializer.fill(out, first_row=that row, key=stream_key(seed, table))``, with ``b`` large enough that
-   the generators' counters ``(row * dim + column) << 8`` of :mod:`embedcore.kernels.random` stay below
-   ``2**64``; better, a fill there keyed by the key itself), never on the row slot, the arrival order or the
-   sharding; a new key's row is filled the same way, and its slots from the slot initializers, so an evicted
-   key that comes back starts as it first did;
+1. ``rows = map.find(keys)`` (the stack's tables together: :func:`find_in_maps`); the keys still absent go
+   through the table's admission (:class:`embedcore.tables.policies.AdmissionSketch`); an unadmitted key's
+   occurrences read the key's initial value (a function of the seed, the table and the key only:
+   :func:`embedcore.initializers.fill_key_rows`) and get no gradient;
 2. if the admitted new keys outnumber ``map.free_rows``, the eviction policy picks victims among the live
    rows not in ``rows`` (:func:`embedcore.tables.policies.pick_victims`), ``map.remove`` frees them (TTL
    removes expired rows first: :func:`embedcore.tables.policies.expired_rows`); still too many: refuse the
    batch (:class:`TableFullError`, to be raised as ``InputError`` naming the table) before anything changed;
 3. ``rows, inserted = map.find_or_insert(admitted keys, step)``; the storage fills ``rows[inserted]`` with each
    new key's initial value and fresh slots;
-4. ``map.touch(unique rows, step, counts)`` with the rows the batch uses (the integration touches them at the
-   lookup, not after the update: a lookup is a sighting, and touched rows are protected from later lookups).
+4. ``map.touch_found(rows, step)`` with the rows the batch uses, one count per occurrence (the stack's tables
+   together: :func:`touch_in_maps`; at the lookup, not after the update: a lookup is a sighting, and touched
+   rows are protected from later lookups).
 
 Checkpoints save :meth:`~KeyRowMap.state` (keys in increasing order, their row slots and metadata, and the free
 list) and rebuild the map with :meth:`~KeyRowMap.load`: the same rows, free list and high-water mark, so the
@@ -109,7 +111,8 @@ from numba import njit, prange
 from .random import mix64  # the SplitMix64 finaliser (the tree's one copy)
 
 __all__ = ["KeyRowMap", "TableFullError", "as_keys", "MAX_LOAD", "GROWTH", "MIGRATE_PER_KEY", "MIGRATE_MIN",
-           "MAX_CAPACITY", "MAX_STEP", "FLOOR_BLOCK", "FLOOR_SHIFT", "PARALLEL_MIN", "first_occurrences"]
+           "MAX_CAPACITY", "MAX_STEP", "FLOOR_BLOCK", "FLOOR_SHIFT", "PARALLEL_MIN", "PIECE", "first_occurrences",
+           "find_in_maps", "touch_in_maps"]
 
 MAX_LOAD = 0.75        # keys per bucket at most
 GROWTH = 1.5           # index size factor per growth
@@ -122,12 +125,16 @@ FLOOR_SHIFT = 4                # rows per floor block: 2**FLOOR_SHIFT
 FLOOR_BLOCK = 1 << FLOOR_SHIFT
 _NO_FLOOR = 2 ** 31 - 1        # the floor of a block without live rows
 PARALLEL_MIN = 1 << 14         # batches of fewer keys are looked up on one thread
+PIECE = 1 << 13                # keys a thread looks up at a time
+RECENT_BITS = 12               # a lookup's cache of the rows it found: 2**RECENT_BITS entries per piece
+RECENT_TRIAL = 1024            # ... kept for the rest of a piece if 1 in 8 of its first keys hit it
 _INITIAL_BUCKETS = 64
 
 _U = np.uint64
 _LOW32 = np.uint64(0xFFFFFFFF)
 _S32 = np.uint64(32)
 _HASH_OFFSET = np.uint64(0x632BE59BD9B4E019)
+_FOLD = np.uint64(29)  # a key's cache slot: its low bits xor those 29 above
 
 
 class TableFullError(ValueError):
@@ -222,31 +229,103 @@ def _delete_at(index, row_keys, b, row_bits):
 _LIVE, _HIGH, _FREE, _CURSOR = 0, 1, 2, 3
 
 
-@njit(cache=True, inline="always")
-def _find_one(key, row_keys, index, old, row_bits):
-    h = _hash(key)
-    r = _row_in(index, row_keys, key, h, row_bits)
-    if r < 0:
-        r = _row_in(old, row_keys, key, h, row_bits)
-    return r
-
-
-@njit(cache=True, parallel=True)
-def _find_parallel(keys, row_keys, index, old, row_bits, out):
-    for i in prange(keys.shape[0]):
-        out[i] = _find_one(keys[i], row_keys, index, old, row_bits)
+# The probe is written out in both loops below: behind one more inlined function (a ``_find_one`` calling
+# ``_row_in``) a loop ran ~10x slower (~50 ns a key instead of ~4); ``migrating`` is tested outside the loops
+# for the same reason.
+@njit(cache=True)
+def _find_direct(keys, lo, hi, row_keys, index, old, row_bits, out):
+    """The row of each of ``keys[lo:hi]`` into ``out[lo:hi]`` (-1 where absent); how many are absent."""
+    migrating = old.shape[0] > 0
+    misses = 0
+    for i in range(lo, hi):
+        key = keys[i]
+        h = _hash(key)
+        r = _row_in(index, row_keys, key, h, row_bits)
+        if r < 0 and migrating:
+            r = _row_in(old, row_keys, key, h, row_bits)
+        out[i] = r
+        if r < 0:
+            misses += 1
+    return misses
 
 
 @njit(cache=True)
-def _find_serial(keys, row_keys, index, old, row_bits, out):
-    for i in range(keys.shape[0]):
-        out[i] = _find_one(keys[i], row_keys, index, old, row_bits)
+def _find_recent(keys, lo, hi, row_keys, index, old, row_bits, out, recent_keys, recent_rows):
+    """:func:`_find_direct`, each key first looked for in the cache ``recent_keys``, ``recent_rows`` (filled as
+    keys are probed; -2 marks an empty entry); ``(absent, cache hits)``."""
+    migrating = old.shape[0] > 0
+    slot_mask = _U(recent_rows.shape[0] - 1)
+    misses = 0
+    hits = 0
+    for i in range(lo, hi):
+        key = keys[i]
+        slot = (key ^ (key >> _FOLD)) & slot_mask  # no hash: a hit costs a load and a compare
+        r = recent_rows[slot]
+        if r != -2 and recent_keys[slot] == key:
+            hits += 1
+        else:
+            h = _hash(key)
+            r = _row_in(index, row_keys, key, h, row_bits)
+            if r < 0 and migrating:
+                r = _row_in(old, row_keys, key, h, row_bits)
+            recent_keys[slot] = key
+            recent_rows[slot] = r
+        out[i] = r
+        if r < 0:
+            misses += 1
+    return misses, hits
 
 
-def _find(keys, row_keys, index, old, row_bits, out):
-    """The row of each key into ``out`` (-1 where absent); below ``PARALLEL_MIN`` keys on one thread (a
-    parallel region costs more than the probes)."""
-    (_find_parallel if keys.shape[0] >= PARALLEL_MIN else _find_serial)(keys, row_keys, index, old, row_bits, out)
+@njit(cache=True)
+def _find_range(keys, lo, hi, row_keys, index, old, row_bits, out):
+    """:func:`_find_direct` of ``keys[lo:hi]``, through a cache of the rows found (see ``RECENT_BITS``) as long
+    as it pays: kept past the first ``RECENT_TRIAL`` keys if they hit it 1 time in 8."""
+    recent_keys = np.empty(1 << RECENT_BITS, np.uint64)
+    recent_rows = np.full(1 << RECENT_BITS, -2, np.int64)
+    trial = min(hi, lo + RECENT_TRIAL)
+    misses, hits = _find_recent(keys, lo, trial, row_keys, index, old, row_bits, out, recent_keys, recent_rows)
+    if 8 * hits >= trial - lo:
+        return misses + _find_recent(keys, trial, hi, row_keys, index, old, row_bits, out, recent_keys,
+                                     recent_rows)[0]
+    return misses + _find_direct(keys, trial, hi, row_keys, index, old, row_bits, out)
+
+
+@njit(cache=True, parallel=True)
+def _find_pieces_parallel(keys, row_keys, index, old, row_bits, out, pieces, misses):
+    """For each piece ``(m, lo, hi)`` of ``pieces``: :func:`_find_range` of ``keys[m][lo:hi]`` in map ``m`` (its
+    arrays ``row_keys[m]``, ...; tuples of one array per map), misses into ``misses[piece]``."""
+    for c in prange(pieces.shape[0]):
+        m = pieces[c, 0]
+        misses[c] = _find_range(keys[m], pieces[c, 1], pieces[c, 2], row_keys[m], index[m], old[m], row_bits[m],
+                                out[m])
+
+
+@njit(cache=True)
+def _find_pieces_serial(keys, row_keys, index, old, row_bits, out, pieces, misses):
+    """:func:`_find_pieces_parallel` on one thread."""
+    for c in range(pieces.shape[0]):
+        m = pieces[c, 0]
+        misses[c] = _find_range(keys[m], pieces[c, 1], pieces[c, 2], row_keys[m], index[m], old[m], row_bits[m],
+                                out[m])
+
+
+def find_in_maps(maps, keys) -> list:
+    """``[(rows, absent)]``: :meth:`KeyRowMap.find_counted` of ``keys[m]`` (uint64, flat) in ``maps[m]`` for
+    every map, in one pass: all threads share the pieces of ``PIECE`` keys of every map when there are
+    ``PARALLEL_MIN`` keys or more in all (one parallel region however many maps), else one thread. Changes
+    nothing."""
+    keys = [k if k.flags.writeable and k.flags.c_contiguous else np.array(k) for k in keys]  # one array type
+    rows = [np.empty(k.shape[0], np.int64) for k in keys]
+    pieces = np.array([(m, lo, min(lo + PIECE, k.shape[0])) for m, k in enumerate(keys)
+                       for lo in range(0, k.shape[0], PIECE)], np.int64).reshape(-1, 3)
+    misses = np.zeros(pieces.shape[0], np.int64)
+    if pieces.shape[0]:
+        total = sum(k.shape[0] for k in keys)
+        find = _find_pieces_parallel if total >= PARALLEL_MIN else _find_pieces_serial
+        find(tuple(keys), tuple(m.row_keys for m in maps), tuple(m.index for m in maps), tuple(m.old for m in maps),
+             np.array([m.row_bits for m in maps], np.uint64), tuple(rows), pieces, misses)
+    absent = np.bincount(pieces[:, 0], misses, minlength=len(keys)).astype(np.int64)
+    return [(r, int(a)) for r, a in zip(rows, absent)]
 
 
 @njit(cache=True, inline="always")
@@ -335,6 +414,26 @@ def _touch(rows, step, last_seen, counts, seen_floor):
         if counts[r] < _COUNT_MAX:
             counts[r] += 1
         _lower_floor(seen_floor, r, step, False)
+
+
+@njit(cache=True, parallel=True)
+def _touch_maps(rows, step, last_seen, counts, seen_floor):
+    """:func:`_touch` of ``rows[m]`` in map ``m`` for every map (tuples of one array per map), a map per
+    thread."""
+    for m in prange(len(rows)):
+        _touch(rows[m], step, last_seen[m], counts[m], seen_floor[m])
+
+
+def touch_in_maps(maps, rows, step: int) -> None:
+    """:meth:`KeyRowMap.touch_found` of ``rows[m]`` in ``maps[m]`` for every map, the maps shared out among the
+    threads (each map's rows on one thread, in order)."""
+    step = np.int32(step)
+    if len(maps) == 1:
+        _touch(np.ascontiguousarray(rows[0], np.int64), step, maps[0].last_seen, maps[0].counts,
+               maps[0].last_seen_floor)
+    elif maps:
+        _touch_maps(tuple(np.ascontiguousarray(r, np.int64) for r in rows), step, tuple(m.last_seen for m in maps),
+                    tuple(m.counts for m in maps), tuple(m.last_seen_floor for m in maps))
 
 
 @njit(cache=True, parallel=True)
@@ -527,10 +626,11 @@ class KeyRowMap:
     def find(self, keys) -> np.ndarray:
         """The row of each key (int64, shaped like ``keys``), -1 where absent. Changes nothing."""
         shape = np.shape(keys)
-        k = as_keys(keys, f"table '{self.name}': keys")
-        out = np.empty(k.shape[0], np.int64)
-        _find(k, self.row_keys, self.index, self.old, self.row_bits, out)
-        return out.reshape(shape)
+        return self.find_counted(keys)[0].reshape(shape)
+
+    def find_counted(self, keys) -> tuple:
+        """``(rows, absent)``: :meth:`find` of ``keys`` flattened, and how many of them are absent."""
+        return find_in_maps([self], [as_keys(keys, f"table '{self.name}': keys")])[0]
 
     def __contains__(self, key) -> bool:
         return np.ndim(key) == 0 and bool(self.find([key])[0] >= 0)
@@ -547,10 +647,8 @@ class KeyRowMap:
         shape = np.shape(keys)
         k = as_keys(keys, f"table '{self.name}': keys")
         step = self._checked_step(step)
-        rows = np.empty(k.shape[0], np.int64)
-        _find(k, self.row_keys, self.index, self.old, self.row_bits, rows)
+        rows, absent = self.find_counted(k)
         inserted = np.zeros(k.shape[0], np.bool_)
-        absent = int(np.count_nonzero(rows < 0))
         if absent > self.free_rows:  # only then can the batch be too big: count its distinct new keys
             new = int(np.unique(k[rows < 0]).shape[0])
             if new > self.free_rows:
@@ -608,8 +706,7 @@ class KeyRowMap:
     def touch_found(self, rows, step: int) -> None:
         """:meth:`touch` (one count per occurrence) of rows that :meth:`find` or :meth:`find_or_insert` just
         returned for keys held (int64, all live: not checked again)."""
-        _touch(np.ascontiguousarray(rows, np.int64), self._checked_step(step), self.last_seen, self.counts,
-               self.last_seen_floor)
+        touch_in_maps([self], [rows], self._checked_step(step))
 
     def _live_rows(self, rows) -> np.ndarray:
         rows = np.asarray(rows)

@@ -1,9 +1,10 @@
-"""Dynamic (hash-keyed) physical tables: rows that appear as 64-bit keys arrive, under admission and eviction.
+"""Dynamic (hash-keyed) tables: rows that appear as 64-bit keys arrive, under admission and eviction.
 
-A :class:`DynamicPhysicalTable` is a :class:`~embedcore.tables.physical.PhysicalTable` over a dense storage of
-``capacity`` row slots (plus slots) and a :class:`~embedcore.kernels.hash_map.KeyRowMap` from keys to those
-row slots. Each dynamic table has its own (never stacked, with static tables or other dynamic ones): its
-keys, admission and eviction are its own, and stacking would only save kernel launches.
+A :class:`DynamicTable` is one table's ``capacity`` row slots (values and slots) and a
+:class:`~embedcore.kernels.hash_map.KeyRowMap` from keys to those row slots, with its admission and eviction.
+Its rows live in the storage of a :class:`~embedcore.tables.dynamic_physical.DynamicPhysicalTable`, which
+stacks the dynamic tables of equal optimizer, ``dim`` and storage formats (never with static tables), each at a
+row offset; the keys, admission counts, eviction and removals of each table stay its own.
 
 A lookup of step ``t`` (the engine's ``step``: how many ``apply_gradients`` ran before it) maps the batch's
 keys to rows *before* its occurrences are laid out, so grouping, gathering and the update kernel are the
@@ -32,27 +33,26 @@ static ones:
 hold other keys by then. The rows an :class:`~embedcore.tables.physical.TableUpdate` names are keys
 (int64 bit patterns) for a dynamic table.
 
-Stochastic rounding of 16-bit rows keys its bits by the row slot (deterministic: slots are assigned in batch
-order), not by the key.
+Stochastic rounding of 16-bit rows keys its bits by the table and the row slot (deterministic: slots are
+assigned in batch order), not by the key: the same stacked or not.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import threading
 from dataclasses import dataclass
 
 import numpy as np
 
-from .. import inputs
 from ..initializers import TruncatedNormal, fill_key_rows
 from ..inputs import InputError, TableBatch
-from ..kernels.hash_map import FLOOR_BLOCK, MAX_STEP, KeyRowMap, TableFullError, as_keys, first_occurrences
-from .physical import NOTHING_FLAGGED, PhysicalTable, TablePlace, TableUpdate
+from ..kernels.hash_map import (FLOOR_BLOCK, MAX_STEP, KeyRowMap, TableFullError, as_keys, find_in_maps,
+                                 first_occurrences, touch_in_maps)
 from .policies import TTL, EvictByScore, expired_rows, pick_victims
 from .storage import DenseStorage
 
-__all__ = ["DynamicPhysicalTable", "DynamicTableBatch", "DynamicTableState", "DynamicTableView", "map_bytes"]
+__all__ = ["DynamicTable", "DynamicTableBatch", "DynamicTableState", "DynamicTableView", "map_bytes", "plan_tables",
+           "commit_plans"]
 
 
 def map_bytes(config) -> int:
@@ -71,18 +71,18 @@ def map_bytes(config) -> int:
 class DynamicTableBatch(TableBatch):
     """A dynamic table's :class:`~embedcore.inputs.TableBatch`: its own fields are the admitted keys'
     occurrences (rows of the storage, what the update reads); ``pending`` the unadmitted keys' occurrences
-    (rows of ``pending_values``, their initial values; looked up, never updated); ``removals`` the table's
-    removal count when it was laid out (a later eviction makes it stale)."""
+    (rows of ``pending_values``, their initial values; looked up, never updated); ``removals`` the removal
+    count of each table it looked up (name -> count) when it was laid out (a later eviction makes it stale)."""
 
     pending: TableBatch | None = None
     pending_values: np.ndarray | None = None
-    removals: int = 0
+    removals: dict | None = None
 
 
 @dataclass
 class _Plan:
     """What a lookup will change in a dynamic table, decided (and checked) before anything changes but the
-    admission counts, which :meth:`DynamicPhysicalTable.cancel` restores."""
+    admission counts, which :meth:`DynamicTable.cancel` restores."""
 
     parts: list
     step: int
@@ -97,6 +97,13 @@ class _Plan:
     pending_inverse: np.ndarray  # per unadmitted occurrence: its distinct key's index in pending_values
     pending_values: np.ndarray   # initial rows of the distinct unadmitted keys, stored dtype
     undo: tuple | None        # admission counters to restore on cancel
+
+
+_NO_ROWS = np.zeros(0, np.int64)
+_NO_FLAGS = np.zeros(0, np.bool_)
+_NO_KEYS = np.zeros(0, np.uint64)
+for _empty in (_NO_ROWS, _NO_FLAGS, _NO_KEYS):
+    _empty.flags.writeable = False  # shared by every plan whose keys are all held
 
 
 @dataclass
@@ -127,23 +134,31 @@ class DynamicTableState:
         return int(self.keys.shape[0])
 
 
-class DynamicPhysicalTable(PhysicalTable):
-    """One dynamic table (a :class:`~embedcore.config.DynamicTableConfig`) over ``capacity`` row slots and a
-    key map; see the module docstring.
+class DynamicTable:
+    """One dynamic table (a :class:`~embedcore.config.DynamicTableConfig`): ``capacity`` row slots of the
+    storage of ``physical`` from row ``offset`` on, and a key map; see the module docstring.
 
     Args:
         config: the table.
-        storage: its :class:`~embedcore.tables.storage.DenseStorage` of ``capacity`` rows (uninitialised).
-        optimizer, tuning, seed: as for :class:`~embedcore.tables.physical.PhysicalTable`.
+        physical: the :class:`~embedcore.tables.dynamic_physical.DynamicPhysicalTable` whose storage holds its
+            rows (its optimizer updates them; its ``clock`` tells views of a TTL table the engine's step).
+        offset: the table's first row in that storage.
+        seed: the engine's seed (initial values, admission sketch).
+
+    ``storage`` is the table's own rows and slots (views of the physical table's): row slot ``r`` of the key
+    map is ``storage.weights[r]``, physical row ``offset + r``.
     """
 
-    dynamic = True
-
-    def __init__(self, config, storage, optimizer=None, tuning=None, seed: int = 0):
-        super().__init__([TablePlace(config, 0, config.capacity)], storage, optimizer, tuning, seed)
+    def __init__(self, config, physical, offset: int, seed: int = 0):
         self.config = config
         self.name = config.name
         self.seed = int(seed)
+        self.offset = int(offset)
+        self.physical = physical
+        self.optimizer = physical.optimizer
+        self.dim = physical.dim
+        rows = slice(self.offset, self.offset + config.capacity)
+        self.storage = DenseStorage.over(physical.storage.weights[rows], [s[rows] for s in physical.storage.slots])
         self.key_map = KeyRowMap(config.capacity, config.name)
         admission = config.admission
         self.sketch = admission.sketch(seed, config.name) if admission is not None and admission.min_count > 1 \
@@ -151,8 +166,12 @@ class DynamicPhysicalTable(PhysicalTable):
         self.eviction = config.eviction
         self.initializer = config.initializer or TruncatedNormal(0.0, 1.0 / np.sqrt(config.dim))
         self.removals = 0
-        self.clock = lambda: 0  # the engine's current step, for views of TTL tables (set by the engine)
-        self._lock = threading.Lock()
+        self._no_values = tuple(np.empty((0,) + a.shape[1:], a.dtype)
+                                for a in (self.storage.weights,) + self.storage.slots)
+
+    def clock(self) -> int:
+        """The engine's current step (what views of a TTL table hide expired rows at)."""
+        return self.physical.clock()
 
     # -- initial values -----------------------------------------------------------------------------------
     def initial_rows(self, keys, slot: int | None = None) -> np.ndarray:
@@ -183,16 +202,26 @@ class DynamicPhysicalTable(PhysicalTable):
 
     # -- lookup: plan, then commit ------------------------------------------------------------------------
     def plan(self, parts, step: int) -> _Plan:
-        """Decide what the lookup of ``parts`` (as for :meth:`lay_out`) at ``step`` changes; refuse it
-        (:class:`InputError` naming the table) before anything changed, expired rows and (until
-        :meth:`cancel`) admission counts aside. Hold the result for :meth:`lay_out_planned` or :meth:`cancel`."""
+        """Decide what the lookup of ``parts`` (this table's parts of a batch, as ``inputs.build_table_batch``
+        takes them; their row offsets are not read) at ``step`` changes; refuse it (:class:`InputError` naming
+        the table) before anything changed, expired rows and (until :meth:`cancel`) admission counts aside.
+        Hold the result for :meth:`commit` or :meth:`cancel`."""
+        step, used, keys = self.keys_of(parts, step)
+        return self.plan_found(parts, step, used, keys, *self.key_map.find_counted(keys))
+
+    def keys_of(self, parts, step: int) -> tuple:
+        """The first half of :meth:`plan`: ``(step, used, keys)``, ``parts`` and ``step`` checked, the rows
+        expired at ``step`` removed (TTL), ``used`` and ``keys`` as :func:`_keys_looked_up` gives them."""
         step = self._checked_parts(parts, step)
         self.remove_expired(step)
-        used = [_looked_up(batch, seq_len) for batch, _, seq_len, *_ in parts]
-        keys = [batch.ids if mask is None else batch.ids[mask] for (batch, *_), mask in zip(parts, used)]
-        keys = keys[0] if len(keys) == 1 else np.concatenate(keys) if keys else np.zeros(0, np.int64)
-        keys = np.ascontiguousarray(keys).view(np.uint64)
-        found = self.key_map.find(keys)
+        return (step,) + _keys_looked_up(parts)
+
+    def plan_found(self, parts, step: int, used, keys, found, absent: int) -> _Plan:
+        """The second half of :meth:`plan`, given :meth:`keys_of` and the key map's ``find_counted`` of
+        ``keys``."""
+        if not absent:  # every key held: nothing to admit, evict or fill
+            return _Plan(parts, step, keys, used, found, _NO_ROWS, _NO_FLAGS, _NO_ROWS, _NO_KEYS, self._no_values,
+                         _NO_ROWS, self._no_values[0], None)
         absent_at = np.flatnonzero(found < 0)
         absent_keys = keys[absent_at]
         undo = None
@@ -221,8 +250,7 @@ class DynamicPhysicalTable(PhysicalTable):
         """:meth:`initial_rows`, without its work for no keys (most steps of a table that holds its keys)."""
         if keys.shape[0]:
             return self.initial_rows(keys, slot)
-        target = self.storage.weights if slot is None else self.storage.slots[slot]
-        return np.empty((0,) + target.shape[1:], target.dtype)
+        return self._no_values[0 if slot is None else 1 + slot]
 
     def _checked_parts(self, parts, step) -> int:
         """``step`` as an int, once ``parts`` and ``step`` are found fit for a lookup (else :class:`InputError`)."""
@@ -255,13 +283,17 @@ class DynamicPhysicalTable(PhysicalTable):
             plan.undo = None
 
     def commit(self, plan: _Plan) -> np.ndarray:
-        """Make ``plan``'s changes; returns the row of each key of ``plan.keys`` (``capacity + j`` for an
-        unadmitted key, ``j`` its row in ``plan.pending_values``)."""
+        """Make ``plan``'s changes; returns the row slot of each key of ``plan.keys`` (``capacity + j`` for an
+        unadmitted key, ``j`` its row in ``plan.pending_values``). The plan is used up (its rows are these)."""
+        return commit_plans([(self, plan)])[0]
+
+    def _commit_absent(self, plan: _Plan) -> np.ndarray:
+        """:meth:`commit` of a plan with keys absent from the key map."""
         key_map = self.key_map
+        rows = plan.found
         if plan.victims.size:
             key_map.remove_rows(plan.victims)
             self.removals += 1
-        rows = plan.found.copy()
         at = plan.absent_at[plan.admitted]
         if at.size:
             given, inserted = key_map.find_or_insert(plan.keys[at], plan.step)
@@ -277,42 +309,6 @@ class DynamicPhysicalTable(PhysicalTable):
         plan.undo = None
         return rows
 
-    def lay_out(self, parts, step: int = 0):
-        """Plan, commit and lay out a lookup of ``parts`` at ``step`` (see the module docstring)."""
-        return self.lay_out_planned(self.plan(parts, step))
-
-    def lay_out_planned(self, plan: _Plan):
-        """Commit ``plan`` and lay out its occurrences: ``(DynamicTableBatch, lease)`` as :meth:`lay_out`."""
-        with self._held("look up"):
-            rows = self.commit(plan)
-        return self._lay_out_rows(plan.parts, plan.used, rows, plan.pending_values)
-
-    def _lay_out_rows(self, parts, used, rows, pending_values):
-        """Lay out ``parts`` (their occurrences ``used``) over ``rows`` (as :meth:`commit` returns them):
-        ``(DynamicTableBatch, lease)``."""
-        capacity = self.key_map.capacity
-        n_pending = pending_values.shape[0]
-        mapped, at = [], 0
-        for (batch, combiner, seq_len, _, out_offset, _), mask in zip(parts, used):
-            n = batch.ids.shape[0] if mask is None else int(np.count_nonzero(mask))
-            part_rows = rows[at:at + n]
-            at += n
-            if mask is not None:  # positions a sequence drops: any row in range (never read)
-                full = np.zeros(batch.ids.shape[0], np.int64)
-                full[mask] = part_rows
-                part_rows = full
-            mapped.append((dataclasses.replace(batch, ids=part_rows, given_ids=None), combiner, seq_len, 0,
-                           out_offset, capacity + n_pending))
-        tb, lease = super().lay_out(mapped)
-        pending = None
-        if n_pending:
-            is_pending = tb.rows >= capacity
-            pending = inputs.select_occurrences(tb, is_pending, tb.rows[is_pending] - capacity)
-            tb = inputs.select_occurrences(tb, ~is_pending)
-        fields = {f.name: getattr(tb, f.name) for f in dataclasses.fields(TableBatch)}
-        return DynamicTableBatch(**fields, pending=pending, pending_values=pending_values,
-                                 removals=self.removals), lease
-
     # -- read-only lookup -----------------------------------------------------------------------------
     def read_only_rows(self, parts, step: int):
         """What a lookup of ``parts`` at ``step`` reads, changing nothing (no TTL removal, no admission
@@ -322,9 +318,7 @@ class DynamicPhysicalTable(PhysicalTable):
         yet, expired) reads its initial value from ``pending_values``, as an unadmitted key does in
         training. Bad input is refused (:class:`InputError`) as by :meth:`plan`."""
         step = self._checked_parts(parts, step)
-        used = [_looked_up(batch, seq_len) for batch, _, seq_len, *_ in parts]
-        keys = [batch.ids if mask is None else batch.ids[mask] for (batch, *_), mask in zip(parts, used)]
-        keys = np.ascontiguousarray(np.concatenate(keys) if keys else np.zeros(0, np.int64)).view(np.uint64)
+        used, keys = _keys_looked_up(parts)
         rows = self.key_map.find(keys)
         if isinstance(self.eviction, TTL):
             held = np.flatnonzero(rows >= 0)
@@ -335,47 +329,18 @@ class DynamicPhysicalTable(PhysicalTable):
         rows[absent] = self.key_map.capacity + inverse.astype(np.int64).ravel()
         return used, keys, rows, self.initial_rows(pending_keys)
 
-    def lay_out_read_only(self, parts, step: int = 0):
-        """Lay out a read-only lookup of ``parts`` at ``step`` (:meth:`read_only_rows`): ``(DynamicTableBatch,
-        lease)`` as :meth:`lay_out`, the table unchanged."""
-        used, _, rows, pending_values = self.read_only_rows(parts, step)
-        return self._lay_out_rows(parts, used, rows, pending_values)
+    # -- update (of this table's rows alone) -------------------------------------------------------------
+    def update(self, table_batch, d_act, learning_rate, hyperparameters, step: int = 0):
+        """:meth:`DynamicPhysicalTable.update <embedcore.tables.dynamic_physical.DynamicPhysicalTable.update>` of
+        ``table_batch``, whose rows are this table's row slots (the rows the result names are keys)."""
+        if self.offset:
+            table_batch = dataclasses.replace(table_batch, rows=table_batch.rows + self.offset, blocks=None)
+        return self.physical.update(table_batch, d_act, learning_rate, hyperparameters, step)
 
-    def lookup(self, table_batch, out: np.ndarray | None = None) -> np.ndarray:
-        """As :meth:`PhysicalTable.lookup`, the unadmitted keys' initial values added to their activations."""
-        out = super().lookup(table_batch, out)
-        tb = table_batch
-        if tb is not None and tb.pending is not None:
-            extra = np.empty_like(out)
-            DenseStorage.over(tb.pending_values).gather(tb.pending.rows, tb.pending.gains, tb.pending.out_ptr,
-                                                        extra, True)
-            out += extra
-        return out
-
-    # -- update ---------------------------------------------------------------------------------------
-    def stale(self, table_batch) -> str | None:
-        """Why ``table_batch`` (of an earlier lookup) can no longer be applied, or None."""
-        if isinstance(table_batch, DynamicTableBatch) and table_batch.removals != self.removals:
-            return (f"table '{self.name}': a later lookup evicted or expired rows of this dynamic table, so the rows "
-                    f"this context's lookup used may hold other keys now; look up again (nothing was updated)")
-        return None
-
-    def update(self, table_batch, d_act, learning_rate, hyperparameters, step: int = 0) -> TableUpdate:
-        """As :meth:`PhysicalTable.update`; the rows the result names are keys (int64 bit patterns)."""
-        with self._held("apply gradients to"):
-            result = super().update(table_batch, d_act, learning_rate, hyperparameters, step)
-        if result is NOTHING_FLAGGED:
-            return result
-        keys = self.key_map.row_keys.view(np.int64)
-
-        def by_key(named):
-            return {table: {why: keys[ids] for why, ids in by_why.items()} for table, by_why in named.items()}
-        return TableUpdate(by_key(result.skipped), by_key(result.failed), result.function)
-
-    def _held(self, what: str):
-        if not self._lock.acquire(blocking=False):
-            raise RuntimeError(f"cannot {what} dynamic table '{self.name}': another thread is changing it")
-        return _Release(self._lock)
+    def rows_changed(self, rows) -> np.ndarray:
+        """Whether an update touched each of this table's row slots ``rows`` since the physical table's
+        ``track_changes`` (bool array)."""
+        return self.physical.rows_changed(np.asarray(rows, np.int64) + self.offset)
 
     # -- state: what checkpoints store (plain arrays) -----------------------------------------------------
     def remove_expired(self, step: int) -> None:
@@ -446,14 +411,11 @@ class DynamicPhysicalTable(PhysicalTable):
             self.removals += 1  # lookups laid out before refer to the old rows
         return apply
 
-    # -- state ----------------------------------------------------------------------------------------
-    def fill(self, name: str, seed: int) -> None:
-        """Nothing: a dynamic table's rows are filled as their keys arrive."""
-
-    def table_rows(self, name: str) -> "DynamicTableView":
+    # -- views --------------------------------------------------------------------------------------
+    def table_rows(self) -> "DynamicTableView":
         return DynamicTableView(self)
 
-    def slot_rows(self, name: str) -> dict:
+    def slot_rows(self) -> dict:
         if self.optimizer is None:
             return {}
         return {slot: DynamicTableView(self, k) for k, slot in enumerate(self.optimizer.slot_names)}
@@ -467,19 +429,46 @@ class DynamicPhysicalTable(PhysicalTable):
 
     def __repr__(self):
         kind = type(self.optimizer).__name__ if self.optimizer is not None else "read-only"
-        return (f"DynamicPhysicalTable({self.name} [{len(self.key_map)} of {self.key_map.capacity} keys x {self.dim}, "
+        return (f"DynamicTable({self.name} [{len(self.key_map)} of {self.key_map.capacity} keys x {self.dim}, "
                 f"{kind}])")
 
 
-class _Release:
-    def __init__(self, lock):
-        self._lock = lock
+def plan_tables(table_parts, step: int) -> list:
+    """:meth:`DynamicTable.plan` of ``parts`` for each ``(table, parts)`` of ``table_parts``, their keys looked
+    up in one pass (:func:`~embedcore.kernels.hash_map.find_in_maps`). A refusal cancels the plans made and
+    raises (nothing changed, expired rows aside)."""
+    tables = [table for table, _ in table_parts]
+    looked_up = [table.keys_of(parts, step) for table, parts in table_parts]
+    found = find_in_maps([table.key_map for table in tables], [keys for _, _, keys in looked_up])
+    plans = []
+    try:
+        for (table, parts), (step, used, keys), (rows, absent) in zip(table_parts, looked_up, found):
+            plans.append(table.plan_found(parts, step, used, keys, rows, absent))
+    except BaseException:
+        for table, plan in zip(tables, plans):
+            table.cancel(plan)
+        raise
+    return plans
 
-    def __enter__(self):
-        return self
 
-    def __exit__(self, *exc):
-        self._lock.release()
+def commit_plans(table_plans) -> list:
+    """:meth:`DynamicTable.commit` of each ``(table, plan)`` of ``table_plans``; returns their rows. The plans
+    whose keys were all held (the usual step once a table holds its keys) only touch their rows: all of them in
+    one pass (:func:`~embedcore.kernels.hash_map.touch_in_maps`)."""
+    held = [(table, plan) for table, plan in table_plans if not plan.absent_at.size]
+    if held:
+        touch_in_maps([table.key_map for table, _ in held], [plan.found for _, plan in held],
+                      held[0][1].step)
+    return [plan.found if not plan.absent_at.size else table._commit_absent(plan) for table, plan in table_plans]
+
+
+def _keys_looked_up(parts) -> tuple:
+    """``(used, keys)``: per part the mask of its occurrences a lookup reads (None: all, see
+    :func:`_looked_up`), and those occurrences' keys, concatenated, as uint64."""
+    used = [_looked_up(batch, seq_len) for batch, _, seq_len, *_ in parts]
+    keys = [batch.ids if mask is None else batch.ids[mask] for (batch, *_), mask in zip(parts, used)]
+    keys = keys[0] if len(keys) == 1 else np.concatenate(keys) if keys else np.zeros(0, np.int64)
+    return used, np.ascontiguousarray(keys).view(np.uint64)
 
 
 def _looked_up(batch, seq_len):
@@ -517,7 +506,7 @@ class DynamicTableView:
     The view reads the table as it is when used (it is not a snapshot).
     """
 
-    def __init__(self, table: DynamicPhysicalTable, slot: int | None = None):
+    def __init__(self, table: DynamicTable, slot: int | None = None):
         self._table, self._slot = table, slot
 
     @property

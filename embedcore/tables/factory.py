@@ -8,10 +8,11 @@ tables with an optimizer and some without is refused: a table either trains or i
 Stacking rule: with ``stack_tables``, tables of equal optimizers (``__eq__``: by value), equal ``dim`` and
 equal storage (``weights_dtype``, ``slot_dtype``, ``stochastic_rounding``) share one physical table, in the
 order the features first name them, each at the row offset after the previous one; without it every table has
-its own. A dynamic table (:class:`~embedcore.config.DynamicTableConfig`) always has its own
-:class:`~embedcore.tables.dynamic.DynamicPhysicalTable`. ``Embedding``, each rank of ``ShardedEmbedding``
-(over its shards), ``restore`` and ``ServingEmbedding`` (read-only, over a checkpoint's arrays) all build
-their tables here.
+its own. Dynamic tables (:class:`~embedcore.config.DynamicTableConfig`, ``capacity`` rows each) stack by the
+same rule among themselves, never with static ones, into a
+:class:`~embedcore.tables.dynamic_physical.DynamicPhysicalTable`. ``Embedding``, each rank of
+``ShardedEmbedding`` (over its shards), ``restore`` and ``ServingEmbedding`` (read-only, over a checkpoint's
+arrays) all build their tables here.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from ..config import DynamicTableConfig
 from ..initializers import Initializer
 from ..memory_budget import check_fits
 from ..tuning import Tuning
-from .dynamic import DynamicPhysicalTable, map_bytes
+from .dynamic import map_bytes
+from .dynamic_physical import DynamicPhysicalTable
 from .physical import PhysicalTable, TablePlace
 from .storage import DenseStorage, FusedInt8Storage
 
@@ -65,7 +67,7 @@ def stack(tables, default_optimizer, stack_tables: bool = True) -> list:
     for table in tables:
         opt = None if frozen else optimizer_of(table, default_optimizer)
         dynamic = isinstance(table, DynamicTableConfig)
-        key = (opt, table.dim, table.stored_formats) if stack_tables and not dynamic else id(table)
+        key = (dynamic, opt, table.dim, table.stored_formats) if stack_tables else id(table)
         group = by_key.get(key)
         if group is None:
             group = by_key[key] = (opt, table.dim, [])
@@ -94,8 +96,7 @@ def _check_fits(plans) -> None:
         formats = places[0].config.stored_formats
         slot_dims = () if opt is None else opt.slot_dims
         nbytes = DenseStorage.bytes_needed(n_rows, dim, slot_dims, formats) + (0 if opt is None or opt.lazy else n_rows)
-        if isinstance(places[0].config, DynamicTableConfig):
-            nbytes += map_bytes(places[0].config)
+        nbytes += sum(map_bytes(p.config) for p in places if isinstance(p.config, DynamicTableConfig))
         n_slots = len(slot_dims)
         slot_kind = "" if formats.slots == "float32" else f"{formats.slots} "
         tables = [p.config.name for p in places]
@@ -128,18 +129,17 @@ def physical_tables(tables, default_optimizer, *, stack_tables: bool = True, see
     """
     plans = []
     for opt, dim, members in stack(tables, default_optimizer, stack_tables):
-        if isinstance(members[0], DynamicTableConfig):
-            _check_dynamic(members[0], opt, shards)
+        for table in members:
+            if isinstance(table, DynamicTableConfig):
+                _check_dynamic(table, opt, shards)
         places, n_rows = _places(members, shards)
         plans.append((opt, dim, places, n_rows))
     _check_fits(plans)
     out = []
     for opt, dim, places, n_rows in plans:
         storage = DenseStorage(n_rows, dim, () if opt is None else opt.slot_dims, places[0].config.stored_formats)
-        if isinstance(places[0].config, DynamicTableConfig):
-            table = DynamicPhysicalTable(places[0].config, storage, opt, tuning, seed)
-        else:
-            table = PhysicalTable(places, storage, opt, tuning, seed)
+        kind = DynamicPhysicalTable if isinstance(places[0].config, DynamicTableConfig) else PhysicalTable
+        table = kind(places, storage, opt, tuning, seed)
         if opt is not None:
             table.compile(table.payload_is_activation_rows(bool(unit_gains(table)) if unit_gains is not None
                                                            else False))

@@ -115,7 +115,7 @@ def reference(worlds, mode="equal", stop=STEPS):
 def policy_metadata(emb, name):
     """``[n, 3]`` int64: each key held (increasing as int64; TTL expired ones are not), its last-seen step and
     its count."""
-    table = next(t for t in emb.physical_tables if getattr(t, "name", None) == name)
+    table = emb.dynamic_tables[name]
     keys, rows = table.key_map.items()
     held = table.held_rows(rows)
     keys, rows = keys[held], rows[held]
@@ -149,7 +149,7 @@ def run_equal(emb, rank, world, out):
                                                      for k, v in global_batch(t)[0].items() if k != "tags"])
                                      for t in range(STEPS)]))
     owned = seen[ec.distributed.dynamic.key_owners(seen, world) == rank]
-    users = next(t for t in emb.physical_tables if getattr(t, "name", None) == "users")
+    users = emb.dynamic_tables["users"]
     arrays["sketch/keys"], arrays["sketch/estimates"] = owned, users.sketch.estimate(owned)
     for name in ("users", "items"):
         arrays[f"held/{name}"] = emb.embedding_tables[name].keys()
@@ -187,15 +187,13 @@ def state(emb):
     sketch counters."""
     out = []
     for t in emb.physical_tables:
-        arrays = [t.weights.copy()] + [s.copy() for s in t.slots]
-        if getattr(t, "dynamic", False):
-            keys, rows = t.key_map.items()
-            held = t.held_rows(rows)  # rows TTL expired are gone already (a refused lookup may drop them)
-            keys, rows = keys[held], rows[held]
-            arrays += [keys, rows, t.key_map.last_seen[rows].copy(), t.key_map.counts[rows].copy()]
-            if t.sketch is not None:
-                arrays.append(t.sketch.counters.copy())
-        out.append(arrays)
+        out.append([t.weights.copy()] + [s.copy() for s in t.slots])
+    for t in emb.dynamic_tables.values():
+        keys, rows = t.key_map.items()
+        held = t.held_rows(rows)  # rows TTL expired are gone already (a refused lookup may drop them)
+        keys, rows = keys[held], rows[held]
+        out.append([keys, rows, t.key_map.last_seen[rows].copy(), t.key_map.counts[rows].copy()] +
+                   ([] if t.sketch is None else [t.sketch.counters.copy()]))
     return out
 
 
@@ -223,7 +221,7 @@ def expect_refused(comm, emb, call, *needles):
 
 
 def run_errors(emb, rank, world, comm):
-    users, items = (next(t for t in emb.physical_tables if getattr(t, "name", None) == n) for n in ("users", "items"))
+    users, items = (emb.dynamic_tables[n] for n in ("users", "items"))
     assert users.key_map.capacity == 100 // world + (rank < 100 % world)
     assert items.key_map.capacity == 200 // world + (rank < 200 % world)
     step(emb, 0, assignment(0, world)[rank])

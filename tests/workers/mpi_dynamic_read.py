@@ -22,14 +22,13 @@ TRAINED = 3
 def local_state(emb):
     """Everything a lookup could change on this rank, as copies."""
     out = {"step": emb.step}
-    for t in emb.physical_tables:
-        if getattr(t, "dynamic", False):
-            s = t.state()
-            for k in ("keys", "weights", "last_seen", "counts", "rows", "free"):
-                out[f"{t.name}/{k}"] = np.copy(getattr(s, k))
-            out.update({f"{t.name}/slot/{k}": np.copy(v) for k, v in s.slots.items()})
-            out[f"{t.name}/sketch"] = None if t.sketch is None else t.sketch.counters.copy()
-            out[f"{t.name}/removals"] = t.removals
+    for t in emb.dynamic_tables.values():
+        s = t.state()
+        for k in ("keys", "weights", "last_seen", "counts", "rows", "free"):
+            out[f"{t.name}/{k}"] = np.copy(getattr(s, k))
+        out.update({f"{t.name}/slot/{k}": np.copy(v) for k, v in s.slots.items()})
+        out[f"{t.name}/sketch"] = None if t.sketch is None else t.sketch.counters.copy()
+        out[f"{t.name}/removals"] = t.removals
     return out
 
 
