@@ -4,19 +4,29 @@ Run from the repository root::
 
     python benchmarks/bench_16_bit.py [--rows 2000000] [--dim 64] [--ids 262144] [--rounds 12] [--steps 3]
         [--threads 2] [--optimizer rowwise_adagrad|adagrad|sgd] [--dtypes float32,bfloat16,float16]
+        [--tunings default,through-caches] [--read-activations] [--probes]
 
 Workload: the update shape (:func:`embedcore.bench.workloads.update_workload`): one ``rows x dim`` table,
 ``ids`` ids a step from the bounded Zipf distribution calibrated to ~150,000 distinct ids (one id per
 sample, sum combiner), so most rows a step reads are not in any cache: the lookup is a cold gather and the
 update a random read-modify-write of ~150,000 rows. Each contender is an ``Embedding`` whose table has
-``weights_dtype`` of its name (slots float32, stochastic rounding on), all with the same optimizer
-(row-wise Adagrad by default, FBGEMM's conventions: accumulators from 0, eps 1e-8) and the same batches.
+``weights_dtype`` of its name (slots float32, stochastic rounding on; a name ending ``-nearest``, e.g.
+``bfloat16-nearest``: rounding to nearest, to time what the random bits cost), all with the same optimizer
+(row-wise Adagrad by default, FBGEMM's conventions: accumulators from 0, eps 1e-8) and the same batches,
+under each of the ``--tunings``: ``default`` (:data:`embedcore.DEFAULT_TUNING`) and ``through-caches``
+(``Tuning(stream_activations_min_bytes=None)``: activations written with normal stores).
 Each round runs ``steps`` steps per contender (lookup, then ``apply_gradients`` of the given gradient), the
-contenders' order reversed every other round; medians are over all steps of all rounds. Every contender
-runs with the same Numba thread count (``--threads``) and the process's allocator.
+contenders' order reversed every other round; medians are over all steps of all rounds. With
+``--read-activations`` each lookup is followed by one pass reading its activations (what a model's first
+layer does; activations written past the caches come back from memory), timed on its own. With
+``--probes`` each round also measures the machine's streaming copy and random 256-byte-row gather
+(:class:`embedcore.bench.machine.Probes`). Every contender runs with the same Numba thread count
+(``--threads``) and the process's allocator.
 
-Bytes a step (the model, not a measurement): ``n_unique * (2 * dim * itemsize + 2 * slot bytes)`` for the
-update's rows and slots read and written, plus ``ids * dim * 4`` for the gradient rows it reads.
+Bytes a step (the model, not a measurement): the lookup reads ``ids * dim * itemsize`` of rows and writes
+``ids * dim * 4`` of activations (twice that through the caches: a store reads its line first); the
+update reads and writes ``n_unique * (dim * itemsize + slot bytes)`` of rows and slots and reads the
+``ids * dim * 4`` bytes of gradient rows twice (the engine's NaN check, then the update).
 """
 
 from __future__ import annotations
@@ -36,9 +46,10 @@ except ImportError:  # running from a checkout without installing
 
 import numba
 import numpy as np
+from numba import njit, prange
 
 import embedcore as ec
-from embedcore.bench.machine import allocator_name
+from embedcore.bench.machine import Probes, allocator_name
 from embedcore.bench.workloads import make_batches, update_workload
 
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -52,6 +63,19 @@ def _optimizer(name):
     return ec.SGD(0.01)
 
 
+TUNINGS = {"default": ec.Tuning(), "through-caches": ec.Tuning(stream_activations_min_bytes=None)}
+
+
+@njit(parallel=True, cache=True)
+def read_rows(act, out):
+    """``out[a] = sum of act[a]``: one read of every activation."""
+    for a in prange(act.shape[0]):
+        total = np.float32(0.0)
+        for j in range(act.shape[1]):
+            total += act[a, j]
+        out[a] = total
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=2_000_000)
@@ -62,9 +86,14 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--optimizer", default="rowwise_adagrad", choices=("rowwise_adagrad", "adagrad", "sgd"))
     parser.add_argument("--dtypes", default="float32,bfloat16,float16")
+    parser.add_argument("--tunings", default="default", help=f"comma-separated, of {sorted(TUNINGS)}")
+    parser.add_argument("--read-activations", action="store_true")
+    parser.add_argument("--probes", action="store_true")
     args = parser.parse_args(argv)
     numba.set_num_threads(args.threads)
     dtypes = args.dtypes.split(",")
+    tunings = args.tunings.split(",")
+    contenders = [(dtype, tuning) for tuning in tunings for dtype in dtypes]
 
     w = update_workload(E=args.rows, D=args.dim, ids=args.ids, n_batches=args.steps)
     batches = make_batches(w)
@@ -72,43 +101,63 @@ def main(argv=None) -> int:
     n_unique = [len(np.unique(ids)) for ids, _ in inputs]
 
     engines = {}
-    for dtype in dtypes:
+    sums = np.empty(args.ids, np.float32)
+    for dtype, tuning in contenders:
         table = ec.TableConfig(args.rows, args.dim, name="t", combiner="sum", initializer=ec.RandomUniform(-0.05, 0.05),
-                               weights_dtype=dtype)
-        emb = ec.Embedding({"f": ec.FeatureConfig(table)}, _optimizer(args.optimizer), seed=1)
+                               weights_dtype=dtype.removesuffix("-nearest"),
+                               stochastic_rounding=not dtype.endswith("-nearest"))
+        emb = ec.Embedding({"f": ec.FeatureConfig(table)}, _optimizer(args.optimizer), seed=1, tuning=TUNINGS[tuning])
         for ids, grad in inputs[:2]:  # compile, and touch every page the batches map
             acts, ctx = emb({"f": ids})
+            read_rows(acts["f"], sums)
             emb.apply_gradients({"f": grad}, ctx)
-        engines[dtype] = emb
+        engines[dtype, tuning] = emb
+    probes = Probes(args.threads) if args.probes else None
+    probe_rounds = []
 
-    times = {d: {"lookup": [], "update": []} for d in dtypes}
+    times = {c: {"lookup": [], "read": [], "update": []} for c in contenders}
     for r in range(args.rounds):
-        for dtype in (dtypes if r % 2 == 0 else dtypes[::-1]):
-            emb = engines[dtype]
+        if probes is not None:
+            probe_rounds.append(probes.measure())
+        for contender in (contenders if r % 2 == 0 else contenders[::-1]):
+            emb = engines[contender]
             for ids, grad in inputs:
                 t0 = time.perf_counter()
                 acts, ctx = emb({"f": ids})
                 t1 = time.perf_counter()
-                emb.apply_gradients({"f": grad}, ctx)
+                if args.read_activations:
+                    read_rows(acts["f"], sums)
                 t2 = time.perf_counter()
-                times[dtype]["lookup"].append(t1 - t0)
-                times[dtype]["update"].append(t2 - t1)
+                emb.apply_gradients({"f": grad}, ctx)
+                t3 = time.perf_counter()
+                times[contender]["lookup"].append(t1 - t0)
+                times[contender]["read"].append(t2 - t1)
+                times[contender]["update"].append(t3 - t2)
 
     slot_bytes = 4 if args.optimizer == "rowwise_adagrad" else (4 * args.dim if args.optimizer == "adagrad" else 0)
     print(f"# {args.rows:,} x {args.dim} table, {args.ids:,} ids a step ({min(n_unique):,}-{max(n_unique):,} "
           f"distinct), {args.optimizer}, {args.rounds} rounds x {args.steps} steps, Numba {args.threads} threads, "
           f"allocator {allocator_name()}, GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT')}")
-    base = {phase: statistics.median(times[dtypes[0]][phase]) for phase in ("lookup", "update")}
-    print(f"{'table':<10} {'lookup ms':>10} {'vs ' + dtypes[0]:>12} {'update ms':>10} {'vs ' + dtypes[0]:>12} "
-          f"{'step ms':>9} {'MB a step':>10}")
-    for dtype in dtypes:
-        lookup = statistics.median(times[dtype]["lookup"])
-        update = statistics.median(times[dtype]["update"])
-        step = statistics.median(a + b for a, b in zip(times[dtype]["lookup"], times[dtype]["update"]))
-        mb = (statistics.median(n_unique) * (2 * args.dim * ITEMSIZE[dtype] + 2 * slot_bytes)
-              + args.ids * args.dim * 4) / 1e6
-        print(f"{dtype:<10} {lookup * 1e3:>10.2f} {lookup / base['lookup']:>11.2f}x {update * 1e3:>10.2f} "
-              f"{update / base['update']:>11.2f}x {step * 1e3:>9.2f} {mb:>10.0f}")
+    if probe_rounds:
+        for name in probe_rounds[0]:
+            per_round = [p[name] for p in probe_rounds]
+            print(f"# probe {name}: median {statistics.median(per_round):.1f} GB/s "
+                  f"({min(per_round):.1f}-{max(per_round):.1f} over rounds)")
+    base = {}
+    print(f"{'table':<16} {'tuning':<15} {'lookup ms':>10} {'vs f32':>7} {'read ms':>8} {'update ms':>10} "
+          f"{'vs f32':>7} {'step ms':>8} {'MB a step':>10}")
+    for dtype, tuning in contenders:
+        t = times[dtype, tuning]
+        med = {phase: statistics.median(t[phase]) for phase in t}
+        base.setdefault(tuning, med)
+        step = statistics.median(sum(parts) for parts in zip(t["lookup"], t["read"], t["update"]))
+        itemsize = ITEMSIZE[dtype.removesuffix("-nearest")]
+        rows_and_slots = statistics.median(n_unique) * 2 * (args.dim * itemsize + slot_bytes)
+        mb = (args.ids * args.dim * (itemsize + 4) + rows_and_slots + 2 * args.ids * args.dim * 4) / 1e6
+        read = f"{med['read'] * 1e3:>8.2f}" if args.read_activations else f"{'-':>8}"
+        print(f"{dtype:<16} {tuning:<15} {med['lookup'] * 1e3:>10.2f} {med['lookup'] / base[tuning]['lookup']:>6.2f}x "
+              f"{read} {med['update'] * 1e3:>10.2f} {med['update'] / base[tuning]['update']:>6.2f}x {step * 1e3:>8.2f} "
+              f"{mb:>10.0f}")
     return 0
 
 

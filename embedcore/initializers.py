@@ -21,6 +21,7 @@ import zlib
 import numpy as np
 
 from .kernels import random as _random
+from .kernels.threads import one_thread_below
 from .value_object import ValueObject
 
 __all__ = ["Initializer", "Constant", "Zeros", "TruncatedNormal", "RandomUniform", "RowId", "fill_rows",
@@ -243,7 +244,8 @@ def fill_key_rows(initializer, out: np.ndarray, keys, seed: int, *names: str) ->
         raise ValueError(f"the keys of {where} must be int64 or uint64, got dtype {keys.dtype}")
     keys = keys.view(np.uint64)
     own_seed = getattr(initializer, "seed", None)
-    initializer.fill_keys(out, keys, stream_key(seed if own_seed is None else own_seed, *names))
+    with one_thread_below(out.size):   # a step's new keys are often a handful
+        initializer.fill_keys(out, keys, stream_key(seed if own_seed is None else own_seed, *names))
     bad = _random.first_non_finite_row(out)
     if bad >= 0:
         values = out[bad]

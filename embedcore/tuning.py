@@ -30,6 +30,10 @@ class Tuning:
         sum_by_blocks: stacked tables' gradients are summed block by block as the batch is walked (hashing
             each block's rows), instead of grouping occurrences by row with a sort.
         parallel_layout_min: pooled features of at least this many ids are laid out by all threads.
+        stream_activations_min_bytes: a lookup whose activations take at least this many bytes writes them
+            past the caches (non-temporal stores, rows of whole cache lines): they would leave the caches
+            before the model reads them, and a normal store first reads every line it writes. ``None``:
+            never.
         phase_timer: called as ``phase_timer(phase, seconds)`` after each phase of a step (layout, gather,
             gradient check, grouping, update; for dynamic tables also their keys' plan and commit), for
             profiling; ``None`` times nothing.
@@ -40,7 +44,13 @@ class Tuning:
     narrow_hash_types: bool = True
     sum_by_blocks: bool = True
     parallel_layout_min: int = 1 << 18
+    stream_activations_min_bytes: int | None = 32 << 20
     phase_timer: PhaseTimer | None = field(default=None, compare=False)
+
+    def streams(self, activation_bytes: int) -> bool:
+        """Whether a lookup writing ``activation_bytes`` of activations writes them past the caches."""
+        limit = self.stream_activations_min_bytes
+        return limit is not None and activation_bytes >= limit
 
     def replace(self, **changes) -> "Tuning":
         """A copy with ``changes`` applied."""

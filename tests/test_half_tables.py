@@ -120,6 +120,28 @@ def test_stochastic_rounding_of_float16_subnormals_is_unbiased():
         assert abs(mean - float(np.float32(value))) < 5 * gap / np.sqrt(x.shape[0]), value
 
 
+def test_stochastic_rounding_of_float16_subnormals_follows_its_rule():
+    """Below 2**-14, ``|x|`` in units of 2**-24 is ``q`` with ``k`` >= 14 fractional bits: it rounds up exactly
+    when the low ``min(k, 16)`` random bits plus the top ``min(k, 16)`` fractional bits reach ``2**min(k, 16)``
+    (every float32 subnormal included)."""
+    rng = np.random.default_rng(4)
+    magnitudes = np.concatenate([rng.integers(1, 0x38800000, 400_000, dtype=np.uint64).astype(np.uint32),
+                                 np.arange(1, 1 << 16, dtype=np.uint32) << np.uint32(7)])  # float32 subnormals too
+    signs = rng.integers(0, 2, magnitudes.shape[0], dtype=np.uint64).astype(np.uint32) << np.uint32(31)
+    x = (magnitudes | signs).view(np.float32)
+    random = rng.integers(0, 1 << 16, x.shape[0], dtype=np.uint64)
+    exponent = (magnitudes >> np.uint32(23)).astype(np.int64)
+    significand = (magnitudes & np.uint32(0x7FFFFF)).astype(np.uint64) | np.where(exponent > 0, 1 << 23, 0).astype(
+        np.uint64)
+    k = 126 - np.maximum(exponent, 1)  # fractional bits of q = significand / 2**k
+    kept = np.minimum(k, 16).astype(np.uint64)
+    top = significand >> (k - kept.astype(np.int64)).clip(0, 63).astype(np.uint64)  # q with kept fractional bits
+    top = np.where(k - kept.astype(np.int64) > 40, 0, top)
+    magnitude = (top + (random & ((np.uint64(1) << kept) - np.uint64(1)))) >> kept
+    expected = (magnitude.astype(np.uint32) | ((magnitudes | signs) >> np.uint32(16)) & np.uint32(0x8000))
+    assert np.array_equal(_encode("float16", x, True, random), expected.astype(np.uint16))
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.floats(width=32, allow_nan=False, allow_infinity=False), st.integers(0, 2 ** 16 - 1))
 def test_stochastic_rounding_gives_one_of_the_two_neighbours(value, random):
@@ -339,6 +361,24 @@ def test_lookups_equal_float32_lookups_of_the_same_values_bit_for_bit(name, dim)
             assert np.array_equal(got[f].view(np.uint32), want[f].view(np.uint32)), f
 
 
+@pytest.mark.parametrize("dim", [64, 5])
+@pytest.mark.parametrize("name", ["float32", *sorted(DTYPES)])
+def test_lookups_streamed_past_the_caches_are_the_lookups_through_them(name, dim):
+    """``Tuning.stream_activations_min_bytes`` changes where activations are written, never their bits
+    (rows of whole cache lines are streamed; others are not, whatever the tuning)."""
+    table = ec.TableConfig(300, dim, name="t", combiner="mean", weights_dtype=name)
+    engines = [ec.Embedding({"f": ec.FeatureConfig(table)}, ec.SGD(0.1), seed=4, tuning=ec.Tuning(**tuning))
+               for tuning in ({"stream_activations_min_bytes": 0}, {"stream_activations_min_bytes": None})]
+    rng = np.random.default_rng(dim)
+    for _ in range(3):
+        samples = random_samples(rng, 3000, 300, 6, rng.integers(0, 300, 3))
+        ids, weights = as_input(samples, random_weights(rng, samples), "ragged")
+        (streamed, _), (through, _) = (emb({"f": ids}, {"f": weights}) for emb in engines)
+        assert np.array_equal(streamed["f"].view(np.uint32), through["f"].view(np.uint32))
+    assert not ec.Tuning(stream_activations_min_bytes=None).streams(1 << 40)
+    assert ec.Tuning(stream_activations_min_bytes=64).streams(64) and not ec.Tuning().streams(64)
+
+
 def test_initial_values_are_the_float32_ones_rounded_to_nearest():
     for name, dtype in DTYPES.items():
         for init in (None, ec.RandomUniform(-0.3, 0.3, seed=5), ec.Constant(0.1), lambda s, d: np.full(s, 0.7)):
@@ -465,3 +505,55 @@ def test_the_gather_in_registers_sums_as_the_gather_in_memory(name):
             gather_16_kernel(name, None)(bits, rows, gains, ptr, any_length, 0)
             same = (fixed.view(np.uint32) == any_length.view(np.uint32)) | (np.isnan(fixed) & np.isnan(any_length))
             assert same.all(), (dim, gains is None)
+
+
+def _row_kernels(name, stochastic):
+    from embedcore.kernels.half_rows import row_loader, row_storer
+    store, load = row_storer(name, stochastic), row_loader(name)
+
+    @njit
+    def in_registers(bits, values, out, keys):  # a constant row length of whole lines: vector registers
+        stored = np.zeros(values.shape[0], np.bool_)
+        for r in range(values.shape[0]):
+            stored[r] = store(bits, r, values[r], keys[r], np.uint64(r * 5), None, None, 32)
+            load(out[r], bits, r, 32)
+        return stored
+
+    @njit
+    def value_by_value(bits, values, out, keys, dim):
+        random_words, encoded = np.empty(8, np.uint64), np.empty(dim, np.uint16)
+        stored = np.zeros(values.shape[0], np.bool_)
+        for r in range(values.shape[0]):
+            stored[r] = store(bits, r, values[r], keys[r], np.uint64(r * 5), random_words, encoded, dim)
+            load(out[r], bits, r, dim)
+        return stored
+    return in_registers, value_by_value
+
+
+@pytest.mark.parametrize("stochastic", [True, False])
+@pytest.mark.parametrize("name", sorted(DTYPES))
+def test_rows_rounded_in_registers_are_the_rows_rounded_value_by_value(name, stochastic):
+    """The update's 16-bit rows of whole cache lines are rounded, checked and stored in vector registers: the
+    same bits as value by value (:func:`half.rounding_bits` words for the random bits), nothing stored when a
+    value rounds to infinity or is not finite, and rows read back as float32 exactly."""
+    in_registers, value_by_value = _row_kernels(name, stochastic)
+    rng = np.random.default_rng(5)
+    values = _interesting_float32(rng)[:64 * 32 * 40].astype(np.float32)
+    rng.shuffle(values)
+    values = values.reshape(-1, 32)
+    values[::7, 5] = rng.choice(np.float32([np.inf, -np.inf, np.nan, 7e4, -1e38, 65519.0, 65520.0]), values[::7].shape[0])
+    keys = rng.integers(0, 1 << 63, values.shape[0], dtype=np.uint64)
+    start = rng.integers(0, 1 << 16, values.shape, dtype=np.uint64).astype(np.uint16)
+    got, want = start.copy(), start.copy()
+    out_got, out_want = np.empty(values.shape, np.float32), np.empty(values.shape, np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        stored_got = in_registers(got, values, out_got, keys)
+        stored_want = value_by_value(want, values, out_want, keys, np.int64(32))
+    assert np.array_equal(stored_got, stored_want)
+    assert 0 < stored_got.sum() < stored_got.shape[0]
+    assert np.array_equal(got, want)
+    assert np.array_equal(got[~stored_got], start[~stored_got])
+    assert np.array_equal(out_got.view(np.uint32), out_want.view(np.uint32))
+    decoded = got.view(DTYPES[name]).astype(np.float32)
+    assert np.array_equal(np.isnan(decoded), np.isnan(out_got))
+    assert np.array_equal(decoded[~np.isnan(decoded)].view(np.uint32), out_got[~np.isnan(out_got)].view(np.uint32))

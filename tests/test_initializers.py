@@ -9,11 +9,13 @@ import subprocess
 import sys
 import textwrap
 
+import numba
 import numpy as np
 import pytest
 
 import embedcore as ec
-from embedcore.initializers import fill_rows, stream_key
+from embedcore.initializers import fill_key_rows, fill_rows, stream_key
+from embedcore.kernels.threads import SMALL_WORK, one_thread_below
 
 V, D = 64, 4
 
@@ -238,3 +240,28 @@ def test_strided_rows_equal_the_whole_table(init, first, stride):
     part = np.empty((n, 5), np.float32)
     fill_rows(init, part, first, 23, 11, "t", stride=stride)
     np.testing.assert_array_equal(part, whole[first::stride])
+
+
+@pytest.mark.parametrize("init", [ec.TruncatedNormal(0.0, 0.3), ec.RandomUniform(-1.0, 2.0), ec.RowId(0.5)])
+def test_key_rows_equal_whether_filled_on_one_thread_or_all(init):
+    """Small fills run on the calling thread alone (``one_thread_below``): the same values as one large
+    parallel fill of the same keys, row by row."""
+    dim = 8
+    keys = np.random.default_rng(4).integers(-2 ** 63, 2 ** 63, 2 * SMALL_WORK // dim, dtype=np.int64)
+    whole = np.empty((keys.shape[0], dim), np.float32)
+    fill_key_rows(init, whole, keys, 9, "t")
+    for lo in range(0, keys.shape[0], 7):   # 7 keys a fill: each below SMALL_WORK
+        part = np.empty((min(7, keys.shape[0] - lo), dim), np.float32)
+        fill_key_rows(init, part, keys[lo:lo + 7], 9, "t")
+        np.testing.assert_array_equal(part, whole[lo:lo + 7])
+
+
+def test_one_thread_below_restores_the_thread_count():
+    before = numba.get_num_threads()
+    with one_thread_below(10 ** 9):
+        assert numba.get_num_threads() == before
+    with pytest.raises(RuntimeError):
+        with one_thread_below(1):
+            assert numba.get_num_threads() == 1
+            raise RuntimeError("inside")
+    assert numba.get_num_threads() == before

@@ -264,6 +264,59 @@ def test_sums_in_registers_are_the_in_memory_sums_bit_for_bit(dim, n_rows, lengt
                                                                         table[rows[lo:hi]]))
 
 
+@settings(max_examples=40, deadline=None)
+@given(st.sampled_from(["float32", "float16", "bfloat16"]), st.sampled_from([16, 64, 128]), st.integers(1, 6),
+       st.lists(st.integers(0, 11), min_size=1, max_size=2100), st.booleans(), st.booleans(), st.integers(0, 2 ** 32))
+def test_streaming_gather_writes_the_bits_the_gather_writes(stored, dim, n_rows, lengths, with_gains, prefetch,
+                                                            seed):
+    """The gather that stores activations past the caches (chunks of ``STREAM_CHUNK`` rows, each fenced)
+    writes the same bits as the gather through the caches, for float32 rows and any bits of 16-bit rows
+    (NaN, infinities, -0.0), empty bags, bags across chunk ends, gains or none; it writes every activation
+    row and nothing past them."""
+    from embedcore.kernels.aligned import aligned_empty
+    from embedcore.kernels.rows import can_stream, gather_16_kernel, gather_kernel, streaming_gather_kernel
+    rng = np.random.default_rng(seed)
+    if stored == "float32":
+        table = rng.standard_normal((n_rows, dim)).astype(np.float32)
+        table[rng.random(table.shape) < 0.05] = -0.0
+    else:
+        table = rng.integers(0, 1 << 16, (n_rows, dim), dtype=np.uint64).astype(np.uint16)
+    out_ptr = np.concatenate(([0], np.cumsum(lengths))).astype(np.int64)
+    n = int(out_ptr[-1])
+    rows = rng.integers(0, n_rows, n).astype(np.int64)
+    gains = rng.standard_normal(n).astype(np.float32) if with_gains else None
+    ahead = 16 if prefetch else 0
+    streamed = aligned_empty((len(lengths) + 1, dim), np.float32)
+    streamed[:] = np.nan
+    assert can_stream(table, streamed[:-1])
+    streaming_gather_kernel(stored, dim)(table, rows, gains, out_ptr, streamed[:-1], ahead)
+    through = np.empty((len(lengths), dim), np.float32)
+    if stored == "float32":
+        gather_kernel(dim, prefetch)(table, rows, gains, out_ptr, through)
+    else:
+        gather_16_kernel(stored, dim)(table, rows, gains, out_ptr, through, ahead)
+    np.testing.assert_array_equal(streamed[:-1].view(np.uint32), through.view(np.uint32))
+    assert np.isnan(streamed[-1]).all()
+
+
+def test_activations_that_cannot_be_streamed_are_gathered_through_the_caches():
+    """``gather_combine`` streams only activations starting on a cache line, rows of whole lines; other
+    arrays take the gather through the caches, with the same sums."""
+    from embedcore.kernels.aligned import aligned_empty
+    from embedcore.kernels.rows import can_stream, gather_combine
+    rng = np.random.default_rng(5)
+    table = rng.standard_normal((50, 32)).astype(np.float32)
+    rows, out_ptr = rng.integers(0, 50, 300), np.arange(0, 301, 3)
+    aligned = aligned_empty((100, 32), np.float32)
+    shifted = aligned_empty(100 * 32 + 1, np.float32)[1:].reshape(100, 32)  # 4 bytes past a line
+    assert can_stream(table, aligned) and not can_stream(table, shifted)
+    assert not can_stream(table[:, :20], aligned_empty((100, 20), np.float32))
+    gather_combine(table, rows, None, out_ptr, aligned, stream=True)
+    gather_combine(table, rows, None, out_ptr, shifted, stream=True)
+    np.testing.assert_array_equal(aligned, shifted)
+    np.testing.assert_array_equal(aligned, table[rows].reshape(100, 3, 32).sum(axis=1, dtype=np.float32))
+
+
 def test_sums_over_rows_that_are_not_contiguous_are_summed_in_memory():
     """A kernel compiled for a row length, given a table whose rows are not C-contiguous (a strided view),
     takes the in-memory sum (its register loads assume contiguous rows) and computes the same values; so

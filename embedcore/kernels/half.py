@@ -22,6 +22,10 @@ bits ``16 * (j % 4)`` and up), so a value's rounding does not depend on threads,
 A value too large for the format rounds to infinity, which the update treats like any non-finite result:
 the row is left as it was and reported. float16 holds magnitudes up to 65504 (subnormals down to 2**-24);
 bfloat16 has float32's range with 8 significant bits.
+
+The conversions are built in LLVM IR by :mod:`embedcore.kernels.half_ir` (32-bit lanes, no branch, so the
+loops that call them vectorise); the update reads and writes whole 16-bit rows with
+:mod:`embedcore.kernels.half_rows`.
 """
 
 from __future__ import annotations
@@ -30,14 +34,15 @@ from typing import NamedTuple
 
 import ml_dtypes
 import numpy as np
-from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
+from . import half_ir
 from .random import mix64
 
 __all__ = ["FORMATS", "stored_dtype", "format_of", "bits_of", "is_16_bit", "f16_to_f32", "bf16_to_f32",
            "f32_to_f16", "f32_to_bf16", "f32_to_f16_stochastic", "f32_to_bf16_stochastic", "rounding_bits",
+           "rounding_words", "ROUNDING_LANES",
            "decoder", "encoder", "finite_16", "FORMAT_RANGE", "StoredFormats", "FLOAT32", "rounding_place",
            "slot_key", "step_key"]
 
@@ -95,118 +100,94 @@ def bits_of(array: np.ndarray) -> np.ndarray:
     return array if array.dtype == np.float32 else array.view(np.uint16)
 
 
-@intrinsic
-def _float32_from_bits(typingctx, bits):
-    """The float32 whose bits are the low 32 bits of the integer ``bits``."""
-    if not isinstance(bits, types.Integer):
-        return None
+# The conversions of one value, as jitted functions whose IR comes from kernels/half_ir.py (computed in 32-bit
+# lanes without a branch, so the loops over a row that call them become vector code).
 
-    def codegen(context, builder, signature, args):
-        low = args[0] if bits.bitwidth == 32 else builder.trunc(args[0], ir.IntType(32))
-        return builder.bitcast(low, ir.FloatType())
-    return types.float32(bits), codegen
+def _decoding(stored):
+    @intrinsic
+    def decode(typingctx, bits):
+        if not isinstance(bits, types.Integer):
+            return None
 
-
-@intrinsic
-def _bits_of_float32(typingctx, value):
-    if value != types.float32:
-        return None
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.IntType(32))
-    return types.uint32(value), codegen
+        def codegen(context, builder, signature, args):
+            h = context.cast(builder, args[0], signature.args[0], types.uint16)
+            return half_ir.decode(half_ir.Lanes(builder), h, stored)
+        return types.float32(bits), codegen
+    return decode
 
 
-_U32 = np.uint32
-_TWO_TO_24 = np.float32(2.0 ** 24)
-_TWO_TO_MINUS_24 = np.float32(2.0 ** -24)
+def _encoding(stored, stochastic):
+    @intrinsic
+    def encode(typingctx, value, random):
+        if not (isinstance(value, types.Float) and isinstance(random, types.Integer)):
+            return None
+
+        def codegen(context, builder, signature, args):
+            x = context.cast(builder, args[0], signature.args[0], types.float32)
+            bits = context.cast(builder, args[1], signature.args[1], types.uint16) if stochastic else None
+            return half_ir.encode(half_ir.Lanes(builder), x, bits, stored)
+        return types.uint16(value, random), codegen
+    return encode
+
+
+def _finiteness(stored):
+    @intrinsic
+    def is_finite(typingctx, bits):
+        if not isinstance(bits, types.Integer):
+            return None
+
+        def codegen(context, builder, signature, args):
+            h = context.cast(builder, args[0], signature.args[0], types.uint16)
+            return half_ir.finite(half_ir.Lanes(builder), h, stored)
+        return types.boolean(bits), codegen
+    return is_finite
+
+
+_DECODE = {name: _decoding(name) for name in half_ir.FORMATS_16}
+_NEAREST = {name: _encoding(name, False) for name in half_ir.FORMATS_16}
+_STOCHASTIC = {name: _encoding(name, True) for name in half_ir.FORMATS_16}
+_FINITE = {name: _finiteness(name) for name in half_ir.FORMATS_16}
+_decode_bf16, _decode_f16 = _DECODE["bfloat16"], _DECODE["float16"]
+_nearest_bf16, _nearest_f16 = _NEAREST["bfloat16"], _NEAREST["float16"]
+_stochastic_bf16, _stochastic_f16 = _STOCHASTIC["bfloat16"], _STOCHASTIC["float16"]
+_finite_bf16_bits, _finite_f16_bits = _FINITE["bfloat16"], _FINITE["float16"]
 
 
 @njit(inline="always")
 def bf16_to_f32(bits):
     """The float32 equal to the bfloat16 with these 16 bits (exact)."""
-    return _float32_from_bits(_U32(bits) << _U32(16))
+    return _decode_bf16(bits)
 
 
 @njit(inline="always")
 def f16_to_f32(bits):
     """The float32 equal to the float16 with these 16 bits (exact, subnormals, infinities and NaN too)."""
-    h = _U32(bits)
-    sign = (h & _U32(0x8000)) << _U32(16)
-    exponent = (h >> _U32(10)) & _U32(0x1F)
-    mantissa = h & _U32(0x3FF)
-    if exponent == _U32(0x1F):  # infinity or NaN: float32's all-ones exponent
-        return _float32_from_bits(sign | _U32(0x7F800000) | (mantissa << _U32(13)))
-    if exponent == _U32(0):  # zero or subnormal: mantissa * 2**-24, exact in float32
-        magnitude = np.float32(mantissa) * _TWO_TO_MINUS_24
-        return -magnitude if sign else magnitude
-    return _float32_from_bits(sign | ((exponent + _U32(112)) << _U32(23)) | (mantissa << _U32(13)))
+    return _decode_f16(bits)
 
 
 @njit(inline="always")
 def f32_to_bf16(value):
     """``value`` rounded to the nearest bfloat16, ties to even (NaN stays NaN), as 16 bits."""
-    u = _bits_of_float32(np.float32(value))
-    if (u & _U32(0x7FFFFFFF)) > _U32(0x7F800000):
-        return np.uint16((u >> _U32(16)) | _U32(0x40))  # a quiet NaN
-    return np.uint16((u + _U32(0x7FFF) + ((u >> _U32(16)) & _U32(1))) >> _U32(16))
+    return _nearest_bf16(value, 0)
 
 
 @njit(inline="always")
 def f32_to_bf16_stochastic(value, random):
     """``value`` rounded stochastically to bfloat16 (module docstring) with the 16 random bits ``random``."""
-    u = _bits_of_float32(np.float32(value))
-    if (u & _U32(0x7FFFFFFF)) >= _U32(0x7F800000):
-        return f32_to_bf16(value)  # infinity and NaN are kept
-    return np.uint16((u + (_U32(random) & _U32(0xFFFF))) >> _U32(16))
+    return _stochastic_bf16(value, random)
 
 
 @njit(inline="always")
 def f32_to_f16(value):
     """``value`` rounded to the nearest float16, ties to even, as 16 bits: infinity beyond 65519.99...,
     subnormals below 2**-14, NaN kept."""
-    x = np.float32(value)
-    u = _bits_of_float32(x)
-    sign = (u >> _U32(16)) & _U32(0x8000)
-    a = u & _U32(0x7FFFFFFF)
-    if a > _U32(0x7F800000):
-        return np.uint16(sign | _U32(0x7E00))
-    if a >= _U32(0x477FF000):  # 65520 and above (and infinity) round to infinity
-        return np.uint16(sign | _U32(0x7C00))
-    if a < _U32(0x38800000):  # below 2**-14: a multiple of 2**-24, rounded as an integer (exact scaling)
-        return np.uint16(sign | _U32(np.rint(abs(x) * _TWO_TO_24)))
-    v = a - _U32(112 << 23)  # rebias the exponent from 127 to 15
-    return np.uint16(sign | ((v + _U32(0xFFF) + ((v >> _U32(13)) & _U32(1))) >> _U32(13)))
+    return _nearest_f16(value, 0)
 
 
 @njit(inline="always")
 def f32_to_f16_stochastic(value, random):
     """``value`` rounded stochastically to float16 (module docstring) with the 16 random bits ``random``."""
-    x = np.float32(value)
-    u = _bits_of_float32(x)
-    r = _U32(random) & _U32(0xFFFF)
-    sign = (u >> _U32(16)) & _U32(0x8000)
-    a = u & _U32(0x7FFFFFFF)
-    if a >= _U32(0x47800000):  # 2**16 and above, infinity, NaN: no float16 below can be the result
-        return f32_to_f16(value)
-    if a >= _U32(0x38800000):  # a float16 normal: 13 bits dropped (a carry may reach infinity: overflow)
-        v = a - _U32(112 << 23)
-        return np.uint16(sign | ((v + (r & _U32(0x1FFF))) >> _U32(13)))
-    # A float16 subnormal: |x| = m * 2**(e - 150) in units of 2**-24 is m >> (126 - e), dropping 126 - e bits.
-    e = np.int64(a >> _U32(23))
-    m = np.uint64(a & _U32(0x7FFFFF))
-    if e > 0:
-        m = m | np.uint64(0x800000)
-    else:
-        e = np.int64(1)  # a float32 subnormal: m * 2**-149
-    shift = 126 - e  # at least 14
-    if shift <= 16:
-        mask = (np.uint64(1) << np.uint64(shift)) - np.uint64(1)
-        return np.uint16(sign | _U32((m + (np.uint64(r) & mask)) >> np.uint64(shift)))
-    if shift - 16 >= 24:  # m < 2**24: no dropped bit among the top 16, the value rounds to zero
-        return np.uint16(sign)
-    top = m >> np.uint64(shift - 16)  # the integer part, then the top 16 dropped bits
-    return np.uint16(sign | _U32((top + np.uint64(r)) >> np.uint64(16)))
+    return _stochastic_f16(value, random)
 
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -219,14 +200,37 @@ def rounding_bits(key, counter):
     return mix64(np.uint64(key) + (np.uint64(counter) + np.uint64(1)) * _GOLDEN)
 
 
+ROUNDING_LANES = half_ir.WORD_LANES  # words of rounding bits :func:`rounding_words` makes at once
+
+
+@intrinsic
+def rounding_words(typingctx, out, start, key, counter):
+    """``out[start + i] = rounding_bits(key, counter + i)`` for ``i < ROUNDING_LANES``, as one vector of
+    ``ROUNDING_LANES`` words (the same bits: a scalar loop over a row's few words is unrolled, not
+    vectorised). ``out`` is a C-contiguous uint64 array with room for the lanes (not checked)."""
+    if not (isinstance(out, types.Array) and out.ndim == 1 and out.layout == "C" and out.dtype == types.uint64
+            and all(isinstance(t, types.Integer) for t in (start, key, counter))):
+        return None
+
+    def codegen(context, builder, signature, args):
+        at, key_v, counter_v = (context.cast(builder, args[i], signature.args[i], t)
+                                for i, t in ((1, types.intp), (2, types.uint64), (3, types.uint64)))
+        words, = half_ir.rounding_bits(builder, key_v, counter_v, ROUNDING_LANES)
+        array = context.make_array(signature.args[0])(context, builder, args[0])
+        builder.store(words, builder.bitcast(builder.gep(array.data, [at]), words.type.as_pointer()), align=8)
+        return context.get_dummy_value()
+
+    return types.void(out, start, key, counter), codegen
+
+
 @njit(inline="always")
 def _finite_bf16(bits):
-    return (np.uint32(bits) & _U32(0x7F80)) != _U32(0x7F80)
+    return _finite_bf16_bits(bits)
 
 
 @njit(inline="always")
 def _finite_f16(bits):
-    return (np.uint32(bits) & _U32(0x7C00)) != _U32(0x7C00)
+    return _finite_f16_bits(bits)
 
 
 def decoder(name: str):

@@ -24,12 +24,14 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from . import half_ir
 from .prefetch import CACHE_LINE_FLOATS, emit_prefetch
 
 __all__ = ["weighted_sum_registers", "sequential_sum_registers", "weighted_sum_registers_16", "sums_in_registers",
-           "block_width", "no_gains"]
+           "streaming_sum_registers", "store_fence", "block_width", "no_gains", "STREAM_ALIGN"]
 
 _I32 = ir.IntType(32)
+STREAM_ALIGN = 64  # bytes: the alignment of the rows a streaming sum writes
 
 
 def block_width(dim: int) -> int:
@@ -88,43 +90,20 @@ class _Arrays:
         return self.builder.extract_value(self.arrays[name][1].shape, 0)
 
 
-def _block_sum_intrinsic(group_size, stored="float32"):
+def _block_sum_intrinsic(group_size, stored="float32", streaming=False):
     """The block sum adding occurrences in groups of ``group_size`` (4: ``(t0 + t1) + (t2 + t3)`` then the
     rest one by one, the lookup's order; 1: one by one, the update's order), of rows ``stored`` as float32 or
-    as the bits of a 16-bit format (converted to float32 as they are loaded)."""
+    as the bits of a 16-bit format (converted to float32 as they are loaded); ``streaming``: the sum is
+    stored past the caches (see :data:`streaming_sum_registers`)."""
 
     @intrinsic
     def block_sum(typingctx, dst, d, lo, hi, index, gain, src, ahead, col, width):
-        return _block_sum_signature(group_size, stored, dst, d, lo, hi, index, gain, src, ahead, col, width)
+        return _block_sum_signature(group_size, stored, streaming, dst, d, lo, hi, index, gain, src, ahead, col,
+                                    width)
     return block_sum
 
 
-def _splat(builder, vector, value):
-    return ir.Constant(vector, [value] * vector.count)
-
-
-def _decode(builder, raw, stored):
-    """A ``<w x i16>`` vector of 16-bit values as ``<w x float>`` (exact: kernels/half.py's conversions)."""
-    w = raw.type.count
-    ints = ir.VectorType(_I32, w)
-    h = builder.zext(raw, ints)
-    if stored == "bfloat16":  # the float32 with these 16 high bits
-        return builder.bitcast(builder.shl(h, _splat(builder, ints, 16)), ir.VectorType(ir.FloatType(), w))
-    sign = builder.shl(builder.and_(h, _splat(builder, ints, 0x8000)), _splat(builder, ints, 16))
-    exponent = builder.and_(h, _splat(builder, ints, 0x7C00))
-    mantissa = builder.and_(h, _splat(builder, ints, 0x3FF))
-    magnitude = builder.shl(builder.and_(h, _splat(builder, ints, 0x7FFF)), _splat(builder, ints, 13))
-    normal = builder.add(magnitude, _splat(builder, ints, 112 << 23))    # exponent 15 -> 127
-    special = builder.add(magnitude, _splat(builder, ints, 224 << 23))   # infinity, NaN: all-ones exponent
-    floats = ir.VectorType(ir.FloatType(), w)
-    subnormal = builder.fmul(builder.uitofp(mantissa, floats), _splat(builder, floats, 2.0 ** -24))
-    bits = builder.select(builder.icmp_unsigned("==", exponent, _splat(builder, ints, 0x7C00)), special, normal)
-    bits = builder.select(builder.icmp_unsigned("==", exponent, _splat(builder, ints, 0)),
-                          builder.bitcast(subnormal, ints), bits)
-    return builder.bitcast(builder.or_(bits, sign), floats)
-
-
-def _block_sum_signature(group_size, stored, dst, d, lo, hi, index, gain, src, ahead, col, width):
+def _block_sum_signature(group_size, stored, streaming, dst, d, lo, hi, index, gain, src, ahead, col, width):
     """``dst[d, col:col + width] = sum over k in [lo, hi) of gain[k] * src[index[k], col:col + width]`` (the
     module docstring's order for ``group_size``; ``gain`` None: every gain 1, no product, the same sums since
     ``1 * x == x``); for ``ahead`` > 0 the block's lines of the rows ``ahead`` occurrences on are prefetched."""
@@ -169,7 +148,7 @@ def _block_sum_signature(group_size, stored, dst, d, lo, hi, index, gain, src, a
             else:
                 raw = builder.load(builder.bitcast(arrays.pointer("src", source_row(k), col_v),
                                                    ir.VectorType(ir.IntType(16), w).as_pointer()), align=2)
-                values = _decode(builder, raw, stored)
+                values = half_ir.decode(half_ir.Lanes(builder, w), raw, stored)
             if unit:
                 return values
             scale = builder.load(arrays.pointer("gain", k))
@@ -240,7 +219,12 @@ def _block_sum_signature(group_size, stored, dst, d, lo, hi, index, gain, src, a
         total = builder.phi(vector)
         total.add_incoming(ir.Constant(vector, [0.0] * w), not_group)
         total.add_incoming(acc1, ones_check)
-        builder.store(total, builder.bitcast(arrays.pointer("dst", row_d, col_v), vector.as_pointer()), align=4)
+        target = builder.bitcast(arrays.pointer("dst", row_d, col_v), vector.as_pointer())
+        if streaming:  # whole 64-byte lines, each aligned (the caller's promise), written around the caches
+            store = builder.store(total, target, align=STREAM_ALIGN)
+            store.set_metadata("nontemporal", builder.module.add_metadata([_I32(1)]))
+        else:
+            builder.store(total, target, align=4)
         return context.get_dummy_value()
 
     return types.void(dst, d, lo, hi, index, gain, src, ahead, col, width), codegen
@@ -249,6 +233,7 @@ def _block_sum_signature(group_size, stored, dst, d, lo, hi, index, gain, src, a
 _grouped_block_sum = _block_sum_intrinsic(4)
 _sequential_block_sum = _block_sum_intrinsic(1)
 _grouped_block_sum_16 = {stored: _block_sum_intrinsic(4, stored) for stored in ("float16", "bfloat16")}
+_streaming_block_sum = {stored: _block_sum_intrinsic(4, stored, True) for stored in ("float32", "float16", "bfloat16")}
 
 
 @njit(inline="always")
@@ -281,3 +266,35 @@ def _weighted_sum_registers_16(stored):
 
 
 weighted_sum_registers_16 = {stored: _weighted_sum_registers_16(stored) for stored in ("float16", "bfloat16")}
+
+
+def _streaming_sum_registers(stored):
+    block_sum = _streaming_block_sum[stored]
+
+    @njit(inline="always")
+    def streaming_sum(dst, d, lo, hi, index, gain, src, ahead, dim, width):
+        for col in range(0, dim, width):
+            block_sum(dst, d, lo, hi, index, gain, src, ahead, col, width)
+    streaming_sum.__doc__ = (f":func:`weighted_sum_registers` of {stored} rows, each block of ``dst`` stored past "
+                             f"the caches")
+    return streaming_sum
+
+
+streaming_sum_registers = {stored: _streaming_sum_registers(stored) for stored in ("float32", "float16", "bfloat16")}
+"""Per stored format, the lookup's row sum (as :func:`weighted_sum_registers`) whose result is written with
+non-temporal stores: straight to memory through write-combining buffers, without first reading the
+destination's lines into the cache (a normal store reads each line it writes, for ownership). For an
+activation array far larger than the caches, that read is a third of the lookup's memory traffic, and the
+array would leave the caches anyway before the model reads it. ``dst`` rows must start on
+``STREAM_ALIGN``-byte boundaries (the caller checks), and the caller fences the stores (:func:`store_fence`)
+before its results are read by another thread."""
+
+
+@intrinsic
+def store_fence(typingctx):
+    """A full memory fence (``mfence`` on x86): this thread's non-temporal stores are visible to every
+    thread before any of its later loads and stores (they are not ordered by the x86 memory model)."""
+    def codegen(context, builder, signature, args):
+        builder.fence("seq_cst")
+        return context.get_dummy_value()
+    return types.void(), codegen

@@ -32,13 +32,15 @@ from numba import njit, prange, types
 from numba.extending import overload
 
 from ..compile_cache import jit_source
+from .aligned import is_aligned
 from .half import decoder
 from .prefetch import CACHE_LINE_FLOATS, prefetch_rows_ahead
-from .row_vector import (block_width, no_gains, sequential_sum_registers, sums_in_registers, weighted_sum_registers,
-                         weighted_sum_registers_16)
+from .row_vector import (STREAM_ALIGN, block_width, no_gains, sequential_sum_registers, store_fence,
+                         streaming_sum_registers, sums_in_registers, weighted_sum_registers, weighted_sum_registers_16)
 
-__all__ = ["weighted_sum", "weighted_sum_fixed", "sequential_sum", "sequential_sum_fixed", "copy_row", "gather_combine", "gather_kernel", "fixed_length",
-           "sum_gradients", "count_non_finite", "ROWS_AHEAD"]
+__all__ = ["weighted_sum", "weighted_sum_fixed", "sequential_sum", "sequential_sum_fixed", "copy_row", "gather_combine",
+           "gather_kernel", "gather_16_kernel", "streaming_gather_kernel", "can_stream", "fixed_length",
+           "sum_gradients", "count_non_finite", "ROWS_AHEAD", "STREAM_CHUNK"]
 
 ROWS_AHEAD = 16  # occurrences whose source rows are prefetched ahead of the current one (a shorter distance
                  # leaves rows from DRAM late; a longer one was slower on them too)
@@ -290,14 +292,56 @@ def gather_16_kernel(stored: str, dim: int | None = None):
     return kernel
 
 
-def gather_combine(table, rows, gains, out_ptr, act, prefetch: bool = True, stored: str = "float32"):
+# The gather that writes its activations past the caches (row_vector.streaming_sum_registers), for rows of
+# whole cache lines: the activation rows in chunks, each thread fencing its stores after each chunk.
+_GATHER_STREAMING_SOURCE = '''
+def gather(table, rows, gains, out_ptr, act, ahead):
+    if table.shape[1] != {dim} or act.shape[1] != {dim}:
+        raise ValueError("gather kernel compiled for rows of {dim} values called with other rows")
+    n = act.shape[0]
+    for c in prange((n + {chunk} - 1) // {chunk}):
+        for a in range(c * {chunk}, min(n, (c + 1) * {chunk})):
+            streaming_sum(act, a, out_ptr[a], out_ptr[a + 1], rows, gains, table, ahead, {dim}, {width})
+        store_fence()
+'''
+STREAM_CHUNK = 1024  # activation rows per fence
+
+
+def streaming_gather_kernel(stored: str, dim: int):
+    """The gather of rows of ``dim`` values (a :func:`fixed_length`) of a table ``stored`` as ``"float32"`` (its
+    rows) or a 16-bit format (its ``uint16`` bits) that stores the activations past the caches;
+    ``gather(table, rows, gains, out_ptr, act, ahead)`` with ``act`` C-contiguous and starting on a
+    ``STREAM_ALIGN``-byte boundary (see :func:`gather_combine`). The same sums as the other gathers."""
+    key = ("streaming", stored, dim)
+    kernel = _GATHERS.get(key)
+    if kernel is None:
+        namespace = {"prange": prange, "streaming_sum": streaming_sum_registers[stored], "store_fence": store_fence}
+        source = _GATHER_STREAMING_SOURCE.format(dim=dim, width=block_width(dim), chunk=STREAM_CHUNK)
+        kernel = _GATHERS[key] = jit_source(source, namespace, "gather", ("gather streaming", stored, dim),
+                                            f"embedcore streaming gather kernel, {stored}, dim {dim}", parallel=True)
+    return kernel
+
+
+def can_stream(table, act) -> bool:
+    """Whether :func:`streaming_gather_kernel` takes these arrays: rows of whole cache lines, C-contiguous,
+    ``act`` starting on a ``STREAM_ALIGN``-byte boundary."""
+    return (fixed_length(act.shape[1]) and table.flags.c_contiguous and act.flags.c_contiguous
+            and is_aligned(act, STREAM_ALIGN))
+
+
+def gather_combine(table, rows, gains, out_ptr, act, prefetch: bool = True, stored: str = "float32",
+                   stream: bool = False):
     """``act[a] = sum over o in out_ptr[a]:out_ptr[a + 1] of gains[o] * table[rows[o]]`` (:func:`weighted_sum`,
     by the kernel for ``act``'s row length; ``gains`` None: every gain 1, none read). ``prefetch`` False skips
     the source rows' prefetch, for rows that are in cache anyway (see
     :func:`embedcore.kernels.prefetch.rows_stay_cached`); the sums are the same. A table ``stored`` in 16 bits
-    comes as its ``uint16`` view; its values are summed as float32, as a float32 copy of it would be."""
+    comes as its ``uint16`` view; its values are summed as float32, as a float32 copy of it would be.
+    ``stream`` writes ``act`` past the caches when :func:`can_stream` allows (for activations much larger than
+    the caches, see ``Tuning.stream_activations_min_bytes``); the sums are the same."""
     dim = act.shape[1]
-    if stored != "float32":
+    if stream and can_stream(table, act):
+        streaming_gather_kernel(stored, dim)(table, rows, gains, out_ptr, act, ROWS_AHEAD if prefetch else 0)
+    elif stored != "float32":
         contiguous = table.flags.c_contiguous and act.flags.c_contiguous
         gather_16_kernel(stored, dim if contiguous else None)(table, rows, gains, out_ptr, act,
                                                               ROWS_AHEAD if prefetch else 0)

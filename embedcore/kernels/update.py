@@ -57,14 +57,16 @@ from numba import njit, prange, types  # noqa: F401  (prange is used by the gene
 from numba.extending import overload
 
 from ..compile_cache import jit_source
-from .half import FLOAT32, StoredFormats, decoder, encoder, finite_16, is_16_bit, rounding_bits, rounding_place, slot_key
+from .half import (FLOAT32, ROUNDING_LANES, StoredFormats, decoder, encoder, finite_16, is_16_bit, rounding_bits,
+                   rounding_place, slot_key)
+from .half_rows import row_loader, row_storer
 from .occurrences import occurrence_views, pack_occurrences
 from .prefetch import prefetch_row
 from .row_vector import block_width
 from .rows import copy_row, fixed_length, sequential_sum, sequential_sum_fixed
 
-__all__ = ["update_kernel", "fused_update_kernel", "compile_for", "all_finite", "balanced_chunks", "CHUNK_ROWS", "ROWS_AHEAD",
-           "OCCURRENCES_AHEAD", "STATUS_GRADIENT", "STATUS_OUTPUT", "STATUS_LENGTH", "STATUS_RAISED"]
+__all__ = ["update_kernel", "fused_update_kernel", "compile_for", "all_finite", "balanced_chunks", "CHUNK_ROWS",
+           "ROWS_AHEAD", "OCCURRENCES_AHEAD", "STATUS_GRADIENT", "STATUS_OUTPUT", "STATUS_LENGTH", "STATUS_RAISED"]
 
 CHUNK_ROWS = 256
 ROWS_AHEAD = 4          # unique rows whose table and slot rows are prefetched ahead of the current one
@@ -245,15 +247,22 @@ def _scratch_rows(slot_dims, elementwise):
     return rows
 
 
+def _rows_16(slot_dims, formats):
+    """The 16-bit row arrays the update stores, in order: ``(array, store function, rounding key)``."""
+    rows = [("table", "store_w", "key")] if formats.weights_16 else []
+    if formats.slots_16:
+        rows += [(f"s{k}", "store_s", f"key_s{k}") for k, d in enumerate(slot_dims) if d == 2]
+    return rows
+
+
 def _scratch(slot_dims, elementwise, formats):
     lines = [f"    {name} = np.empty(dim, np.float32)" for name in _scratch_rows(slot_dims, elementwise)]
-    if formats.weights_16:  # the rounded rows, checked before they are stored
-        lines.append("    e_w = np.empty(dim, np.uint16)")
-    if formats.any_16 and formats.stochastic:  # 16 random bits a value, four to a word
-        lines += ["    words = (dim + 3) // 4", "    random_words = np.empty(words, np.uint64)",
-                  "    random_16 = random_words.view(np.uint16)"]
-    if formats.slots_16:
-        lines += [f"    e_n{k} = np.empty(dim, np.uint16)" for k, d in enumerate(slot_dims) if d == 2]
+    if formats.any_16:  # for rows rounded value by value (kernels/half_rows.py): 16 random bits a value
+        lines += ["    words = (dim + 3) // 4",
+                  "    random_words = np.empty((words + LANES - 1) // LANES * LANES, np.uint64)",
+                  "    encoded = np.empty(dim, np.uint16)"]
+    # the bits of each 16-bit row but the last, restored should a later one not be stored
+    lines += [f"    keep_{array} = np.empty(dim, np.uint16)" for array, _, _ in _rows_16(slot_dims, formats)[:-1]]
     return _SCRATCH.format(slot_scratch="\n".join(lines) + ("\n" if lines else ""))
 
 
@@ -267,17 +276,19 @@ def _flag(code):
     return [f"    status[item] = {code}", "    progress[1] += 1", "    continue"]
 
 
-def _load(dst, array, is_16, decode):
+def _load(dst, array, is_16, load, dim_arg):
     """``dst[:] = array[r]`` into a float32 scratch row, decoding 16-bit values."""
     if not is_16:
         return [f"copy_row({dst}, {array}[r])"]
-    return ["for j in range(dim):", f"    {dst}[_U(j)] = {decode}({array}[r, _U(j)])"]
+    return [f"{load}({dst}, {array}, r, {dim_arg})"]
 
 
-def _store(slot_dims, weights, slot_rows, slot_scalars, formats):
+def _store(slot_dims, weights, slot_rows, slot_scalars, formats, dim_arg):
     """Store the checked float32 results (``weights``; per slot, a row in ``slot_rows`` or a scalar in
-    ``slot_scalars``), rounding 16-bit ones first into scratch: a value that rounds to infinity (too large for
-    the format) flags the row and nothing is stored."""
+    ``slot_scalars``), rounding 16-bit ones: a value that rounds to infinity (too large for the format) flags
+    the row and leaves it, and its slots, as they were. 16-bit rows are rounded and stored by
+    ``kernels/half_rows.py``'s ``store_row``, which stores nothing if a value is not finite; when several rows
+    are 16-bit, the bits of all but the last are kept first, and put back if a later one is not stored."""
     n = len(slot_dims)
     if not (formats.weights_16 or formats.slots_16):
         lines = [f"copy_row(table[r], {weights})"]
@@ -285,43 +296,42 @@ def _store(slot_dims, weights, slot_rows, slot_scalars, formats):
             lines.append(f"copy_row(s{k}[r], {slot_rows[k]})" if d == 2 else f"s{k}[r] = {slot_scalars[k]}")
         return lines
     stochastic = formats.stochastic
-    lines = ["t_row, key = rounding_place(rounding, np.int64(r))", "ok = True"]
-    if stochastic:
-        lines.append("base = np.uint64(t_row) * np.uint64(words)")
-
-    def encode_row(dst, src, key, encode, finite):
-        out = []
-        if stochastic:  # the row's random words, then each value's 16 bits
-            out += ["for q in range(words):", f"    random_words[q] = rounding_bits({key}, base + np.uint64(q))"]
-        bits = "random_16[_U(j)]" if stochastic else "0"
-        return out + ["for j in range(dim):", f"    {dst}[_U(j)] = {encode}({src}[_U(j)], {bits})",
-                      f"    ok = ok & {finite}({dst}[_U(j)])"]
-
+    lines = ["t_row, key = rounding_place(rounding, np.int64(r))",
+             f"counter = {'np.uint64(t_row) * np.uint64(words)' if stochastic else 'np.uint64(0)'}"]
     if formats.slots_16:
         lines += [f"key_s{k} = slot_key(key, {k})" for k in range(n)]
-    if formats.weights_16:
-        lines += encode_row("e_w", weights, "key", "enc_w", "fin_w")
-    if formats.slots_16:
-        for k, d in enumerate(slot_dims):
-            if d == 2:
-                lines += encode_row(f"e_n{k}", slot_rows[k], f"key_s{k}", "enc_s", "fin_s")
-            else:
-                bits = f"np.uint16(rounding_bits(key_s{k}, np.uint64(t_row)) & np.uint64(0xFFFF))" if stochastic else "0"
+        scalars = [k for k, d in enumerate(slot_dims) if d == 1]
+        if scalars:
+            lines.append("ok = True")
+            for k in scalars:
+                bits = (f"np.uint16(rounding_bits(key_s{k}, np.uint64(t_row)) & np.uint64(0xFFFF))" if stochastic
+                        else "0")
                 lines += [f"e_v{k} = enc_s({slot_scalars[k]}, {bits})", f"ok = ok & fin_s(e_v{k})"]
-    lines += ["if not ok:"] + _flag("STATUS_OUTPUT")
-    lines.append(f"copy_row(table[r], {'e_w' if formats.weights_16 else weights})")
+            lines += ["if not ok:"] + _flag("STATUS_OUTPUT")
+    rows = _rows_16(slot_dims, formats)
+    values = {"table": weights} | {f"s{k}": slot_rows[k] for k, d in enumerate(slot_dims) if d == 2}
+    lines += [f"copy_row(keep_{array}, {array}[r])" for array, _, _ in rows[:-1]]
+    for i, (array, store, key) in enumerate(rows):
+        call = f"{store}({array}, r, {values[array]}, {key}, counter, random_words, encoded, {dim_arg})"
+        lines += [f"rounded = {call}"] if i == 0 else ["if rounded:", f"    rounded = {call}"]
+    if rows:
+        lines += ["if not rounded:"] + [f"    copy_row({array}[r], keep_{array})" for array, _, _ in rows[:-1]]
+        lines += _flag("STATUS_OUTPUT")
+    if not formats.weights_16:
+        lines.append(f"copy_row(table[r], {weights})")
     for k, d in enumerate(slot_dims):
-        if d == 2:
-            lines.append(f"copy_row(s{k}[r], {f'e_n{k}' if formats.slots_16 else slot_rows[k]})")
-        else:
+        if d == 2 and not formats.slots_16:
+            lines.append(f"copy_row(s{k}[r], {slot_rows[k]})")
+        elif d == 1:
             lines.append(f"s{k}[r] = {f'e_v{k}' if formats.slots_16 else slot_scalars[k]}")
     return lines
 
 
-def _body(slot_dims, elementwise, formats):
+def _body(slot_dims, elementwise, formats, dim_arg):
     """Compute the new row and slots into float32 scratch, check what will be stored (a float64 result that
     is finite may overflow float32; a float32 one, a 16-bit format), then store it all (or record a status
-    and store nothing)."""
+    and store nothing). ``dim_arg``: the row length as the source names it (a constant when compiled for
+    one)."""
     n = len(slot_dims)
     w_at = "dec_w(table[r, j])" if formats.weights_16 else "table[r, j]"
     lines = ["finite = all_finite(g_row)", "if not finite:"] + _flag("STATUS_GRADIENT")
@@ -336,12 +346,12 @@ def _body(slot_dims, elementwise, formats):
             for k in range(n):
                 lines += [f"    n{k}[j] = out[{k + 1}]", f"    ok = ok & np.isfinite(n{k}[j])"]
         lines += ["if not ok:"] + _flag("STATUS_OUTPUT")
-        return lines + _store(slot_dims, "w_new", [f"n{k}" for k in range(n)], [None] * n, formats)
+        return lines + _store(slot_dims, "w_new", [f"n{k}" for k in range(n)], [None] * n, formats, dim_arg)
     # Per row: the function gets scratch copies, so in-place edits reach the table only once checked.
-    lines += _load("w_new", "table", formats.weights_16, "dec_w")
+    lines += _load("w_new", "table", formats.weights_16, "load_w", dim_arg)
     for k, d in enumerate(slot_dims):
         if d == 2:
-            lines += _load(f"n{k}", f"s{k}", formats.slots_16, "dec_s")
+            lines += _load(f"n{k}", f"s{k}", formats.slots_16, "load_s", dim_arg)
     slot_args = "".join(f"n{k}, " if d == 2 else (f"dec_s(s{k}[r]), " if formats.slots_16 else f"s{k}[r], ")
                         for k, d in enumerate(slot_dims))
     lines.append(f"out = fn(g_row, w_new, ({slot_args}), learning_rate, hyperparameters)")
@@ -356,7 +366,8 @@ def _body(slot_dims, elementwise, formats):
         else:
             lines += [f"v{k} = np.float32(out[{k + 1}])", f"ok = ok & np.isfinite(v{k})"]
     lines += ["if not ok:"] + _flag("STATUS_OUTPUT")
-    return lines + _store(slot_dims, "o0", [f"o{k + 1}" for k in range(n)], [f"v{k}" for k in range(n)], formats)
+    return lines + _store(slot_dims, "o0", [f"o{k + 1}" for k in range(n)], [f"v{k}" for k in range(n)], formats,
+                          dim_arg)
 
 
 _KERNELS: dict = {}
@@ -384,7 +395,7 @@ def kernel_source(row_function, lazy=True, dim=None, formats: StoredFormats = FL
     slot_args = "".join(f"s{k}, " for k in range(len(slot_dims)))
     loop = (_LAZY_LOOP if lazy else _DENSE_LOOP).format(
         row_sum=row_sum, dim_args=dim_args, prefetch=_prefetch(slot_dims),
-        body=_indent(_body(slot_dims, row_function.elementwise, formats), 2))
+        body=_indent(_body(slot_dims, row_function.elementwise, formats, "dim" if dim is None else str(int(dim))), 2))
     rounding = ", rounding" if formats.any_16 else ""
     chunks = (_LAZY_CHUNKS if lazy else _DENSE_CHUNKS).format(slot_args=slot_args, rounding=rounding)
     rows_dim = _indent([f"dim = {int(dim)}" if dim is not None else "dim = table.shape[1]"], 1)
@@ -395,11 +406,13 @@ def kernel_source(row_function, lazy=True, dim=None, formats: StoredFormats = FL
 
 def kernel_namespace(row_function, formats: StoredFormats = FLOAT32) -> dict:
     """The globals the generated source refers to."""
-    namespace = {"rounding_place": rounding_place, "slot_key": slot_key, "rounding_bits": rounding_bits}
+    namespace = {"rounding_place": rounding_place, "slot_key": slot_key, "rounding_bits": rounding_bits,
+                 "LANES": ROUNDING_LANES}
     for prefix, name in (("w", formats.weights), ("s", formats.slots)):
         if is_16_bit(name):
             namespace.update({f"dec_{prefix}": decoder(name), f"enc_{prefix}": encoder(name, formats.stochastic),
-                              f"fin_{prefix}": finite_16(name)})
+                              f"fin_{prefix}": finite_16(name), f"load_{prefix}": row_loader(name),
+                              f"store_{prefix}": row_storer(name, formats.stochastic)})
     return namespace | {"np": np, "prange": prange, "fn": row_function.dispatcher, "into_row": into_row,
             "all_finite": all_finite, "copy_row": copy_row, "sequential_sum": sequential_sum,
             "sequential_sum_fixed": sequential_sum_fixed, "prefetch_row": prefetch_row, "_U": np.uint64,

@@ -228,7 +228,8 @@ class PhysicalTable:
         if tb is not None and tb.n_out:
             timer = self.tuning.phase_timer
             t0 = perf_counter() if timer is not None else 0.0
-            self.storage.gather(tb.rows, tb.gains, tb.out_ptr, out, self._prefetch_rows)
+            self.storage.gather(tb.rows, tb.gains, tb.out_ptr, out, self._prefetch_rows,
+                                self.tuning.streams(out.nbytes))
             if timer is not None:
                 timer("gather", perf_counter() - t0)
         return out

@@ -56,11 +56,11 @@ class Storage:
         """Each slot's rows ``start .. start + n - 1`` (views), in slot order."""
         return tuple(slot[start:start + n] for slot in self.slots)
 
-    def gather(self, rows, gains, out_ptr, act, prefetch: bool = True) -> None:
+    def gather(self, rows, gains, out_ptr, act, prefetch: bool = True, stream: bool = False) -> None:
         """The lookup: ``act[a] = sum over o in out_ptr[a]:out_ptr[a + 1] of gains[o] * row rows[o]`` in
         float32 (``gains`` None: every gain 1), as :func:`~embedcore.kernels.rows.gather_combine` sums;
-        ``prefetch`` as there."""
-        gather_combine(self.kernel_weights, rows, gains, out_ptr, act, prefetch, self.formats.weights)
+        ``prefetch`` as there; ``stream``: the activations may be written past the caches (same sums)."""
+        gather_combine(self.kernel_weights, rows, gains, out_ptr, act, prefetch, self.formats.weights, stream)
 
     @staticmethod
     def bytes_needed(n_rows: int, dim: int, slot_dims, formats: StoredFormats = FLOAT32) -> int:
@@ -130,9 +130,11 @@ class FusedInt8Storage(Storage):
     def kernel_slots(self) -> tuple:
         return ()
 
-    def gather(self, rows, gains, out_ptr, act, prefetch: bool = True) -> None:
+    def gather(self, rows, gains, out_ptr, act, prefetch: bool = True, stream: bool = False) -> None:
         """``act[a] = sum over o in out_ptr[a]:out_ptr[a + 1] of gains[o] * dequantized row rows[o]`` (``gains``
-        None: every gain 1), summed as :func:`embedcore.kernels.quantized.gather_fused8` sums."""
+        None: every gain 1), summed as :func:`embedcore.kernels.quantized.gather_fused8` sums, in the
+        activation rows themselves: they are read as they are summed, so they are always written through the
+        caches (``stream`` has no effect)."""
         from ..kernels.quantized import gather_fused8
         gather_fused8(self.weights, rows, gains, out_ptr, act, prefetch)
 
