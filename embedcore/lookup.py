@@ -83,7 +83,9 @@ class LookupContext:
 
     def __del__(self):
         # Not weakref.finalize: its registry is a global dict that one entry per step would churn.
-        _return_leases(self.leases)
+        leases = getattr(self, "leases", None)   # (absent if __init__ failed)
+        if leases:
+            _return_leases(leases)
 
 
 def _return_leases(leases):
