@@ -103,17 +103,19 @@ def bits_of(array: np.ndarray) -> np.ndarray:
 # The conversions of one value, as jitted functions whose IR comes from kernels/half_ir.py (computed in 32-bit
 # lanes without a branch, so the loops over a row that call them become vector code).
 
-def _decoding(stored):
+def _of_bits(stored, build, result):
+    """A jitted function of a value's ``uint16`` bits in format ``stored``: ``build(lanes, bits, stored)``'s
+    IR (:mod:`half_ir`), of Numba type ``result``."""
     @intrinsic
-    def decode(typingctx, bits):
+    def of_bits(typingctx, bits):
         if not isinstance(bits, types.Integer):
             return None
 
         def codegen(context, builder, signature, args):
             h = context.cast(builder, args[0], signature.args[0], types.uint16)
-            return half_ir.decode(half_ir.Lanes(builder), h, stored)
-        return types.float32(bits), codegen
-    return decode
+            return build(half_ir.Lanes(builder), h, stored)
+        return result(bits), codegen
+    return of_bits
 
 
 def _encoding(stored, stochastic):
@@ -130,23 +132,10 @@ def _encoding(stored, stochastic):
     return encode
 
 
-def _finiteness(stored):
-    @intrinsic
-    def is_finite(typingctx, bits):
-        if not isinstance(bits, types.Integer):
-            return None
-
-        def codegen(context, builder, signature, args):
-            h = context.cast(builder, args[0], signature.args[0], types.uint16)
-            return half_ir.finite(half_ir.Lanes(builder), h, stored)
-        return types.boolean(bits), codegen
-    return is_finite
-
-
-_DECODE = {name: _decoding(name) for name in half_ir.FORMATS_16}
+_DECODE = {name: _of_bits(name, half_ir.decode, types.float32) for name in half_ir.FORMATS_16}
 _NEAREST = {name: _encoding(name, False) for name in half_ir.FORMATS_16}
 _STOCHASTIC = {name: _encoding(name, True) for name in half_ir.FORMATS_16}
-_FINITE = {name: _finiteness(name) for name in half_ir.FORMATS_16}
+_FINITE = {name: _of_bits(name, half_ir.finite, types.boolean) for name in half_ir.FORMATS_16}
 _decode_bf16, _decode_f16 = _DECODE["bfloat16"], _DECODE["float16"]
 _nearest_bf16, _nearest_f16 = _NEAREST["bfloat16"], _NEAREST["float16"]
 _stochastic_bf16, _stochastic_f16 = _STOCHASTIC["bfloat16"], _STOCHASTIC["float16"]

@@ -253,31 +253,27 @@ def sequential_sum_registers(dst, d, lo, hi, index, gain, src, ahead, dim, width
         _sequential_block_sum(dst, d, lo, hi, index, gain, src, ahead, col, width)
 
 
-def _weighted_sum_registers_16(stored):
-    block_sum = _grouped_block_sum_16[stored]
-
+def _over_blocks(block_sum, doc):
+    """A row sum that runs ``block_sum`` over the row's column blocks of ``width`` values."""
     @njit(inline="always")
-    def weighted_sum_decoded(dst, d, lo, hi, index, gain, src, ahead, dim, width):
+    def row_sum(dst, d, lo, hi, index, gain, src, ahead, dim, width):
         for col in range(0, dim, width):
             block_sum(dst, d, lo, hi, index, gain, src, ahead, col, width)
-    weighted_sum_decoded.__doc__ = (f":func:`weighted_sum_registers` of the ``uint16`` bits of {stored} rows "
-                                    f"(the same sums as of their float32 values)")
-    return weighted_sum_decoded
+    row_sum.__doc__ = doc
+    return row_sum
+
+
+def _weighted_sum_registers_16(stored):
+    return _over_blocks(_grouped_block_sum_16[stored], f":func:`weighted_sum_registers` of the ``uint16`` bits "
+                                                      f"of {stored} rows (the same sums as of their float32 values)")
 
 
 weighted_sum_registers_16 = {stored: _weighted_sum_registers_16(stored) for stored in ("float16", "bfloat16")}
 
 
 def _streaming_sum_registers(stored):
-    block_sum = _streaming_block_sum[stored]
-
-    @njit(inline="always")
-    def streaming_sum(dst, d, lo, hi, index, gain, src, ahead, dim, width):
-        for col in range(0, dim, width):
-            block_sum(dst, d, lo, hi, index, gain, src, ahead, col, width)
-    streaming_sum.__doc__ = (f":func:`weighted_sum_registers` of {stored} rows, each block of ``dst`` stored past "
-                             f"the caches")
-    return streaming_sum
+    return _over_blocks(_streaming_block_sum[stored], f":func:`weighted_sum_registers` of {stored} rows, each "
+                                                      f"block of ``dst`` stored past the caches")
 
 
 streaming_sum_registers = {stored: _streaming_sum_registers(stored) for stored in ("float32", "float16", "bfloat16")}
