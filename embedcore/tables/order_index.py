@@ -61,7 +61,7 @@ from numba import njit
 
 from ..kernels.hash_map import FLOOR_BLOCK, FLOOR_SHIFT
 
-__all__ = ["OrderIndex", "METRICS", "SHARE", "MIN_TARGET", "RATE", "MIN_BLOCKS", "index_bytes"]
+__all__ = ["OrderIndex", "value_key_at_rank", "METRICS", "SHARE", "MIN_TARGET", "RATE", "MIN_BLOCKS", "index_bytes"]
 
 METRICS = ("last_seen", "counts")
 SHARE = 64        # target entries per pool: high_water / SHARE (at least MIN_TARGET)
@@ -144,8 +144,9 @@ def _sift_up(vals, keys, rows, i):
 
 
 @njit(cache=True)
-def _at_rank(vals, keys, n, kth):
-    """The ``(value, key)`` at position ``kth`` (from 0) of the first ``n`` entries in ``(value, key)`` order."""
+def value_key_at_rank(vals, keys, n, kth):
+    """The ``(value, key)`` at position ``kth`` (from 0) of the first ``n`` entries in ``(value, key)`` order
+    (keys distinct, compared as uint64): a selection of the value, then of the key among its ties, ``O(n)``."""
     tv = np.partition(vals[:n], kth)[kth]
     below = 0
     tied = 0
@@ -160,7 +161,7 @@ def _at_rank(vals, keys, n, kth):
         if vals[i] == tv:
             ties[t] = keys[i]
             t += 1
-    return np.int64(tv), np.partition(ties, kth - below)[kth - below]
+    return tv, np.partition(ties, kth - below)[kth - below]
 
 
 @njit(cache=True, inline="always")
@@ -185,7 +186,8 @@ def _shrink(vals, keys, rows, meta, bound_key, metric, counts, row_keys):
                 w += 1
     half = vals.shape[0] // 2
     if w > half:
-        tv, tk = _at_rank(vals, keys, w, half)
+        v, tk = value_key_at_rank(vals, keys, w, half)
+        tv = np.int64(v)
         n = w
         w = 0
         for i in range(n):

@@ -52,7 +52,7 @@ from ..initializers import stream_key
 from ..kernels.hash_map import FLOOR_BLOCK, PARALLEL_MIN, KeyRowMap, TableFullError, as_keys
 from ..kernels.random import mix64  # the SplitMix64 finaliser (the tree's one copy)
 from ..value_object import ValueObject
-from .order_index import OrderIndex, index_bytes
+from .order_index import OrderIndex, index_bytes, value_key_at_rank
 
 __all__ = ["CountAdmission", "AdmissionSketch", "EvictionPolicy", "LRU", "LFU", "TTL", "EvictByScore",
            "pick_victims", "expired_rows", "lowest_scores", "order_index", "eviction_bytes"]
@@ -316,22 +316,7 @@ def _lowest(scores, keys, n):
     if n >= m:
         chosen = np.arange(m)
     else:
-        threshold = np.partition(scores, n - 1)[n - 1]
-        below = 0
-        tied = 0
-        for i in range(m):
-            if scores[i] < threshold:
-                below += 1
-            elif scores[i] == threshold:
-                tied += 1
-        need = n - below
-        tied_keys = np.empty(tied, np.uint64)
-        t = 0
-        for i in range(m):
-            if scores[i] == threshold:
-                tied_keys[t] = keys[i]
-                t += 1
-        last_key = np.partition(tied_keys, need - 1)[need - 1]
+        threshold, last_key = value_key_at_rank(scores, keys, m, n - 1)
         chosen = np.empty(n, np.int64)
         c = 0
         for i in range(m):
