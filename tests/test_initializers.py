@@ -250,6 +250,11 @@ def test_key_rows_equal_whether_filled_on_one_thread_or_all(init):
     keys = np.random.default_rng(4).integers(-2 ** 63, 2 ** 63, 2 * SMALL_WORK // dim, dtype=np.int64)
     whole = np.empty((keys.shape[0], dim), np.float32)
     fill_key_rows(init, whole, keys, 9, "t")
+    if not isinstance(init, ec.RowId):  # the base class's route: fill() of row 0 under each key's own stream
+        reference = np.empty_like(whole)
+        with one_thread_below(0):   # a fill of one row per key: no thread team
+            ec.Initializer.fill_keys(init, reference, keys.view(np.uint64), stream_key(9, "t"))
+        np.testing.assert_array_equal(whole, reference)
     for lo in range(0, keys.shape[0], 7):   # 7 keys a fill: each below SMALL_WORK
         part = np.empty((min(7, keys.shape[0] - lo), dim), np.float32)
         fill_key_rows(init, part, keys[lo:lo + 7], 9, "t")
