@@ -227,6 +227,26 @@ def test_memory_per_key_stays_within_the_bound():
     assert m.nbytes / capacity <= 24, m.nbytes / capacity
 
 
+@pytest.mark.parametrize("batch", [300, 1000])
+def test_memory_stays_within_24_bytes_a_key_of_capacity_while_filling_and_evicting(batch):
+    """A TTL-style map (floors and an order index from its first step) filled batch by batch through its
+    growths, then evicting under LRU at capacity: at every step within 24 bytes a key of capacity (batches
+    evicting at most the 1 / SHARE of the rows an order index pool is sized for)."""
+    capacity = 1 << 16
+    m = KeyRowMap(capacity, "t")
+    worst = 0.0
+    for step in range(1, capacity // batch + 60):
+        keys = (np.arange(batch, dtype=np.uint64) + np.uint64(step * batch)) * np.uint64(0x9E3779B97F4A7C15)
+        assert expired_rows(m, step + 2000, 1000).size == 0  # builds and reads the last_seen index
+        if m.free_rows < batch:
+            m.remove_rows(pick_victims(LRU(), m, batch - m.free_rows))
+        rows, _ = m.find_or_insert(keys, step + 2000)
+        m.touch_found(rows, step + 2000)
+        worst = max(worst, m.nbytes / capacity)
+    assert len(m) == capacity and m.nbytes / capacity <= 22.8
+    assert worst <= 24, worst
+
+
 def test_an_unknown_metric_is_refused():
     with pytest.raises(ValueError, match="table 't': an order index of last_seen or counts, not 'score'"):
         OrderIndex(KeyRowMap(4, "t"), "score")

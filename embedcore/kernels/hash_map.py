@@ -32,18 +32,20 @@ bits of the key's hash, so most probes that meet another key are rejected withou
 their low bits spread like any others); a key's home bucket is ``(hash >> 32) * n_buckets >> 32``, which
 lets the index have any size, not only powers of two.
 
-Memory per key beyond the row and its slots, at the load factor used (at most ``MAX_LOAD = 0.75``; growth
-by ``GROWTH = 1.5`` leaves it at least 0.5 just after a growth):
-
-    key 8 + last_seen 4 + count 4 + bucket 4 / load  =  16 + 5.3 (load 0.75) .. 16 + 8 (load 0.5) bytes,
-
-so at most 24 bytes (beyond the first index's 64 buckets, 256 bytes, which a small map may fill sparsely); a
-full table (``capacity`` keys, the index at its final size ``ceil(capacity / 0.75)``)
-takes 21.3 bytes a key. Each floor kept adds 4 / 16 = 0.25 bytes a key, and the order index of LRU, LFU and
-TTL (:mod:`embedcore.tables.order_index`, a watcher) 1.125: a TTL table keeps both from its first step (25.4
-bytes a key at most, just after a growth); an LRU (LFU) table from its first eviction, when it is full (22.7
-bytes a key). While a growth is being migrated (below) the old index lives beside the new one: up to 13.3
-bytes a key for the buckets instead of 8, for the few batches the migration takes.
+Memory beyond the rows and their slots. A key takes ``key 8 + last_seen 4 + count 4`` bytes and a share of
+the index, ``4 / load`` bytes; the load is at most ``MAX_LOAD = 0.75`` and, just after a growth by ``GROWTH =
+1.5``, at least 0.5. Each floor kept adds 4 / 16 = 0.25 bytes a row slot, and the order index of LRU, LFU
+and TTL (:mod:`embedcore.tables.order_index`, a watcher) 1.125 (a TTL table keeps both from its first step, an
+LRU or LFU table from its first eviction). A full table (``capacity`` keys, the index at its final size
+``capacity / 0.75``) so takes ``16 + 5.3 = 21.3`` bytes a key, 22.7 with a floor and an order index. That is
+the most the map ever takes, per key of its capacity: below capacity it holds fewer keys in a smaller index.
+While a growth is migrated (below) the old index lives beside the new one, for the few batches the migration
+takes (while up to a quarter more keys arrive); a growth that would leave the last one (to the final size)
+smaller than ``LAST_GROWTH_MIN = 1.5`` times goes to the final size at once, so that even then the map takes
+at most ``(16 * 0.75 * 1.25 / 1.5 + 4 / 1.5 + 4) / 0.75 + 1.375 = 23.6`` bytes a key of capacity. Per key
+actually held, a table below capacity can take more (just after the last growth the load can be 1 / 3: 16 +
+12 + 1.375 bytes a key; the first index's 64 buckets and the order index's smallest pools weigh on a map of
+a few keys).
 
 Deletion: backward shift, not tombstones. A dynamic table at capacity removes keys all the time (every
 eviction); tombstones would pile up and lengthen every probe until a rebuild (a stop-the-world pass).
@@ -111,12 +113,13 @@ from numba import njit, prange
 
 from .random import mix64  # the SplitMix64 finaliser (the tree's one copy)
 
-__all__ = ["KeyRowMap", "TableFullError", "as_keys", "MAX_LOAD", "GROWTH", "MIGRATE_PER_KEY", "MIGRATE_MIN",
+__all__ = ["KeyRowMap", "TableFullError", "as_keys", "MAX_LOAD", "GROWTH", "LAST_GROWTH_MIN", "MIGRATE_PER_KEY", "MIGRATE_MIN",
            "MAX_CAPACITY", "MAX_STEP", "FLOOR_BLOCK", "FLOOR_SHIFT", "PARALLEL_MIN", "PIECE", "first_occurrences",
            "find_in_maps", "touch_in_maps"]
 
 MAX_LOAD = 0.75        # keys per bucket at most
 GROWTH = 1.5           # index size factor per growth
+LAST_GROWTH_MIN = 1.5   # the last growth (to the final size) is at least this factor
 MIGRATE_PER_KEY = 4    # rows migrated per key of a find_or_insert batch during a growth
 MIGRATE_MIN = 4096     # ... and at least this many
 MAX_CAPACITY = 2 ** 31 - 1
@@ -860,7 +863,8 @@ class KeyRowMap:
         if self.migrating:
             self.migrate(self.capacity)
         size = math.ceil(GROWTH * self.index.shape[0]) if n_buckets is None else int(n_buckets)
-        size = min(size, self.final_buckets)
+        if size * LAST_GROWTH_MIN > self.final_buckets:
+            size = self.final_buckets
         if size <= self.index.shape[0]:
             return
         self.old, self.index = self.index, np.zeros(size, np.uint32)
