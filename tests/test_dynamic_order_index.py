@@ -14,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from embedcore.kernels.hash_map import FLOOR_BLOCK, KeyRowMap, TableFullError, touch_in_maps
-from embedcore.tables.order_index import METRICS, OrderIndex, index_bytes
-from embedcore.tables.policies import LFU, LRU, TTL, expired_rows, order_index, pick_victims
+from embedcore.tables.order_index import METRICS, MIN_BLOCKS, RATE, SHARE, OrderIndex, index_bytes
+from embedcore.tables.policies import LFU, LRU, TTL, expired_rows, keep_order_index, order_index, pick_victims
 
 
 def live(m):
@@ -259,3 +259,54 @@ def test_refresh_floors_forgets_the_index_and_the_next_read_rebuilds_it():
     m.last_seen[:20] = 1  # a direct write, which the index was not told of
     m.refresh_floors()
     assert pick_victims(LRU(), m, 2).tolist() == [0, 1] and order_index(m, "last_seen") is not first
+
+
+@pytest.mark.parametrize("metric, policy", [("last_seen", LRU()), ("counts", LFU())])
+def test_an_index_built_ahead_spares_the_first_eviction_a_scan_of_every_row(metric, policy):
+    """keep_order_index, called once a step as a dynamic table does: the index is started when the map is half
+    full and built a share a step (its first scan spread over the steps that fill the map), so no step, the
+    first eviction included, scans more than a share of a refill in proportion to the entries it used up, and
+    the victims stay exactly the sort's."""
+    capacity, batch = 1 << 15, 32
+    m = KeyRowMap(capacity, "t")
+    blocks = capacity // FLOOR_BLOCK
+    index, filling, evicting = None, [], []
+    for step in range(1, capacity // batch + 80):
+        before = index.blocks_scanned if index is not None else 0
+        keep_order_index(policy, m)
+        index = next((w for w in m.watchers if isinstance(w, OrderIndex)), None)
+        assert (index is not None) == (2 * len(m) >= capacity)
+        full = m.free_rows < batch
+        if full:
+            assert not index.building
+            victims = pick_victims(policy, m, batch - m.free_rows, step=step)
+            if step % 25 == 0:
+                values = np.where(m.counts[:m.high_water] >= 0, getattr(m, metric)[:m.high_water], 2 ** 31)
+                assert victims.tolist() == np.lexsort((m.row_keys[:m.high_water], values))[:victims.size].tolist()
+            m.remove_rows(victims)
+        keys = (np.arange(batch, dtype=np.uint64) + np.uint64(step * batch)) * np.uint64(0x9E3779B97F4A7C15)
+        rows, _ = m.find_or_insert(keys, step)
+        m.touch_found(rows, step)
+        if index is not None:
+            (evicting if full else filling).append(index.blocks_scanned - before)
+    assert len(m) == capacity and sum(filling) >= blocks // 2 and len(evicting) >= 79
+    assert max(filling) <= MIN_BLOCKS + 2 * batch // FLOOR_BLOCK, max(filling)
+    assert max(evicting) <= MIN_BLOCKS + RATE * blocks * 2 * batch // (capacity // SHARE), (max(evicting), blocks)
+
+
+@pytest.mark.parametrize("eviction", [LRU(), LFU(), TTL(10 ** 6), None], ids=repr)
+def test_a_dynamic_table_builds_its_index_ahead_of_its_first_eviction(eviction):
+    import embedcore as ec
+
+    capacity, batch = 1024, 16
+    table = ec.DynamicTableConfig(dim=4, capacity=capacity, name="t", optimizer=ec.SGD(0.1), eviction=eviction)
+    emb = ec.Embedding({"f": ec.FeatureConfig(table)}, seed=0)
+    key_map = emb.dynamic_tables["t"].key_map
+    for step in range(capacity // batch):
+        held = len(key_map)
+        acts, ctx = emb.lookup({"f": (np.arange(batch) + step * batch).reshape(-1, 1)})
+        emb.apply_gradients({"f": np.ones_like(acts["f"])}, ctx)
+        indexes = [w for w in key_map.watchers if isinstance(w, OrderIndex)]
+        assert len(indexes) == (eviction is not None and 2 * held >= capacity), (step, held)
+    assert len(key_map) == capacity
+    assert all(not index.building for index in indexes)

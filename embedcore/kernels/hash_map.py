@@ -35,8 +35,8 @@ lets the index have any size, not only powers of two.
 Memory beyond the rows and their slots. A key takes ``key 8 + last_seen 4 + count 4`` bytes and a share of
 the index, ``4 / load`` bytes; the load is at most ``MAX_LOAD = 0.75`` and, just after a growth by ``GROWTH =
 1.5``, at least 0.5. Each floor kept adds 4 / 16 = 0.25 bytes a row slot, and the order index of LRU, LFU
-and TTL (:mod:`embedcore.tables.order_index`, a watcher) 1.125 (a TTL table keeps both from its first step, an
-LRU or LFU table from its first eviction). A full table (``capacity`` keys, the index at its final size
+and TTL (:mod:`embedcore.tables.order_index`, a watcher) 1.125 (a TTL table keeps both from its first expiry or from half full, an
+LRU or LFU table the index from half full). A full table (``capacity`` keys, the index at its final size
 ``capacity / 0.75``) so takes ``16 + 5.3 = 21.3`` bytes a key, 22.7 with a floor and an order index. That is
 the most the map ever takes, per key of its capacity: below capacity it holds fewer keys in a smaller index.
 While a growth is migrated (below) the old index lives beside the new one, for the few batches the migration

@@ -48,7 +48,7 @@ from ..initializers import TruncatedNormal, fill_key_rows
 from ..inputs import InputError, TableBatch
 from ..kernels.hash_map import (MAX_STEP, KeyRowMap, TableFullError, as_keys, find_in_maps, first_occurrences,
                                  touch_in_maps)
-from .policies import TTL, EvictByScore, eviction_bytes, expired_rows, pick_victims
+from .policies import TTL, EvictByScore, eviction_bytes, expired_rows, keep_order_index, pick_victims
 from .storage import DenseStorage
 
 __all__ = ["DynamicTable", "DynamicTableBatch", "DynamicTableState", "DynamicTableView", "map_bytes", "plan_tables",
@@ -211,6 +211,7 @@ class DynamicTable:
         """The first half of :meth:`plan`: ``(step, used, keys)``, ``parts`` and ``step`` checked, the rows
         expired at ``step`` removed (TTL), ``used`` and ``keys`` as :func:`_keys_looked_up` gives them."""
         step = self._checked_parts(parts, step)
+        keep_order_index(self.eviction, self.key_map)
         self.remove_expired(step)
         return (step,) + _keys_looked_up(parts)
 

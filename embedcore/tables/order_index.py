@@ -40,7 +40,13 @@ it later need no entry either (until a read reaches the bound and a refill takes
 A read that finds its pool dry all the same (all of it read, short of its answer) finishes the refill at
 once (or scans anew); if that pool is dry too and did not take every row, it scans again with pools twice
 as large until its answer fits (an expiry or a batch of victims larger than a pool), then builds one of the
-usual size: passes bounded by the table, as when the index is first built (the first time it is asked for).
+usual size: passes bounded by the table.
+
+First build. An index made at once (the first time it is asked for) scans every row used. One made with
+``build_now=False`` (a dynamic table starts it when half full:
+:func:`~embedcore.tables.policies.keep_order_index`) starts with a pool that holds no row and a refill sized
+for the full map, which its owner advances a share at a time (:meth:`OrderIndex.build_ahead`); rows written
+meanwhile reach the refill as writes, as for any refill, and a read before the scan ends finishes it.
 
 Cost (``H`` the row slots used, ``T = target >= H / SHARE``, ``P <= 2 T`` the entries of a pool): a read pops and
 pushes back its answer and the protected entries it meets, and pops the stale entries it meets,
@@ -71,6 +77,7 @@ MIN_BLOCKS = 16   # blocks a read advances a refill at least
 
 _COUNT, _BOUND, _HEAP = 0, 1, 2   # a pool's meta: entries held, bound value, whether they form a heap
 _OPEN = 2 ** 31            # a bound value above every int32: the pool holds every live row
+_NONE = -(2 ** 31) - 1     # a bound value below every int32: the pool holds no row
 _NO_FLOOR = 2 ** 31 - 1
 _DONE, _DRY = 0, 1         # how a read ended: its answer complete, or every entry of its pool read
 
@@ -374,7 +381,8 @@ class OrderIndex:
         min_blocks: blocks a read advances a refill at least (default ``MIN_BLOCKS``).
     """
 
-    def __init__(self, key_map, metric: str, target: int | None = None, min_blocks: int = MIN_BLOCKS):
+    def __init__(self, key_map, metric: str, target: int | None = None, min_blocks: int = MIN_BLOCKS,
+                 build_now: bool = True):
         if metric not in METRICS:
             raise ValueError(f"table '{key_map.name}': an order index of {' or '.join(METRICS)}, not {metric!r}")
         self.metric = metric
@@ -387,14 +395,33 @@ class OrderIndex:
         self.cursor = 0         # the next block its scan reads
         self.blocks_scanned = 0  # by every scan so far (what the refills cost)
         self.step = -1           # the latest step written
-        self._finish_refill(key_map, self.target(key_map))
+        self.high_water_seen = key_map.high_water  # by the last build_ahead (its caller's measure of growth)
+        if build_now:
+            self._finish_refill(key_map, self.target(key_map))
+        else:  # a pool holding no row, and a refill sized for the full map, scanned by build_ahead
+            self.pool = _new_pool(0)
+            self.pool[3][_BOUND] = _NONE
+            self._start_refill(self.target(key_map, key_map.capacity))
         key_map.watch(self)
 
-    def target(self, key_map) -> int:
-        """The entries a pool built now is sized for (it holds twice as many at most)."""
+    @property
+    def building(self) -> bool:
+        """Whether this index, made with ``build_now=False``, is still being built (no pool serves reads yet;
+        the first read finishes the build at once)."""
+        return self.pool[0].shape[0] == 0 and self.pool[3][_BOUND] == _NONE
+
+    def build_ahead(self, key_map, blocks: int) -> None:
+        """Advance the build of an index made with ``build_now=False`` by ``blocks`` blocks of rows (nothing
+        once it is built)."""
+        if self.building and self.refill is not None:
+            self._scan(key_map, max(0, int(blocks)))
+
+    def target(self, key_map, rows: int | None = None) -> int:
+        """The entries a pool built now is sized for (it holds twice as many at most): for the row slots used,
+        or ``rows``."""
         if self.fixed_target is not None:
             return self.fixed_target
-        return max(MIN_TARGET, key_map.high_water // SHARE)
+        return max(MIN_TARGET, (key_map.high_water if rows is None else rows) // SHARE)
 
     @property
     def nbytes(self) -> int:
@@ -491,7 +518,7 @@ class OrderIndex:
     def _finish_refill(self, key_map, target: int) -> bool:
         """Scan the rest of the table now: the refill running if its pool is of ``target``, else a new one;
         whether the new pool holds every live row (as :meth:`_scan`)."""
-        if self.refill is not None and self.refill[0].shape[0] != 2 * target:
+        if self.refill is not None and self.refill[0].shape[0] < 2 * target:
             self.spare, self.refill = self.refill, None
         if self.refill is None:
             self._start_refill(target)

@@ -52,7 +52,7 @@ from ..initializers import stream_key
 from ..kernels.hash_map import FLOOR_BLOCK, PARALLEL_MIN, KeyRowMap, TableFullError, as_keys
 from ..kernels.random import mix64  # the SplitMix64 finaliser (the tree's one copy)
 from ..value_object import ValueObject
-from .order_index import OrderIndex, index_bytes, value_key_at_rank
+from .order_index import MIN_BLOCKS, OrderIndex, index_bytes, value_key_at_rank
 
 __all__ = ["CountAdmission", "AdmissionSketch", "EvictionPolicy", "LRU", "LFU", "TTL", "EvictByScore",
            "pick_victims", "expired_rows", "lowest_scores", "order_index", "eviction_bytes"]
@@ -359,6 +359,26 @@ def order_index(key_map: KeyRowMap, metric: str) -> OrderIndex:
     return OrderIndex(key_map, metric)
 
 
+def keep_order_index(policy, key_map: KeyRowMap) -> None:
+    """Build ``key_map``'s order index of ``policy``'s metric (LRU, LFU, TTL) ahead of its first read, a share at
+    each call (one a step): started once the map is half full, it scans ``MIN_BLOCKS`` blocks of rows a call
+    plus two rows for each row slot newly used since the last call, so it is built by the time the map is full
+    (and an eviction first reads it) without the one scan of every row that building it then would take. An
+    earlier read (a TTL expiry) finishes the build at once."""
+    metric = _metric_of(policy)
+    if metric is None:
+        return
+    index = next((w for w in key_map.watchers if isinstance(w, OrderIndex) and w.metric == metric), None)
+    if index is None:
+        if 2 * len(key_map) < key_map.capacity:
+            return
+        index = OrderIndex(key_map, metric, build_now=False)
+    if index.building:
+        grown = key_map.high_water - index.high_water_seen
+        index.build_ahead(key_map, MIN_BLOCKS + -(-2 * grown // FLOOR_BLOCK))
+        index.high_water_seen = key_map.high_water
+
+
 def eviction_bytes(policy, capacity: int) -> int:
     """The most bytes ``policy`` adds to a key map of ``capacity`` rows: the floor and order index of its
     metric (none for :class:`EvictByScore` or no policy)."""
@@ -376,8 +396,8 @@ def pick_victims(policy: EvictionPolicy, key_map: KeyRowMap, n: int, protected_r
     Cost: for :class:`LRU`, :class:`LFU` and :class:`TTL` (scores that are ``last_seen`` or ``counts``), the key
     map's order index (:func:`order_index`) reads the rows in ``(score, key)`` order from the lowest: the
     victims, the protected rows among them and the entries gone stale since the last call, plus a share of a
-    background refill in proportion to what it used up (amortized ``O(n)``; the first call builds the index in
-    one pass over the rows used). For :class:`EvictByScore`, one pass over every live row, scored: its score
+    background refill in proportion to what it used up (amortized ``O(n)``; a first call on a map whose index
+    was not built ahead, :func:`keep_order_index`, builds it in one pass over the rows used). For :class:`EvictByScore`, one pass over every live row, scored: its score
     may change with ``step`` alone, so no index can be kept.
 
     Raises:
