@@ -19,6 +19,9 @@ in the same order. Contenders (one step each):
 * ``numpy``: the NumPy API, ``Embedding.lookup(Ragged ...)`` + ``apply_gradients(G, ctx)`` (the
   ``embedcore`` contender of ``benchmarks/bench_step.py``; its ``G`` are views of one array, which the
   engine reads in place).
+* ``numpy-sep``: the same fed each feature's gradient as its own array, as TensorFlow hands them over: the
+  engine copies them into one (``numpy`` 's are views of one array, read in place), which a TensorFlow
+  front pays too.
 * ``tf-empty``: TensorFlow's own cost of such a step: the ``tf.function`` below, fed as the others, with no
   work (it takes the batch and does nothing with it). Every TensorFlow training step with these inputs
   pays it, whatever its embedding.
@@ -55,9 +58,9 @@ steps`` untimed steps, after which every contender's rows (all rows the batches 
 table) are compared with ``numpy``'s (max |diff| / max |reference| <= ``--tolerance``, else FAILED); then
 ``--rounds`` rounds of ``--steps`` timed steps per contender, one worker at a time (the others wait on a
 pipe), the order rotated each round; medians over all timed steps; rows compared again at the end. Numba
-and TensorFlow's intra-op pool get ``--threads`` threads, TensorFlow's inter-op pool ``--tf-inter-op``
-(0: TensorFlow's default); the allocator (``LD_PRELOAD``) and the CPU share other processes used during the
-timed rounds are printed. Ratios are of medians measured in this one run; the target is ``v2`` and ``keras``
+and TensorFlow's intra-op pool get ``--threads`` threads (the pool ``--tf-intra-op`` where given), TensorFlow's
+inter-op pool ``--tf-inter-op`` (0: TensorFlow's default); the allocator (``LD_PRELOAD``) and the CPU share
+other processes used during the timed rounds are printed. Ratios are of medians measured in this one run; the target is ``v2`` and ``keras``
 within 1.10x of ``numpy``.
 """
 
@@ -86,7 +89,7 @@ from embedcore.bench.contenders.embedcore_engine import EmbedcoreContender
 from embedcore.bench.machine import allocator_name, cpu_snapshot
 from embedcore.bench.workloads import initial_tables, make_batches, make_optim, tbe_workload
 
-CONTENDERS = ("numpy", "tf-empty", "tf-floor", "v2", "keras", "tf-keras", "tf-sparse")
+CONTENDERS = ("numpy", "numpy-sep", "tf-empty", "tf-floor", "v2", "keras", "tf-keras", "tf-sparse")
 FEEDS = ("iterator", "arguments")
 TARGET = 1.10
 SAMPLED_ROWS = 1024  # untouched rows per table compared besides every touched one
@@ -99,6 +102,23 @@ def _tf():
 
 class NumpyAPI(EmbedcoreContender):
     name, label = "numpy", "embedcore NumPy API"
+
+
+class NumpyAPISeparateGradients(NumpyAPI):
+    """The NumPy API fed each feature's gradient as its own array, as a TensorFlow program hands them over
+    (``numpy`` 's are views of one ``[T, B, D]`` array, which the engine reads in place when the tables share
+    one physical table; separate arrays it copies into one first)."""
+
+    name, label = "numpy-sep", "embedcore NumPy API, separate gradient arrays"
+
+    def _inputs(self, batch):
+        features, weights, grads = super()._inputs(batch)
+        # one array per feature, apart in memory (64 floats between them), so never one view's rows
+        apart = np.zeros((len(grads), batch.grad[0].size + 64), np.float32)
+        for i, name in enumerate(grads):
+            apart[i, 64:] = grads[name].reshape(-1)
+            grads[name] = apart[i, 64:].reshape(grads[name].shape)
+        return features, weights, grads
 
 
 class _TensorflowStep(Contender):
@@ -311,7 +331,7 @@ class TensorflowSparse(TensorflowOwn):
         return _tf().compat.v1.train.AdagradOptimizer(w.optim.lr, initial_accumulator_value=w.optim.initial_accumulator)
 
 
-CLASSES = {c.name: c for c in (NumpyAPI, TensorflowEmpty, NumpyFunctionFloor, DropInV2, KerasLayer, TensorflowOwn,
+CLASSES = {c.name: c for c in (NumpyAPI, NumpyAPISeparateGradients, TensorflowEmpty, NumpyFunctionFloor, DropInV2, KerasLayer, TensorflowOwn,
                                TensorflowSparse)}
 TRAINS = tuple(name for name in CONTENDERS if name != "tf-empty")  # contenders whose rows are compared
 
@@ -339,7 +359,7 @@ def _worker(conn, name, args):
     """Build contender ``name``, then answer the parent: ``("steps", n)`` -> ``(seconds, engine seconds,
     CPU seconds)`` of the next ``n`` steps; ``("rows",)`` -> the compared rows; ``("stop",)``."""
     tf = _tf()
-    tf.config.threading.set_intra_op_parallelism_threads(args.threads)
+    tf.config.threading.set_intra_op_parallelism_threads(args.tf_intra_op or args.threads)
     if args.tf_inter_op:
         tf.config.threading.set_inter_op_parallelism_threads(args.tf_inter_op)
     numba.set_num_threads(min(args.threads, numba.config.NUMBA_NUM_THREADS))
@@ -446,6 +466,7 @@ def main(argv=None) -> int:
     p.add_argument("--check-steps", type=int, default=3)
     p.add_argument("--n-batches", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--tf-intra-op", type=int, default=0, help="TensorFlow's intra-op threads (0: --threads)")
     p.add_argument("--tf-inter-op", type=int, default=1, help="TensorFlow's inter-op threads (0: its default)")
     p.add_argument("--feed", choices=FEEDS, default="iterator",
                    help="how TensorFlow steps get their batch: next(tf.data iterator) inside the tf.function, "
