@@ -263,6 +263,23 @@ def test_the_parallel_scan_names_the_first_nan_and_what_the_function_raised():
     assert pick_victims(EvictByScore(raises_on_large_rows, 0), m, 3, weights=weights).size == 3
 
 
+@pytest.mark.parametrize("pattern", ["random", "ties", "one_value", "increasing", "decreasing", "strided"])
+@pytest.mark.parametrize("n", [1, 150, 5000, 39_999])
+def test_lowest_scores_of_many_entries_narrowed_by_a_sample_stay_exact(pattern, n):
+    """From 2**15 entries the selection first keeps those under a bound read off a strided sample; patterns
+    the sample misjudges (every strided entry low) must fall back to the whole array."""
+    m = 40_000
+    rng = np.random.default_rng(n)
+    keys = rng.integers(0, 2 ** 64, m, dtype=np.uint64, endpoint=False)
+    assert np.unique(keys).shape[0] == m
+    scores = {"random": rng.normal(size=m), "ties": rng.integers(0, 3, m).astype(np.float64),
+              "one_value": np.full(m, 2.5), "increasing": np.arange(m, dtype=np.float64),
+              "decreasing": -np.arange(m, dtype=np.float64),
+              "strided": np.where(np.arange(m) % (m // 4096) == 0, -1.0, rng.random(m))}[pattern]
+    got = lowest_scores(scores, keys, n)
+    assert got.tolist() == np.lexsort((keys, scores))[:n].tolist()
+
+
 def test_a_nan_score_is_refused_naming_the_table_and_key():
     m = KeyRowMap(4, "items")
     m.find_or_insert([5, -7])
