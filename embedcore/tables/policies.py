@@ -13,21 +13,25 @@ Configuration (what a ``DynamicTableConfig`` takes; validated when made, equal b
   - :class:`TTL` ``(steps=...)``: a row unseen for more than ``steps`` steps (``step - last_seen > steps``)
     expires (:func:`expired_rows`: removed before the step's lookup, so it is gone from lookups, views and
     saves alike); when the table is full of unexpired rows, the least recently seen go first (as LRU);
-  - :class:`EvictByScore` ``(fn)``: ``fn(embedding_table, last_seen, count, step) -> float``, a user's score
-    of one row (its values, float32 ``[dim]``; its metadata and the current step, int64), compiled with
-    Numba (``njit``) the first time it scores; NaN refused. It sees the row's values, not its slots (the
-    integration passes float32 rows; slots and 16-bit rows are for it to add).
+  - :class:`EvictByScore` ``(fn, reserve=0.01)``: ``fn(embedding_table, last_seen, count, step) -> float``, a
+    user's score of one row (its values, float32 ``[dim]``; its metadata and the current step, int64),
+    compiled with Numba (``njit``) the first time it scores; NaN refused. It sees the row's values, not its
+    slots (the integration passes float32 rows; slots and 16-bit rows are for it to add). When it must evict
+    ``n`` rows it evicts the lowest ``max(n, ceil(reserve * capacity))`` (as many as the batch leaves, at least
+    ``n``), so the rows left free take the next batches' new keys without scoring again.
 
   Cost: LRU, LFU and TTL find their victims and expired rows through the key map's order index of their metric
   (:func:`order_index`; :mod:`embedcore.tables.order_index`), in time proportional to what they find
-  (amortized), whatever the table's size; :class:`EvictByScore` scores every live row at each eviction, since
-  its score may change with the step alone.
+  (amortized), whatever the table's size; :class:`EvictByScore` scores every live row at each eviction (one
+  pass on Numba's threads, then a selection), since its score may change with the step alone; its
+  ``reserve`` makes evictions, and so scans, rare: one per ``reserve * capacity`` new keys.
 
 How the integration uses them: at each step of a dynamic table, (1) ``TTL``: ``map.remove_rows(expired_rows(
 map, step, ttl.steps))``; (2) ``rows = map.find(keys)``; the absent keys' ``AdmissionSketch.observe`` says which
 are admitted; (3) if the distinct admitted new keys ``k`` exceed ``map.free_rows``: ``map.remove_rows(
-pick_victims(policy, map, k - map.free_rows, protected_rows=rows[rows >= 0], step=step, weights=...))``,
-which refuses (``TableFullError``, before anything changed) when too few rows are unprotected; (4)
+pick_victims(policy, map, k - map.free_rows, protected_rows=rows[rows >= 0], step=step, weights=...))``
+(that many rows, more for an ``EvictByScore`` with a reserve), which refuses (``TableFullError``, before
+anything changed) when too few rows are unprotected; (4)
 ``map.find_or_insert(admitted keys, step)``. See :mod:`embedcore.kernels.hash_map`.
 
 Memory of admission: an :class:`AdmissionSketch` is a count-min sketch of ``sketch_depth`` rows of
@@ -231,6 +235,7 @@ class TTL(EvictionPolicy):
 
 
 _SCORE_CONTRACT = "(embedding_table, last_seen, count, step)"
+DEFAULT_RESERVE = 0.01  # EvictByScore's: the share of the capacity an eviction frees at least
 _SCORE_SIGNATURE = (types.Array(types.float32, 1, "A"), types.int64, types.int64, types.int64)
 
 
@@ -257,7 +262,7 @@ class EvictByScore(EvictionPolicy):
     rows evicted earlier than they had to be (they would have been the next to go under the scores of that
     step). ``reserve=0`` evicts exactly the ``n`` rows needed, at every such step."""
 
-    def __init__(self, fn, reserve: float = 0.01):
+    def __init__(self, fn, reserve: float = DEFAULT_RESERVE):
         framework = translate.framework_of(fn)
         if framework == "numpy":
             check_python_function(fn, "EvictByScore:", _SCORE_CONTRACT, "four")
@@ -370,9 +375,6 @@ class EvictByScore(EvictionPolicy):
         if nan.size:
             self._refuse_nan(key_map, scores[nan.min():nan.min() + 1], rows[nan.min():nan.min() + 1])
         return scores, keys, rows
-
-
-DEFAULT_RESERVE = 0.01
 
 
 def _reserve(value) -> float:
