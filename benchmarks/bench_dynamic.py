@@ -35,12 +35,16 @@ Parts (``--parts``, a comma list):
   shape's ids from a vocabulary ``--evict-vocab-factor`` times larger (mapped to random keys), so every step
   brings new keys and evicts; for each of LRU, LFU, TTL(s) for each s of ``--ttl-steps`` (a short TTL
   expires rows every step; a long one keeps the table full, so it evicts as LRU does) and
-  ``EvictByScore(decayed_count)`` (an LFU whose counts halve every 8 steps unseen): ms per step (lookup +
-  apply_gradients) after ``--evict-warmup`` untimed steps, the time spent choosing victims (``pick_victims``)
-  and expired rows (``expired_rows``) per step, the rows evicted or expired per step, and the slowest step
-  (and the most time one step spent choosing: a step that stopped the world would show here). LRU, LFU and TTL
-  read their key map's order index (:mod:`embedcore.tables.order_index`); the score of ``EvictByScore`` may
-  change with the step alone, so it scores every live row at each eviction (``--no-score`` leaves it out).
+  ``EvictByScore(decayed_count, reserve=r)`` (an LFU whose counts halve every 8 steps unseen) for each r of
+  ``--score-reserves`` (0: exactly the rows needed; the default 0.01): ms per step (lookup + apply_gradients)
+  after ``--evict-warmup`` untimed steps, median, mean and slowest, the time spent choosing victims
+  (``pick_victims``) and expired rows (``expired_rows``) per step, the calls that chose victims, the rows
+  evicted or expired per step, and the most time one step spent choosing (a step that stopped the world would
+  show here). LRU, LFU and TTL read their key map's order index (:mod:`embedcore.tables.order_index`); the
+  score of ``EvictByScore`` may change with the step alone, so each eviction scans and scores every live row,
+  and its reserve frees ``ceil(r * capacity)`` rows a scan, so it scans once per that many new keys (time
+  enough ``--evict-steps`` to see one; ``--no-score`` leaves it out). ``--evict-policies`` picks among
+  ``lru,lfu,ttl,score``.
 
 Threads: Numba ``--threads`` for every part (both tables of a comparison run on the same threads, in one
 process). The allocator is whatever ``LD_PRELOAD`` says (printed). Numba's OpenMP workers: as
@@ -246,13 +250,14 @@ class _Timed:
 
     def __init__(self, name):
         self.name, self.fn = name, getattr(dynamic_module, name)
-        self.seconds, self.rows = 0.0, 0
+        self.seconds, self.rows, self.calls = 0.0, 0, 0
 
     def __call__(self, *a, **k):
         t0 = time.perf_counter()
         rows = self.fn(*a, **k)
         self.seconds += time.perf_counter() - t0
         self.rows += int(rows.shape[0])
+        self.calls += 1
         return rows
 
     def __enter__(self):
@@ -274,8 +279,14 @@ def bench_eviction(args, log) -> dict:
     log(f"eviction: {w.T} tables of capacity {capacity:,}, ids from {vocab:,} per table; {w.B:,} bags of {w.L}")
     out = {}
     ttls = [ec.TTL(int(x)) for x in args.ttl_steps.split(",") if x.strip()]
-    scored = [] if args.no_score else [ec.EvictByScore(decayed_count)]
-    for policy in [ec.LRU(), ec.LFU()] + ttls + scored:
+    scored = [] if args.no_score else [ec.EvictByScore(decayed_count, reserve=float(r))
+                                       for r in args.score_reserves.split(",") if r.strip()]
+    kinds = {x.strip() for x in args.evict_policies.split(",") if x.strip()}
+    if kinds - {"lru", "lfu", "ttl", "score"}:
+        raise SystemExit(f"--evict-policies: unknown {sorted(kinds - {'lru', 'lfu', 'ttl', 'score'})}")
+    policies = [p for kind, p in (("lru", ec.LRU()), ("lfu", ec.LFU())) if kind in kinds]
+    policies += (ttls if "ttl" in kinds else []) + (scored if "score" in kinds else [])
+    for policy in policies:
         contender = dynamic_contender(w, args.threads, keys, capacity=capacity, eviction=policy)
         fill_keys = [keys[t][rng.choice(vocab, capacity, replace=False)].view(np.int64) for t in range(w.T)]
         for chunk in np.array_split(np.arange(capacity), args.evict_fill_steps):  # one step each: a cohort
@@ -292,12 +303,15 @@ def bench_eviction(args, log) -> dict:
                 _run_steps(contender, [batch], 1, 0, record)
                 choosing.append(victims.seconds + expired.seconds - before)
         n = len(record["step"])
-        figures = {"step_ms": _median_ms(record["step"]), "pick_victims_ms_per_step": 1e3 * victims.seconds / n,
+        figures = {"step_ms": _median_ms(record["step"]), "mean_step_ms": 1e3 * statistics.fmean(record["step"]),
+                   "pick_victims_ms_per_step": 1e3 * victims.seconds / n,
                    "expired_rows_ms_per_step": 1e3 * expired.seconds / n, "evicted_per_step": victims.rows / n,
                    "expired_per_step": expired.rows / n, "keys_held_before": full,
+                   "pick_victims_calls": victims.calls,
                    "slowest_step_ms": 1e3 * max(record["step"]), "slowest_choice_ms": 1e3 * max(choosing)}
-        log(f"  {policy!r:12.40s} step {figures['step_ms']:8.2f} ms; pick_victims "
-            f"{figures['pick_victims_ms_per_step']:6.2f} ms ({figures['evicted_per_step']:.0f} rows), expired_rows "
+        log(f"  {policy!r:12.60s} step {figures['step_ms']:8.2f} ms (mean {figures['mean_step_ms']:.2f}); pick_victims "
+            f"{figures['pick_victims_ms_per_step']:6.2f} ms ({figures['evicted_per_step']:.0f} rows; "
+            f"{victims.calls} calls in {n} steps of {w.T} tables), expired_rows "
             f"{figures['expired_rows_ms_per_step']:6.2f} ms ({figures['expired_per_step']:.0f} rows) per step; "
             f"slowest step {figures['slowest_step_ms']:.2f} ms (choosing {figures['slowest_choice_ms']:.2f}); "
             f"held before: {full}")
@@ -341,7 +355,9 @@ def _parser():
     g.add_argument("--ttl-steps", default="4,1000000", help="TTL(steps) for each of these (comma list)")
     g.add_argument("--evict-warmup", type=int, default=6, help="untimed steps (fill the tables)")
     g.add_argument("--evict-steps", type=int, default=6, help="timed steps")
+    g.add_argument("--score-reserves", default="0,0.01", help="EvictByScore(reserve=r) for each r (comma list)")
     g.add_argument("--no-score", action="store_true", help="leave EvictByScore out of the eviction part")
+    g.add_argument("--evict-policies", default="lru,lfu,ttl,score", help="which policies (comma list)")
     return p
 
 

@@ -126,7 +126,7 @@ class DynamicTableConfig(TableConfig):
         admission: None (admit every new key at once) or :class:`~embedcore.tables.policies.CountAdmission`.
         eviction: None (never evict: a batch with more admitted new keys than free rows is refused) or an
             :class:`~embedcore.tables.policies.EvictionPolicy`: ``LRU()``, ``LFU()``, ``TTL(steps)``,
-            ``EvictByScore(fn)`` (which scores float32 rows: ``weights_dtype="float32"`` only).
+            ``EvictByScore(fn, reserve=0.01)`` (which scores float32 rows: ``weights_dtype="float32"`` only).
     """
 
     def __init__(self, dim, capacity, name=None, optimizer=None, initializer=None, combiner="mean", admission=None,

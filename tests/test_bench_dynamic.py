@@ -35,11 +35,12 @@ def test_bench_dynamic_tiny(tmp_path, capsys):
     assert set(result["lookups"]) == {"1000", "5000"}
     assert all(rate > 0 for figures in result["lookups"].values() for rate in figures.values())
     eviction = result["eviction"]
-    scored = "EvictByScore(bench_dynamic.decayed_count)"
-    assert set(eviction) == {"LRU()", "LFU()", "TTL(steps=1)", "TTL(steps=1000)", scored}
-    for policy in ("LRU()", "LFU()", "TTL(steps=1000)", scored):  # at capacity, every timed step evicts
+    scored = ["EvictByScore(bench_dynamic.decayed_count, reserve=0.0)", "EvictByScore(bench_dynamic.decayed_count)"]
+    assert set(eviction) == {"LRU()", "LFU()", "TTL(steps=1)", "TTL(steps=1000)", *scored}
+    for policy in ("LRU()", "LFU()", "TTL(steps=1000)", *scored):  # at capacity, every timed step evicts
         assert eviction[policy]["keys_held_before"] == [40, 40] and eviction[policy]["evicted_per_step"] > 0
-        assert eviction[policy]["expired_per_step"] == 0
+        assert eviction[policy]["expired_per_step"] == 0 and eviction[policy]["pick_victims_calls"] > 0
+        assert eviction[policy]["slowest_step_ms"] >= eviction[policy]["step_ms"]
     assert eviction["TTL(steps=1)"]["expired_per_step"] > 0
     assert "ratio dynamic / static" in capsys.readouterr().out
 

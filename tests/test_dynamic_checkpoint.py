@@ -133,7 +133,8 @@ def test_the_manifest_entry_and_the_file(tmp_path):
 
 
 CONTINUATIONS = [(ec.LRU(), "float32"), (ec.LRU(), "bfloat16"), (ec.LFU(), "float32"), (ec.LFU(), "bfloat16"),
-                 (ec.TTL(2), "float32"), (ec.TTL(2), "bfloat16"), (ec.EvictByScore(score_by_first_value), "float32")]
+                 (ec.TTL(2), "float32"), (ec.TTL(2), "bfloat16"), (ec.EvictByScore(score_by_first_value), "float32"),
+                 (ec.EvictByScore(score_by_first_value, reserve=0.3), "float32")]
 
 
 @pytest.mark.parametrize("eviction, weights_dtype", CONTINUATIONS, ids=[f"{e!r}-{d}" for e, d in CONTINUATIONS])
@@ -223,7 +224,8 @@ def test_set_state_refuses_dynamic_tables_and_points_at_load():
 
 
 def test_config_codec_round_trips_every_policy():
-    for eviction in (None, ec.LRU(), ec.LFU(), ec.TTL(7), ec.EvictByScore(score_by_first_value)):
+    for eviction in (None, ec.LRU(), ec.LFU(), ec.TTL(7), ec.EvictByScore(score_by_first_value),
+                     ec.EvictByScore(score_by_first_value, reserve=0), ec.EvictByScore(score_by_first_value, 0.25)):
         for admission in (None, ec.CountAdmission(3, 64, 3)):
             t = ec.DynamicTableConfig(4, 50, name="t", admission=admission, eviction=eviction,
                                       initializer=ec.Constant(0.5))
@@ -240,6 +242,33 @@ def test_config_codec_round_trips_every_policy():
     bad["tables"][0]["dynamic"] = {"capacity": 49, "admission": None, "eviction": None}
     with pytest.raises(CheckpointError, match="dynamic.capacity must be the table's vocabulary_size"):
         decode_engine_config(bad)
+
+
+def test_an_evict_by_score_stored_before_its_reserve_reads_the_default_and_a_bad_reserve_is_refused(tmp_path):
+    t = ec.DynamicTableConfig(4, 50, name="t", eviction=ec.EvictByScore(score_by_first_value, reserve=0.5))
+    config = encode_engine_config({"f": ec.FeatureConfig(t)}, [t], ec.SGD(0.1), 1)
+    stored = config["tables"][0]["dynamic"]["eviction"]
+    assert stored["policy"] == "EvictByScore" and stored["reserve"] == 0.5
+    del stored["reserve"]  # as an embedcore before the reserve wrote it
+    resolve = FunctionResolver([score_by_first_value])
+    features, _, _ = decode_engine_config(json.loads(json.dumps(config)), resolve)
+    assert features["f"].table.eviction == ec.EvictByScore(score_by_first_value)  # the default reserve
+    for bad in (1, 1.0, -0.01, "0.1", True, None, float("nan")):
+        stored["reserve"] = bad
+        with pytest.raises(CheckpointError, match=r"eviction.reserve must be a number in \[0, 1\)"):
+            decode_engine_config(json.loads(json.dumps(config)), resolve)
+    # an old checkpoint (no reserve in its manifest) loads into an engine built with EvictByScore(fn)
+    emb = make_engine(ec.EvictByScore(score_by_first_value))
+    train(emb, [batch(np.random.default_rng(1)) for _ in range(3)])
+    emb.save(tmp_path / "old")
+    snap = open_snapshot(tmp_path / "old")
+    del snap.manifest["config"]["tables"][0]["dynamic"]["eviction"]["reserve"]
+    resign_manifest(tmp_path / "old", snap)
+    loaded = make_engine(ec.EvictByScore(score_by_first_value))
+    loaded.load(tmp_path / "old")
+    assert_same_state(full_state(loaded), full_state(emb))
+    restored = ec.Embedding.restore(tmp_path / "old", functions=[score_by_first_value])
+    assert dynamic_table(restored).eviction == ec.EvictByScore(score_by_first_value)
 
 
 # -- refusals: corrupt or inconsistent files, nothing changed -----------------------------------------------
@@ -260,7 +289,12 @@ def rewrite_dynamic(path, edit_tensors, edit_entry=None):
     entry["n"] = entry["shards"][0]["rows"] = int(tensors["keys"].shape[0])
     if edit_entry is not None:
         edit_entry(entry)
-    text = json.dumps(manifest, indent=1, sort_keys=True)
+    resign_manifest(path, snap)
+
+
+def resign_manifest(path, snap):
+    """Write ``snap.manifest`` (edited) back and re-sign it, as someone controlling the directory could."""
+    text = json.dumps(snap.manifest, indent=1, sort_keys=True)
     with open(os.path.join(snap.dir, "manifest.json"), "w") as f:
         f.write(text)
     with open(os.path.join(path, "CURRENT"), "w") as f:

@@ -2,19 +2,19 @@
 against the dict model of ``tests/test_dynamic_tables.py`` (:class:`Model`, :class:`Run`) and the NumPy
 optimizer oracle of ``tests/reference.py``.
 
-Each example builds one engine: two dynamic tables (capacities 1 .. 8 and, for the one a single feature reads,
-1 .. 3, so eviction and refusal happen all the time; admission ``min_count`` 1 .. 3; eviction None, LRU, LFU, TTL
-or EvictByScore) read by a pooled and a sequence feature and a pooled one, and a static table, all under one
-optimizer the oracle knows (every lazy built-in of ``tests/test_optimizers.CASES`` and a CustomOptimizer). Every
-step renders each feature's samples in a random input form (``tests/fuzz_strategies.make_leaf``: lists, flat
-lists, ragged, sparse in shuffled COO order, dense, in int64, uint64 or a narrower dtype that holds the keys, any
-memory layout; Python lists may give a negative key as its unsigned int) with or without weights, from a pool of
-extreme keys (0, -1, 2**63 - 1, -2**63, ...), duplicates and empty samples and batches included. After each step:
-activations, every table's rows and slots (:meth:`Run.check`: keys held, ``len <= capacity``), the view of every
-pool key (held: its row; else its initial value) and membership. A refused lookup must name a refusing table and
-change nothing (:func:`engine_state` before and after); a context looked up before a later lookup evicted or
-expired rows must be refused, changing nothing. Now and then the static table refuses the batch (an id beyond its
-vocabulary), after the dynamic tables planned (and counted) theirs.
+Each example builds one engine: two dynamic tables (capacities 1 .. 8 and, for the one a single feature reads, 1 ..
+3, so eviction and refusal happen all the time; admission ``min_count`` 1 .. 3; eviction None, LRU, LFU, TTL or
+EvictByScore, with its default reserve or a reserve of 0.4 of the capacity) read by a pooled and a sequence feature
+and a pooled one, and a static table, all under one optimizer the oracle knows (every lazy built-in of
+``tests/test_optimizers.CASES`` and a CustomOptimizer). Every step renders each feature's samples in a random input
+form (``tests/fuzz_strategies.make_leaf``: lists, flat lists, ragged, sparse in shuffled COO order, dense, in int64,
+uint64 or a narrower dtype that holds the keys, any memory layout; Python lists may give a negative key as its
+unsigned int) with or without weights, from a pool of extreme keys (0, -1, 2**63 - 1, -2**63, ...), duplicates and
+empty samples and batches included. After each step: activations, every table's rows and slots (:meth:`Run.check`:
+keys held, ``len <= capacity``), the view of every pool key (held: its row; else its initial value) and membership.
+A refused lookup must name a refusing table and change nothing (:func:`engine_state` before and after); a context
+looked up before a later lookup evicted or expired rows must be refused, changing nothing. Now and then the static
+table refuses the batch (an id beyond its vocabulary), after the dynamic tables planned (and counted) theirs.
 
 A second test runs every input form, dtype, layout and weight mode of ``tests/fuzz_strategies.leaf_st`` through
 twin engines, one over a static table and one over a dynamic table that never evicts, which must agree bit for
@@ -46,7 +46,7 @@ def score(row, last_seen, count, step):
 
 
 EVICTIONS = {"none": None, "lru": ec.LRU(), "lfu": ec.LFU(), "ttl1": ec.TTL(steps=1), "ttl2": ec.TTL(steps=2),
-             "score": ec.EvictByScore(score)}
+             "score": ec.EvictByScore(score), "score_reserve": ec.EvictByScore(score, reserve=0.4)}
 COMBINERS = ("sum", "mean", "sqrtn")
 POOLED_FORMS = ("lists", "flat_list", "ragged", "sparse", "dense", "dense1d")
 SEQUENCE_FORMS = ("lists", "ragged", "sparse", "dense")  # 1-D ids of a sequence feature are pooled

@@ -1,7 +1,9 @@
 """Admission, eviction and string keys of dynamic tables (embedcore.tables.policies, embedcore.keys) against plain
 Python models: sorted candidate lists for the victims, a count-min sketch written with Python ints, hashlib."""
 
+import fractions
 import hashlib
+import math
 
 import numba
 import numpy as np
@@ -12,7 +14,7 @@ from hypothesis import strategies as st
 from embedcore.compiler import RowFunctionError
 from embedcore.initializers import stream_key
 from embedcore.keys import hash_key, hash_keys
-from embedcore.kernels.hash_map import KeyRowMap, TableFullError
+from embedcore.kernels.hash_map import PARALLEL_MIN, KeyRowMap, TableFullError
 from embedcore.tables.policies import (LFU, LRU, TTL, AdmissionSketch, CountAdmission, EvictByScore, expired_rows,
                                        lowest_scores, pick_victims)
 
@@ -64,6 +66,23 @@ def test_evict_by_score_checks_its_function():
         EvictByScore(returns_a_row).compiled()
     with pytest.raises(RowFunctionError, match="does_not_compile.*cannot be compiled"):
         EvictByScore(does_not_compile).compiled()
+
+
+def test_evict_by_score_checks_its_reserve():
+    policy = EvictByScore(norm_score, reserve=0.25)
+    assert policy == EvictByScore(norm_score, 0.25) and hash(policy) == hash(EvictByScore(norm_score, 0.25))
+    assert policy != EvictByScore(norm_score) and EvictByScore(norm_score) == EvictByScore(norm_score, 0.01)
+    assert EvictByScore(norm_score, 0) == EvictByScore(norm_score, 0.0) and EvictByScore(norm_score, 0).reserve == 0.0
+    assert repr(policy) == f"EvictByScore({__name__}.norm_score, reserve=0.25)"
+    assert repr(EvictByScore(norm_score)) == f"EvictByScore({__name__}.norm_score)"  # the default, unshown
+    assert policy._params() == (("fn", norm_score), ("reserve", 0.25))
+    for bad in (-0.01, 1, 1.0, 2.5, float("nan"), float("inf"), True, "0.1", None, 1j):
+        with pytest.raises(ValueError, match=r"EvictByScore: reserve must be a real number in \[0, 1\)"):
+            EvictByScore(norm_score, reserve=bad)
+    # ceil(reserve * capacity), the reserve read as the decimal it prints as
+    assert [EvictByScore(norm_score, r).reserve_rows(c) for r, c in
+            [(0.07, 100), (0.01, 10 ** 6), (0, 10 ** 6), (0.5, 3), (0.01, 1), (0.999, 7), (1e-9, 5)]] == \
+        [7, 10 ** 4, 0, 2, 1, 7, 1]
 
 
 # -- victims ----------------------------------------------------------------------------------------------
@@ -131,6 +150,134 @@ def test_lowest_scores_is_a_sort_by_score_then_key(scores, n, seed):
     got = lowest_scores(np.array(scores, np.float64), keys, n)
     expected = sorted(range(len(scores)), key=lambda i: (scores[i], int(keys[i])))[:n]
     assert got.tolist() == expected
+
+
+def model_batched_victims(scores_by_row, keys_by_row, n, protected, reserve, capacity):
+    """EvictByScore's rule: the lowest max(n, ceil(reserve * capacity)) unprotected rows (all there are when
+    fewer), refused when fewer than n; nothing when n is 0."""
+    if n <= 0:
+        return []
+    target = max(n, math.ceil(fractions.Fraction(repr(float(reserve))) * capacity))
+    candidates = [r for r in scores_by_row if r not in protected]
+    if len(candidates) < n:
+        raise TableFullError("too few")
+    return sorted(candidates, key=lambda r: (scores_by_row[r], keys_by_row[r] & MASK))[:target]
+
+
+@settings(max_examples=150, deadline=None)
+@given(map_state, st.integers(0, 32), st.lists(st.integers(0, 40)),
+       st.one_of(st.sampled_from([0, 0.0, 0.01, 0.05, 0.1, 0.25, 0.5, 0.9, 0.999]), st.floats(0, 1, exclude_max=True)),
+       st.integers(0, 2 ** 32))
+def test_batched_victims_match_the_model(state, n, protected, reserve, seed):
+    capacity, keys, touches, removes = state
+    capacity = max(capacity, len(keys))
+    m = filled_map(capacity, keys, touches, removes)
+    weights = np.random.default_rng(seed).integers(-2, 3, (capacity, 3)).astype(np.float32)  # many ties
+    live = m.live_rows().tolist()
+    scores = {r: float(np.sum(weights[r].astype(np.float64) ** 2)) + 0.5 * int(m.counts[r]) for r in live}
+    row_keys = {r: int(m.row_keys[r]) for r in live}
+    protected_rows = [p if p % 5 else -1 for p in protected]
+    policy = EvictByScore(norm_score, reserve=reserve)
+    try:
+        expected = model_batched_victims(scores, row_keys, n, set(protected_rows), reserve, capacity)
+    except TableFullError:
+        with pytest.raises(TableFullError, match="table 'user': cannot free"):
+            pick_victims(policy, m, n, protected_rows, step=9, weights=weights)
+        return
+    before = m.items()
+    got = pick_victims(policy, m, n, protected_rows, step=9, weights=weights)
+    assert got.tolist() == expected
+    assert not set(got.tolist()) & set(protected_rows)
+    if n and len(live) - len(set(protected_rows) & set(live)) >= policy.reserve_rows(capacity):
+        assert got.shape[0] == max(n, policy.reserve_rows(capacity))
+    np.testing.assert_array_equal(m.items()[0], before[0])  # picking changes nothing
+
+
+def large_map(rows=60_000, seed=4):
+    """A map above PARALLEL_MIN rows (scanned on Numba's threads), a few removed, metadata with many ties."""
+    assert rows >= PARALLEL_MIN
+    rng = np.random.default_rng(seed)
+    m = KeyRowMap(rows, "big")
+    found, _ = m.find_or_insert(rng.integers(-2 ** 63, 2 ** 63 - 1, rows, dtype=np.int64, endpoint=True))
+    live = m.live_rows()
+    for step in range(1, 12):
+        m.touch(live[rng.integers(0, live.size, 3000)], step)
+    m.remove_rows(found[rng.integers(0, rows, 500)])
+    weights = rng.integers(-3, 4, (rows, 4)).astype(np.float32)
+    return m, found, weights, rng
+
+
+def decayed(embedding_table, last_seen, count, step):
+    return count * 0.5 ** ((step - last_seen) / 4.0) + 0.25 * embedding_table[0]
+
+
+@pytest.mark.parametrize("reserve", [0, 0.01, 0.2])
+def test_the_parallel_scan_picks_the_model_victims_for_any_thread_count(reserve):
+    m, found, weights, rng = large_map()
+    protected = np.concatenate([found[rng.integers(0, found.size, 20_000)], [-1, -5]])
+    policy = EvictByScore(decayed, reserve=reserve)
+    live = m.live_rows()
+    candidates = live[~np.isin(live, protected)]
+    score = np.array([decayed(weights[r], np.int64(m.last_seen[r]), np.int64(m.counts[r]), np.int64(12))
+                      for r in candidates])
+    target = max(37, policy.reserve_rows(m.capacity))
+    expected = candidates[np.lexsort((m.row_keys[candidates], score))][:target]
+    threads = numba.get_num_threads()
+    try:
+        for t in sorted({1, threads}):
+            numba.set_num_threads(t)
+            got = pick_victims(policy, m, 37, protected, step=12, weights=weights)
+            np.testing.assert_array_equal(got, expected)
+    finally:
+        numba.set_num_threads(threads)
+    with pytest.raises(TableFullError, match=f"cannot free {candidates.size + 1} rows.* only {candidates.size} "):
+        pick_victims(policy, m, candidates.size + 1, protected, step=12, weights=weights)
+    assert pick_victims(policy, m, candidates.size, protected, step=12, weights=weights).size == candidates.size
+
+
+def raises_on_large_rows(embedding_table, last_seen, count, step):
+    if embedding_table[0] > 2.5:
+        raise ValueError("row too large to score")
+    return float(count)
+
+
+def nan_on_large_rows(embedding_table, last_seen, count, step):
+    return np.nan if embedding_table[0] > 2.5 else float(count)
+
+
+def test_the_parallel_scan_names_the_first_nan_and_what_the_function_raised():
+    m, found, weights, _ = large_map()
+    before = m.items()
+    first = int(m.live_rows()[weights[m.live_rows(), 0] > 2.5][0])
+    key = int(m.row_keys[first:first + 1].view(np.int64)[0])
+    with pytest.raises(ValueError, match=rf"table 'big': EvictByScore\(.*nan_on_large_rows\) scored key {key} "
+                                         rf"\(row {first}\) NaN"):
+        pick_victims(EvictByScore(nan_on_large_rows), m, 3, weights=weights)
+    with pytest.raises(RowFunctionError, match=r"table 'big': EvictByScore\(.*raises_on_large_rows\) raised "
+                                               r"ValueError while scoring rows for eviction: row too large to score; "
+                                               r"nothing was changed"):
+        pick_victims(EvictByScore(raises_on_large_rows), m, 3, weights=weights)
+    np.testing.assert_array_equal(m.items()[0], before[0])
+    np.testing.assert_array_equal(m.items()[1], before[1])
+    weights[:, 0] = 0  # no row raises or scores NaN now
+    assert pick_victims(EvictByScore(raises_on_large_rows, 0), m, 3, weights=weights).size == 3
+
+
+@pytest.mark.parametrize("pattern", ["random", "ties", "one_value", "increasing", "decreasing", "strided"])
+@pytest.mark.parametrize("n", [1, 150, 5000, 39_999])
+def test_lowest_scores_of_many_entries_narrowed_by_a_sample_stay_exact(pattern, n):
+    """From 2**15 entries the selection first keeps those under a bound read off a strided sample; patterns
+    the sample misjudges (every strided entry low) must fall back to the whole array."""
+    m = 40_000
+    rng = np.random.default_rng(n)
+    keys = rng.integers(0, 2 ** 64, m, dtype=np.uint64, endpoint=False)
+    assert np.unique(keys).shape[0] == m
+    scores = {"random": rng.normal(size=m), "ties": rng.integers(0, 3, m).astype(np.float64),
+              "one_value": np.full(m, 2.5), "increasing": np.arange(m, dtype=np.float64),
+              "decreasing": -np.arange(m, dtype=np.float64),
+              "strided": np.where(np.arange(m) % (m // 4096) == 0, -1.0, rng.random(m))}[pattern]
+    got = lowest_scores(scores, keys, n)
+    assert got.tolist() == np.lexsort((keys, scores))[:n].tolist()
 
 
 def test_a_nan_score_is_refused_naming_the_table_and_key():

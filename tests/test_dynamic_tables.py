@@ -3,6 +3,8 @@ admission and eviction rules (exact counts, sorted candidate lists), initial val
 formulas, and the NumPy optimizer oracle of ``tests/reference.py``."""
 
 import collections
+import fractions
+import math
 import os
 import tempfile
 
@@ -76,6 +78,13 @@ class Model:
             return self.count[key]
         return float(e.fn(self.rows[key][0].astype(np.float32), self.last_seen[key], self.count[key], step))
 
+    def to_evict(self, need):
+        """How many rows an eviction for ``need`` rows frees: ``need``, or for ``EvictByScore(fn, reserve)`` the
+        larger of ``need`` and ``ceil(reserve * capacity)`` (the reserve as the decimal it prints as)."""
+        if not isinstance(self.eviction, ec.EvictByScore):
+            return need
+        return max(need, math.ceil(fractions.Fraction(repr(self.eviction.reserve)) * self.capacity))
+
     def expire(self, step):
         """TTL: remove the keys unseen for more than ``steps`` steps at ``step``."""
         if isinstance(self.eviction, ec.TTL):
@@ -109,7 +118,7 @@ class Model:
             if self.eviction is None or len(candidates) < need:
                 self.seen = before
                 return False
-            for key in sorted(candidates, key=lambda k: (self.score(k, step), k))[:need]:
+            for key in sorted(candidates, key=lambda k: (self.score(k, step), k))[:self.to_evict(need)]:
                 self.remove(key)
         for key in admitted:
             self.rows[key] = [self.initial(key), [np.full_like(self.initial(key), v) for v in self.slot_values]]
@@ -593,6 +602,23 @@ def test_evict_by_score_uses_the_rows_values():
     _step(emb, [10, 20])
     _step(emb, [30])             # rows 9 and 19 score -9 and -19: the lowest, 20's, goes
     assert emb.embedding_tables["t"].keys().tolist() == [10, 30]
+
+
+def test_evict_by_score_frees_its_reserve_at_once():
+    def by_last_seen(row, last_seen, count, step):
+        return float(last_seen)
+
+    for reserve, held in ((0.3, [[4, 5, 6, 7, 8, 9, 10, 11], list(range(4, 14)), [4] + list(range(8, 15))]),
+                          (0, [list(range(2, 12)), list(range(4, 14)), [4] + list(range(6, 15))])):
+        emb = _single_key_engine(10, eviction=ec.EvictByScore(by_last_seen, reserve=reserve))
+        view = emb.embedding_tables["t"]
+        _step(emb, list(range(1, 11)))  # full, every row last seen at step 0
+        _step(emb, [11])                # 0.3 x 10: the 3 lowest (ties: smaller keys) go, 2 rows stay free
+        assert sorted(view.keys().tolist()) == held[0]
+        _step(emb, [12, 13])            # into the free rows (reserve 0: 2 more evictions)
+        assert sorted(view.keys().tolist()) == held[1]
+        _step(emb, [14, 4])             # 4 is in the batch: never evicted
+        assert sorted(view.keys().tolist()) == held[2]
 
 
 def test_a_batch_with_more_new_keys_than_the_table_can_take_changes_nothing():

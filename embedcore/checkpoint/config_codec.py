@@ -329,7 +329,8 @@ def _dynamic(table) -> dict:
     """A dynamic table's own settings, ``{"dynamic": {"capacity", "admission", "eviction"}}`` (``{}`` for a
     static table): admission as ``CountAdmission``'s arguments, eviction as ``{"policy": "LRU" | "LFU" | "TTL" |
     "EvictByScore"}`` with TTL's ``steps`` or EvictByScore's ``fn`` (a function, stored by import path as
-    optimizers' functions are)."""
+    optimizers' functions are) and ``reserve`` (a configuration written before ``reserve`` existed is read with
+    the default, :data:`~embedcore.tables.policies.DEFAULT_RESERVE`: see :func:`check_config`)."""
     if not isinstance(table, DynamicTableConfig):
         return {}
     admission = table.admission
@@ -347,6 +348,7 @@ def _dynamic(table) -> dict:
             eviction["steps"] = table.eviction.steps
         elif policy == "EvictByScore":
             eviction["fn"] = _encode(table.eviction.fn, f"table '{table.name}' eviction")
+            eviction["reserve"] = table.eviction.reserve
     return {"dynamic": {"capacity": table.capacity, "admission": admission, "eviction": eviction}}
 
 
@@ -366,7 +368,8 @@ def _decode_dynamic(t: dict, where: str, resolve, with_functions: bool) -> dict:
         if policy == "TTL":
             eviction = policies.TTL(eviction["steps"])
         elif policy == "EvictByScore":
-            eviction = policies.EvictByScore(_decode(eviction["fn"], f"{where} eviction", resolve)) \
+            eviction = policies.EvictByScore(_decode(eviction["fn"], f"{where} eviction", resolve),
+                                             reserve=eviction.get("reserve", policies.DEFAULT_RESERVE)) \
                 if with_functions else None
         else:
             eviction = getattr(policies, policy)()
@@ -572,13 +575,19 @@ def _check_dynamic(t: dict, where: str) -> None:
         if policy not in _EVICTIONS:
             raise _fail(f"{where}.dynamic.eviction.policy", f"one of {list(_EVICTIONS)}", policy)
         extra = {"TTL": ["steps"], "EvictByScore": ["fn"]}.get(policy, [])
-        _need_dict(e, f"{where}.dynamic.eviction", ["policy"] + extra)
+        _need_dict(e, f"{where}.dynamic.eviction", ["policy"] + extra,
+                   optional=["reserve"] if policy == "EvictByScore" else ())
         if policy == "TTL":
             need_int(e["steps"], f"{where}.dynamic.eviction.steps", 1, 2 ** 31 - 1)
         elif policy == "EvictByScore":
             if not isinstance(e["fn"], dict) or "function" not in e["fn"]:
                 raise _fail(f"{where}.dynamic.eviction.fn", "a stored function", e["fn"])
             _check_value(e["fn"], f"{where}.dynamic.eviction.fn")
+            # written before EvictByScore had a reserve: read with today's default (so that an engine built
+            # with EvictByScore(fn) loads it); the eviction rule is configuration, not what the rows hold
+            reserve = e.setdefault("reserve", _policies().DEFAULT_RESERVE)
+            if type(reserve) not in (int, float) or not 0 <= reserve < 1:
+                raise _fail(f"{where}.dynamic.eviction.reserve", "a number in [0, 1)", reserve)
 
 
 def check_config(config) -> dict:

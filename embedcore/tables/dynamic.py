@@ -15,9 +15,10 @@ static ones:
 2. the keys without a row go through admission (:class:`~embedcore.tables.policies.CountAdmission`: counted,
    admitted once seen ``min_count`` times; without admission every key is admitted at once);
 3. when the distinct admitted new keys outnumber the free rows, the eviction policy picks victims among the
-   rows the batch does not use (:func:`~embedcore.tables.policies.pick_victims`); without eviction, or with
-   too few rows the batch does not use, the batch is refused with :class:`~embedcore.inputs.InputError`
-   naming the table, and nothing changed (admission counts included);
+   rows the batch does not use (:func:`~embedcore.tables.policies.pick_victims`: as many as needed, or for
+   an ``EvictByScore`` with a reserve, up to its share of the capacity, the rows beyond the batch's needs
+   left free); without eviction, or with too few rows the batch does not use, the batch is refused with
+   :class:`~embedcore.inputs.InputError` naming the table, and nothing changed (admission counts included);
 4. every admitted new key gets a row (the most recently freed first, then never used ones), filled with its
    initial value and fresh slots: functions of the seed, the table and the key only
    (:func:`~embedcore.initializers.fill_key_rows`), so a key starts the same whatever its row slot, its

@@ -13,21 +13,25 @@ Configuration (what a ``DynamicTableConfig`` takes; validated when made, equal b
   - :class:`TTL` ``(steps=...)``: a row unseen for more than ``steps`` steps (``step - last_seen > steps``)
     expires (:func:`expired_rows`: removed before the step's lookup, so it is gone from lookups, views and
     saves alike); when the table is full of unexpired rows, the least recently seen go first (as LRU);
-  - :class:`EvictByScore` ``(fn)``: ``fn(embedding_table, last_seen, count, step) -> float``, a user's score
-    of one row (its values, float32 ``[dim]``; its metadata and the current step, int64), compiled with
-    Numba (``njit``) the first time it scores; NaN refused. It sees the row's values, not its slots (the
-    integration passes float32 rows; slots and 16-bit rows are for it to add).
+  - :class:`EvictByScore` ``(fn, reserve=0.01)``: ``fn(embedding_table, last_seen, count, step) -> float``, a
+    user's score of one row (its values, float32 ``[dim]``; its metadata and the current step, int64),
+    compiled with Numba (``njit``) the first time it scores; NaN refused. It sees the row's values, not its
+    slots (the integration passes float32 rows; slots and 16-bit rows are for it to add). When it must evict
+    ``n`` rows it evicts the lowest ``max(n, ceil(reserve * capacity))`` (as many as the batch leaves, at least
+    ``n``), so the rows left free take the next batches' new keys without scoring again.
 
   Cost: LRU, LFU and TTL find their victims and expired rows through the key map's order index of their metric
   (:func:`order_index`; :mod:`embedcore.tables.order_index`), in time proportional to what they find
-  (amortized), whatever the table's size; :class:`EvictByScore` scores every live row at each eviction, since
-  its score may change with the step alone.
+  (amortized), whatever the table's size; :class:`EvictByScore` scores every live row at each eviction (one
+  pass on Numba's threads, then a selection), since its score may change with the step alone; its
+  ``reserve`` makes evictions, and so scans, rare: one per ``reserve * capacity`` new keys.
 
 How the integration uses them: at each step of a dynamic table, (1) ``TTL``: ``map.remove_rows(expired_rows(
 map, step, ttl.steps))``; (2) ``rows = map.find(keys)``; the absent keys' ``AdmissionSketch.observe`` says which
 are admitted; (3) if the distinct admitted new keys ``k`` exceed ``map.free_rows``: ``map.remove_rows(
-pick_victims(policy, map, k - map.free_rows, protected_rows=rows[rows >= 0], step=step, weights=...))``,
-which refuses (``TableFullError``, before anything changed) when too few rows are unprotected; (4)
+pick_victims(policy, map, k - map.free_rows, protected_rows=rows[rows >= 0], step=step, weights=...))``
+(that many rows, more for an ``EvictByScore`` with a reserve), which refuses (``TableFullError``, before
+anything changed) when too few rows are unprotected; (4)
 ``map.find_or_insert(admitted keys, step)``. See :mod:`embedcore.kernels.hash_map`.
 
 Memory of admission: an :class:`AdmissionSketch` is a count-min sketch of ``sketch_depth`` rows of
@@ -40,7 +44,9 @@ at once (with a fresh row).
 
 from __future__ import annotations
 
+import math
 import numbers
+from fractions import Fraction
 
 import numba
 import numpy as np
@@ -229,6 +235,7 @@ class TTL(EvictionPolicy):
 
 
 _SCORE_CONTRACT = "(embedding_table, last_seen, count, step)"
+DEFAULT_RESERVE = 0.01  # EvictByScore's: the share of the capacity an eviction frees at least
 _SCORE_SIGNATURE = (types.Array(types.float32, 1, "A"), types.int64, types.int64, types.int64)
 
 
@@ -241,26 +248,45 @@ class EvictByScore(EvictionPolicy):
     construction, into a NumPy-level function (:func:`embedcore.translate.to_numpy_function` with the
     :data:`~embedcore.translate.SCORE` contract; an unsupported op, or a result that is not one number, is a
     ``RowFunctionError`` naming ``fn``). That function, or ``fn`` itself, is compiled with Numba the first time
-    it scores (:meth:`compiled`). ``.fn`` stays the object given; equal when ``fn`` is the same object."""
+    it scores (:meth:`compiled`). ``.fn`` stays the object given; equal when ``fn`` is the same object and the
+    reserves are equal.
 
-    def __init__(self, fn):
+    ``reserve``: the share of the capacity freed at once, ``0 <= reserve < 1`` (default 0.01). A score may
+    change with the step alone, so no index can keep the rows in score order: finding the lowest means scoring
+    every row. So when a batch's admitted new keys need ``n`` rows more than are free, the table evicts the
+    ``max(n, reserve_rows(capacity))`` lowest-scored rows the batch does not use, ``reserve_rows(capacity) =
+    ceil(reserve * capacity)`` (``reserve`` read as the decimal it prints as, so ``0.07`` of 100 rows is 7):
+    all of them if fewer are unprotected (but at least ``n``, else the batch is refused), and the rows left free
+    take the next batches' new keys without a scan. A table of ``C`` rows then scores its rows once per about
+    ``reserve * C`` new keys, instead of at every step that brings one; the price is up to ``reserve * C``
+    rows evicted earlier than they had to be (they would have been the next to go under the scores of that
+    step). ``reserve=0`` evicts exactly the ``n`` rows needed, at every such step."""
+
+    def __init__(self, fn, reserve: float = DEFAULT_RESERVE):
         framework = translate.framework_of(fn)
         if framework == "numpy":
             check_python_function(fn, "EvictByScore:", _SCORE_CONTRACT, "four")
         self.fn = fn
+        self.reserve = _reserve(reserve)
         self._score_function = translate.to_numpy_function(fn, translate.SCORE, framework)  # fn if NumPy
 
     def __hash__(self):
-        return hash((EvictByScore, id(self.fn)))
+        return hash((EvictByScore, id(self.fn), self.reserve))
 
     def __eq__(self, other):
-        return type(other) is EvictByScore and other.fn is self.fn
+        return type(other) is EvictByScore and other.fn is self.fn and other.reserve == self.reserve
 
     def __repr__(self):
-        return f"EvictByScore({describe(translate.python_function(self.fn))})"
+        shown = "" if self.reserve == DEFAULT_RESERVE else f", reserve={self.reserve!r}"
+        return f"EvictByScore({describe(translate.python_function(self.fn))}{shown})"
 
     def __deepcopy__(self, memo):
         return self  # immutable configuration, functions shared (a traced tf.function cannot be deep-copied)
+
+    def reserve_rows(self, capacity: int) -> int:
+        """``ceil(reserve * capacity)``, ``reserve`` taken as the decimal its repr shows (exact: no binary
+        rounding pushes ``0.07 * 100`` to 8)."""
+        return math.ceil(Fraction(repr(self.reserve)) * int(capacity))
 
     def compiled(self):
         """The Numba dispatcher of ``fn``, compiled for the contract's argument types (``RowFunctionError``
@@ -282,25 +308,139 @@ class EvictByScore(EvictionPolicy):
         return dispatcher
 
     def _params(self):
-        return (("fn", self.fn),)
+        return (("fn", self.fn), ("reserve", self.reserve))
 
-    def scores(self, key_map, rows, step, weights=None):
+    def _check_weights(self, key_map, weights):
         if weights is None or np.ndim(weights) != 2 or weights.dtype != np.float32:
             raise ValueError(f"table '{key_map.name}': {self!r} scores rows from their float32 values "
                              f"(weights [rows, dim]), got {None if weights is None else weights.dtype}")
+        if weights.shape[0] < key_map.high_water:
+            raise ValueError(f"table '{key_map.name}': {self!r} scores rows from weights [rows, dim] of at least "
+                             f"{key_map.high_water} rows, got {weights.shape[0]}")
+
+    def _raised(self, key_map, exc):
+        return RowFunctionError(f"table '{key_map.name}': {self!r} raised {type(exc).__name__} while scoring "
+                                f"rows for eviction: {exc}; nothing was changed")
+
+    def _refuse_nan(self, key_map, scores, rows):
+        nan = np.flatnonzero(np.isnan(scores))
+        if nan.size:
+            key = int(key_map.row_keys[rows[nan[0]]].view(np.int64))
+            raise ValueError(f"table '{key_map.name}': {self!r} scored key {key} (row {int(rows[nan[0]])}) NaN; "
+                             f"scores must be numbers")
+
+    def scores(self, key_map, rows, step, weights=None):
+        self._check_weights(key_map, weights)
+        rows = np.ascontiguousarray(rows, np.int64)
         out = np.empty(rows.shape[0], np.float64)
         fn = self.compiled()
         try:
             _score_rows(fn, rows, weights, key_map.last_seen, key_map.counts, np.int64(step), out)
         except Exception as exc:  # raised by fn on some row
-            raise RowFunctionError(f"table '{key_map.name}': {self!r} raised {type(exc).__name__} while scoring "
-                                   f"rows for eviction: {exc}; nothing was changed") from exc
-        nan = np.flatnonzero(np.isnan(out))
-        if nan.size:
-            key = int(key_map.row_keys[rows[nan[0]]].view(np.int64))
-            raise ValueError(f"table '{key_map.name}': {self!r} scored key {key} (row {int(rows[nan[0]])}) NaN; "
-                             f"scores must be numbers")
+            raise self._raised(key_map, exc) from exc
+        self._refuse_nan(key_map, out, rows)
         return out
+
+    def scan(self, key_map, protected_rows, step, weights) -> tuple:
+        """``(scores, keys, rows)`` of every live row of ``key_map`` not in ``protected_rows``, increasing by
+        row: one pass over the row slots (on Numba's threads from ``PARALLEL_MIN`` slots), scoring each
+        candidate once. ``ValueError`` naming the table and key for the first NaN (by row); what ``fn``
+        raises, a ``RowFunctionError`` naming the table (the row found by a serial rescan, as Numba's threads
+        do not carry a raised exception's type or message). Changes nothing."""
+        self._check_weights(key_map, weights)
+        fn = self.compiled()
+        high = key_map.high_water
+        mask = _protected_mask(np.ascontiguousarray(protected_rows, np.int64).ravel(), high)
+        chunks = -(-high // _SCAN_CHUNK)
+        starts = np.empty(chunks + 1, np.int64)
+        parallel = high >= PARALLEL_MIN
+        (_count_candidates_parallel if parallel else _count_candidates_serial)(key_map.counts, mask, _SCAN_CHUNK,
+                                                                                starts)
+        m = int(starts[chunks])
+        scores, keys, rows = np.empty(m, np.float64), np.empty(m, np.uint64), np.empty(m, np.int64)
+        nan_at = np.empty(chunks, np.int64)
+        args = (weights, key_map.row_keys, key_map.last_seen, key_map.counts, mask, np.int64(step), _SCAN_CHUNK,
+                starts, scores, keys, rows, nan_at)
+        try:
+            (_score_chunks_parallel if parallel else _score_chunks_serial)(fn, *args)
+        except Exception as exc:  # raised by fn on some row
+            if not parallel:
+                raise self._raised(key_map, exc) from exc
+            try:  # again on one thread, for the first row's own exception and message
+                _score_chunks_serial(fn, *args)
+            except Exception as serial_exc:
+                raise self._raised(key_map, serial_exc) from serial_exc
+            raise self._raised(key_map, exc) from exc
+        nan = nan_at[nan_at >= 0]
+        if nan.size:
+            self._refuse_nan(key_map, scores[nan.min():nan.min() + 1], rows[nan.min():nan.min() + 1])
+        return scores, keys, rows
+
+
+def _reserve(value) -> float:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real) or not 0 <= value < 1:
+        raise ValueError(f"EvictByScore: reserve must be a real number in [0, 1) (a share of the table's "
+                         f"capacity freed at each eviction), got {value!r}")
+    return float(value)
+
+
+_SCAN_CHUNK = 1 << 12  # row slots a thread scans at a time
+
+
+@njit(cache=True)
+def _protected_mask(protected, high):
+    """Whether each row slot below ``high`` is among ``protected`` (entries out of range ignored)."""
+    mask = np.zeros(high, np.bool_)
+    for i in range(protected.shape[0]):
+        p = protected[i]
+        if 0 <= p < high:
+            mask[p] = True
+    return mask
+
+
+def _count_candidates(counts, mask, chunk, starts):
+    """``starts[c]``: the candidates (live, unprotected rows) before chunk ``c`` of ``chunk`` row slots;
+    ``starts[-1]`` all of them."""
+    high = mask.shape[0]
+    chunks = starts.shape[0] - 1
+    for c in prange(chunks):
+        k = 0
+        for r in range(c * chunk, min(high, (c + 1) * chunk)):
+            if counts[r] >= 0 and not mask[r]:
+                k += 1
+        starts[c + 1] = k
+    starts[0] = 0
+    for c in range(chunks):
+        starts[c + 1] += starts[c]
+
+
+_count_candidates_parallel = njit(cache=True, parallel=True)(_count_candidates)
+_count_candidates_serial = njit(cache=True)(_count_candidates)
+
+
+def _score_chunks(fn, weights, row_keys, last_seen, counts, mask, step, chunk, starts, scores, keys, rows, nan_at):
+    """Score the candidates of each chunk into ``scores``, ``keys``, ``rows`` from ``starts[c]`` on, by row;
+    ``nan_at[c]``: the position of the chunk's first NaN score, or -1."""
+    high = mask.shape[0]
+    for c in prange(starts.shape[0] - 1):
+        j = starts[c]
+        first_nan = -1
+        for r in range(c * chunk, min(high, (c + 1) * chunk)):
+            if counts[r] < 0 or mask[r]:
+                continue
+            s = np.float64(fn(weights[r], np.int64(last_seen[r]), np.int64(counts[r]), step))
+            if first_nan < 0 and np.isnan(s):
+                first_nan = j
+            scores[j] = s
+            keys[j] = row_keys[r]
+            rows[j] = r
+            j += 1
+        nan_at[c] = first_nan
+
+
+# Specialised for each score function (a first-class function argument), so not cached on disk.
+_score_chunks_parallel = njit(parallel=True)(_score_chunks)
+_score_chunks_serial = njit(_score_chunks)
 
 
 @njit
@@ -310,18 +450,56 @@ def _score_rows(fn, rows, weights, last_seen, counts, step, out):
         out[i] = fn(weights[r], np.int64(last_seen[r]), np.int64(counts[r]), step)
 
 
+_NARROW_MIN = 1 << 15  # entries from which _lowest first narrows them down with a sample
+_SAMPLE = 1 << 12      # entries of that sample
+
+
+@njit(cache=True)
+def _narrowed(scores, keys, n):
+    """Positions of a subset of ``(scores, keys)`` that holds the ``n`` lowest ``(score, key)``: every entry at
+    most a bound read off an evenly strided sample, when at least ``n`` entries are (so ties at a score narrow
+    too), increasing; none (an empty array) when the sample misjudged (fewer than ``n`` at most the bound) or
+    the subset would not be smaller."""
+    m = scores.shape[0]
+    stride = m // _SAMPLE
+    sample_scores = np.empty(_SAMPLE, np.float64)
+    sample_keys = np.empty(_SAMPLE, np.uint64)
+    for i in range(_SAMPLE):
+        sample_scores[i] = scores[i * stride]
+        sample_keys[i] = keys[i * stride]
+    by_key = np.argsort(sample_keys, kind="mergesort")
+    order = by_key[np.argsort(sample_scores[by_key], kind="mergesort")]
+    expected = n * _SAMPLE / m  # the n-th lowest's rank in the sample, on average
+    rank = int(expected + 4.0 * np.sqrt(expected) + 8.0)
+    if rank >= _SAMPLE:
+        return np.empty(0, np.int64)
+    bound, bound_key = sample_scores[order[rank]], sample_keys[order[rank]]
+    out = np.empty(m, np.int64)  # its pages are touched only as far as it is written
+    c = 0
+    for i in range(m):  # without a branch: at random scores one would be mispredicted often
+        out[c] = i
+        c += (scores[i] < bound) | ((scores[i] == bound) & (keys[i] <= bound_key))
+    if c < n or c >= m:
+        return np.empty(0, np.int64)
+    return out[:c]
+
+
 @njit(cache=True)
 def _lowest(scores, keys, n):
     m = scores.shape[0]
     if n >= m:
         chosen = np.arange(m)
     else:
-        threshold, last_key = value_key_at_rank(scores, keys, m, n - 1)
+        among = _narrowed(scores, keys, n) if m >= _NARROW_MIN else np.empty(0, np.int64)
+        narrowed = among.shape[0] > 0
+        vals = scores[among] if narrowed else scores
+        ks = keys[among] if narrowed else keys
+        threshold, last_key = value_key_at_rank(vals, ks, vals.shape[0], n - 1)
         chosen = np.empty(n, np.int64)
         c = 0
-        for i in range(m):
-            if scores[i] < threshold or (scores[i] == threshold and keys[i] <= last_key):
-                chosen[c] = i
+        for j in range(vals.shape[0]):
+            if vals[j] < threshold or (vals[j] == threshold and ks[j] <= last_key):
+                chosen[c] = among[j] if narrowed else j
                 c += 1
     by_key = chosen[np.argsort(keys[chosen], kind="mergesort")]
     return by_key[np.argsort(scores[by_key], kind="mergesort")]
@@ -330,7 +508,9 @@ def _lowest(scores, keys, n):
 def lowest_scores(scores, keys, n: int) -> np.ndarray:
     """Positions of the ``n`` entries with the lowest ``(score, key)`` (keys distinct, compared as uint64), in
     increasing ``(score, key)`` order; all of them when ``n >= len(scores)``. ``O(len + n log n)``: a
-    selection of the threshold score, then a sort of the chosen. ``scores`` hold no NaN."""
+    selection of the threshold score, then a sort of the chosen. ``scores`` hold no NaN. From 2**15 entries the
+    selection runs on the entries at most a ``(score, key)`` bound read off an evenly strided sample of 4,096 (a
+    few more than ``n``, as a rule), or on all of them when fewer than ``n`` are: the answer is the same."""
     scores = np.ascontiguousarray(scores, np.float64)
     keys = as_keys(keys)
     if scores.shape != keys.shape:
@@ -389,19 +569,27 @@ def eviction_bytes(policy, capacity: int) -> int:
 
 def pick_victims(policy: EvictionPolicy, key_map: KeyRowMap, n: int, protected_rows=(), step: int = 0,
                  weights=None) -> np.ndarray:
-    """The ``n`` live rows of ``key_map`` to evict under ``policy``: the lowest ``(score, key)`` among the rows
-    not in ``protected_rows`` (the current batch's rows; negative entries, absent keys, are ignored), in
-    that order. Changes nothing (it may tighten the key map's floors and reorder its order index).
+    """The live rows of ``key_map`` to evict under ``policy`` when the batch needs ``n`` rows more than are free:
+    the lowest ``(score, key)`` among the rows not in ``protected_rows`` (the current batch's rows; negative
+    entries, absent keys, are ignored), in that order: ``n`` of them, or for an :class:`EvictByScore` the
+    ``max(n, policy.reserve_rows(capacity))`` lowest (as many as there are, if fewer, but at least ``n``).
+    Changes nothing (it may tighten the key map's floors and reorder its order index).
 
     Cost: for :class:`LRU`, :class:`LFU` and :class:`TTL` (scores that are ``last_seen`` or ``counts``), the key
     map's order index (:func:`order_index`) reads the rows in ``(score, key)`` order from the lowest: the
     victims, the protected rows among them and the entries gone stale since the last call, plus a share of a
     background refill in proportion to what it used up (amortized ``O(n)``; a first call on a map whose index
-    was not built ahead, :func:`keep_order_index`, builds it in one pass over the rows used). For :class:`EvictByScore`, one pass over every live row, scored: its score
-    may change with ``step`` alone, so no index can be kept.
+    was not built ahead, :func:`keep_order_index`, builds it in one pass over the rows used). For
+    :class:`EvictByScore`, whose score may change with ``step`` alone (so no index can be kept): one pass over
+    the row slots, on Numba's threads, that scores each live unprotected row once (:meth:`EvictByScore.scan`),
+    then a selection of the threshold ``(score, key)`` and a sort of the victims (``O(rows + victims log
+    victims)``); its ``reserve`` frees many rows per pass, so that a table scans about once per ``reserve *
+    capacity`` new keys.
 
     Raises:
         TableFullError: fewer than ``n`` live rows are unprotected.
+        ValueError: an :class:`EvictByScore` scored a row NaN (naming the table and the key).
+        RowFunctionError: an :class:`EvictByScore`'s function raised (naming the table).
     """
     n = int(n)
     if n <= 0:
@@ -411,21 +599,26 @@ def pick_victims(policy: EvictionPolicy, key_map: KeyRowMap, n: int, protected_r
     if metric is not None:
         victims = order_index(key_map, metric).lowest(key_map, n, protected)
         found = victims.shape[0]
+    elif isinstance(policy, EvictByScore):
+        scores, keys, rows = policy.scan(key_map, protected, step, weights)
+        found = rows.shape[0]
     else:
         protected = protected[(protected >= 0) & (protected < key_map.high_water)]
         mask = np.zeros(key_map.high_water, np.bool_)
         mask[protected] = True
         live = key_map.live_rows()
-        candidates = live[~mask[live]]
-        found = candidates.shape[0]
+        rows = live[~mask[live]]
+        found = rows.shape[0]
     if found < n:
         raise TableFullError(
             f"table '{key_map.name}': cannot free {n} rows for the batch's new keys: only {found} of "
             f"its {len(key_map)} keys are not used by the batch (capacity {key_map.capacity}); nothing was changed")
     if metric is not None:
         return victims
-    scores = policy.scores(key_map, candidates, step, weights)
-    return candidates[_lowest(np.ascontiguousarray(scores, np.float64), key_map.row_keys[candidates], n)]
+    if isinstance(policy, EvictByScore):
+        return rows[_lowest(scores, keys, max(n, policy.reserve_rows(key_map.capacity)))]
+    scores = policy.scores(key_map, rows, step, weights)  # a subclass's own score
+    return rows[_lowest(np.ascontiguousarray(scores, np.float64), key_map.row_keys[rows], n)]
 
 
 def expired_rows(key_map: KeyRowMap, step: int, steps: int) -> np.ndarray:
