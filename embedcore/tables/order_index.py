@@ -440,7 +440,7 @@ class OrderIndex:
             return  # they all hold last_seen == step, at or above every bound
         metric = getattr(key_map, self.metric)
         for pool, below_row in ((self.pool, key_map.capacity), (self.refill, self.cursor << FLOOR_SHIFT)):
-            if pool is not None:
+            if pool is not None and pool[3][_BOUND] != _NONE and below_row > 0:  # else no row can be below
                 _add_written(pool, rows, below_row, metric, key_map.counts, key_map.row_keys, self.bits)
 
     # -- reads --------------------------------------------------------------------------------------------
