@@ -89,3 +89,12 @@ def test_hashed_ids_in_range_and_spread():
     buckets = quality.hashed_ids(np.arange(10_000), 100)
     assert buckets.min() >= 0 and buckets.max() < 100
     assert np.bincount(buckets, minlength=100).min() > 50  # a hash, not a pile-up
+
+
+@pytest.mark.parametrize("ahead", [[], ["--no-ahead"]])
+def test_first_eviction_tiny(capsys, ahead):
+    bench = _script("first_eviction")
+    assert bench.main(["--capacity", "2000", "--victims", "7", "--steps", "3", "--rounds", "1"] + ahead) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in lines] == ["LRU()", "LFU()"]
+    assert all(line.count(",") == 2 for line in lines)  # three steps' choosing times each
