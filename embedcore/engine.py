@@ -17,7 +17,7 @@ from . import inputs
 from .compiler import RowFunctionError
 from .config import DynamicTableConfig
 from .inputs import InputError
-from .kernels.rows import count_non_finite
+from .kernels.rows import copy_counting_non_finite, count_non_finite
 from .lookup import LookupContext, TrainingEngine, _FeatureSlot
 from .optimizers import Optimizer
 from .tables import physical_tables
@@ -431,8 +431,9 @@ class Embedding(TrainingEngine):
                 tb = inputs.build_table_batch([])
             elif without:
                 tb = occurrences_without(tb, without)
-            d_act = gradient_rows(k, tb.n_out, table.dim, table.workspace, checked, ctx.features)
-            if refuse:
+            d_act, bad = gradient_rows_counted(k, tb.n_out, table.dim, table.workspace, checked, ctx.features,
+                                               count=refuse)
+            if refuse and bad != 0:  # None: read in place, not counted yet; else counted as they were copied
                 _refuse_non_finite(d_act, k, checked, ctx.features)
             work.append((table, tb, d_act))
         step = self.step + 1
@@ -498,21 +499,36 @@ def gradient_rows(k, n_out, dim, workspace, gradients, features):
     their activation rows (views of one ``[features, batch, dim]`` array, as FBGEMM takes one gradient
     for all its tables). Otherwise the features' gradients are copied into ``workspace``.
     """
+    return gradient_rows_counted(k, n_out, dim, workspace, gradients, features)[0]
+
+
+def gradient_rows_counted(k, n_out, dim, workspace, gradients, features, count=False):
+    """``(d_act, bad)``: :func:`gradient_rows`, and ``bad`` the number of NaN/Inf values among the rows when
+    ``count`` and they were copied (counted by the copy, which reads each value anyway), else None (rows
+    used in place: nothing has read them yet)."""
     mine = [(grad, s) for grad, s in zip(gradients, features) if s.group == k]
     if all(grad is not None and grad.dtype == np.float32 and grad.flags.c_contiguous for grad, _ in mine):
         if len(mine) == 1:
-            return mine[0][0].reshape(n_out, dim)
+            return mine[0][0].reshape(n_out, dim), None
         consecutive = _consecutive(mine, n_out, dim)
         if consecutive is not None:
-            return consecutive
+            return consecutive, None
     d_act = workspace.array("d_act", (n_out, dim), np.float32)
+    bad = 0 if count else None
     for grad, s in mine:
         rows = d_act[s.out_offset:s.out_offset + s.n_rows]
         if grad is None:
             rows[...] = 0  # never read by the update; not left as stale values that a NaN check would see
+        elif count and grad.dtype in _COUNTED_COPIES:
+            bad += copy_counting_non_finite(grad.reshape(s.n_rows, dim), rows)
         else:
             rows[...] = grad.reshape(s.n_rows, dim)
-    return d_act
+            if count:
+                bad += count_non_finite(rows.reshape(-1))
+    return d_act, bad
+
+
+_COUNTED_COPIES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
 
 
 def _consecutive(gradients, n_rows, dim):
@@ -568,7 +584,7 @@ def check_gradient(grad, s: _FeatureSlot, refuse_non_finite: bool = True,
     if grad.shape != s.shape:
         raise InputError(f"gradient of feature '{name}' has shape {grad.shape}, its activations have {s.shape}")
     flat = grad.reshape(-1)
-    native = flat if flat.dtype in (np.float32, np.float64) else flat.astype(np.float64)
+    native = flat if flat.dtype in (np.float16, np.float32, np.float64) else flat.astype(np.float64)
     if refuse_non_finite and not values_checked_later and count_non_finite(native):
         bad = np.unravel_index(int(np.flatnonzero(~np.isfinite(native))[0]), grad.shape)
         raise InputError(f"gradient of feature '{name}' holds {grad[bad]} at index {tuple(int(i) for i in bad)}; "

@@ -109,6 +109,25 @@ def test_count_non_finite_serial_and_parallel(dtype):
         assert rows.count_non_finite(values) == expected
 
 
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_count_and_counting_copy_of_every_gradient_dtype(dtype):
+    """float16 is counted as its bits; the counting copy gives NumPy's float32 conversion, bit for bit, and
+    the count, serially and in parallel, from contiguous and strided sources."""
+    from embedcore.kernels import rows
+    rng = np.random.default_rng(6)
+    for n in (0, 3, rows.PARALLEL_MIN // 8 + 5):
+        values = (rng.standard_normal((n, 8)) * 100).astype(dtype)
+        flat = values.reshape(-1)
+        bad = rng.choice(flat.size, size=min(flat.size, 9), replace=False) if n else np.zeros(0, int)
+        flat[bad] = rng.choice([np.nan, np.inf, -np.inf], size=bad.size)
+        expected = int((~np.isfinite(values)).sum())
+        assert rows.count_non_finite(flat) == expected
+        for src in (values, np.repeat(values, 2, axis=1)[:, ::2]):
+            out = np.full((n, 8), 7.0, np.float32)
+            assert rows.copy_counting_non_finite(src, out) == expected
+            np.testing.assert_array_equal(out.view(np.uint32), src.astype(np.float32).view(np.uint32))
+
+
 # -- grouped occurrences, weighted sums, prefetch -----------------------------------------------------------
 
 @settings(max_examples=40, deadline=None)

@@ -33,14 +33,14 @@ from numba.extending import overload
 
 from ..compile_cache import jit_source
 from .aligned import is_aligned
-from .half import decoder
+from .half import bits_of, decoder, f16_to_f32
 from .prefetch import CACHE_LINE_FLOATS, prefetch_rows_ahead
 from .row_vector import (STREAM_ALIGN, block_width, no_gains, sequential_sum_registers, store_fence,
                          streaming_sum_registers, sums_in_registers, weighted_sum_registers, weighted_sum_registers_16)
 
 __all__ = ["weighted_sum", "weighted_sum_fixed", "sequential_sum", "sequential_sum_fixed", "copy_row", "gather_combine",
            "gather_kernel", "gather_16_kernel", "streaming_gather_kernel", "can_stream", "fixed_length",
-           "sum_gradients", "count_non_finite", "ROWS_AHEAD", "STREAM_CHUNK"]
+           "sum_gradients", "count_non_finite", "copy_counting_non_finite", "ROWS_AHEAD", "STREAM_CHUNK"]
 
 ROWS_AHEAD = 16  # occurrences whose source rows are prefetched ahead of the current one (a shorter distance
                  # leaves rows from DRAM late; a longer one was slower on them too)
@@ -369,13 +369,98 @@ def _count_non_finite_parallel(values):
     return bad
 
 
+@njit(cache=True)
+def _count_non_finite_f16_serial(bits):
+    bad = 0
+    for i in range(bits.shape[0]):
+        bad += (bits[i] & np.uint16(0x7C00)) == np.uint16(0x7C00)  # exponent all ones: Inf or NaN
+    return bad
+
+
+@njit(cache=True, parallel=True)
+def _count_non_finite_f16_parallel(bits):
+    bad = 0
+    for i in prange(bits.shape[0]):
+        bad += (bits[i] & np.uint16(0x7C00)) == np.uint16(0x7C00)
+    return bad
+
+
 PARALLEL_MIN = 1 << 20  # below this, waking the worker threads costs more than the scan
 
 
 def count_non_finite(values) -> int:
-    """Number of NaN/Inf entries of a flat float array (no temporary array, unlike ``np.isfinite``)."""
-    kernel = _count_non_finite_parallel if values.shape[0] >= PARALLEL_MIN else _count_non_finite_serial
+    """Number of NaN/Inf entries of a flat float16, float32 or float64 array (no temporary array, unlike
+    ``np.isfinite``; float16 is read as its bits, which Numba takes)."""
+    large = values.shape[0] >= PARALLEL_MIN
+    if values.dtype == np.float16:
+        kernel = _count_non_finite_f16_parallel if large else _count_non_finite_f16_serial
+        return int(kernel(bits_of(values)))
+    kernel = _count_non_finite_parallel if large else _count_non_finite_serial
     return int(kernel(values))
+
+
+@njit(cache=True, inline="always")
+def _copy_row_counting(src, dst, i):
+    bad = 0
+    for j in range(src.shape[1]):
+        v = np.float32(src[i, j])
+        dst[i, j] = v
+        bad += not np.isfinite(v)
+    return bad
+
+
+@njit(cache=True, inline="always")
+def _copy_row_counting_f16(bits, dst, i):
+    bad = 0
+    for j in range(bits.shape[1]):
+        dst[i, j] = f16_to_f32(bits[i, j])
+        bad += (bits[i, j] & np.uint16(0x7C00)) == np.uint16(0x7C00)
+    return bad
+
+
+@njit(cache=True)
+def _copy_counting_serial(src, dst):
+    bad = 0
+    for i in range(src.shape[0]):
+        bad += _copy_row_counting(src, dst, i)
+    return bad
+
+
+@njit(cache=True, parallel=True)
+def _copy_counting_parallel(src, dst):
+    bad = 0
+    for i in prange(src.shape[0]):
+        bad += _copy_row_counting(src, dst, i)
+    return bad
+
+
+@njit(cache=True)
+def _copy_counting_f16_serial(bits, dst):
+    bad = 0
+    for i in range(bits.shape[0]):
+        bad += _copy_row_counting_f16(bits, dst, i)
+    return bad
+
+
+@njit(cache=True, parallel=True)
+def _copy_counting_f16_parallel(bits, dst):
+    bad = 0
+    for i in prange(bits.shape[0]):
+        bad += _copy_row_counting_f16(bits, dst, i)
+    return bad
+
+
+def copy_counting_non_finite(src, dst) -> int:
+    """Copy the ``[rows, dim]`` float16, float32 or float64 array ``src`` (any strides) into the float32
+    array ``dst`` of its shape, and return how many of the copied values are NaN/Inf: one pass where a copy
+    then :func:`count_non_finite` read the values twice. float64 values must lie within float32 range or
+    be non-finite (the callers refuse a finite one beyond it first: it would become an Inf here)."""
+    large = src.size >= PARALLEL_MIN
+    if src.dtype == np.float16:
+        kernel = _copy_counting_f16_parallel if large else _copy_counting_f16_serial
+        return int(kernel(bits_of(src), dst))
+    kernel = _copy_counting_parallel if large else _copy_counting_serial
+    return int(kernel(src, dst))
 
 
 @njit(cache=True, parallel=True)
