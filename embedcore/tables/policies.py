@@ -533,10 +533,12 @@ def _metric_of(policy) -> str | None:
 def order_index(key_map: KeyRowMap, metric: str) -> OrderIndex:
     """``key_map``'s :class:`~embedcore.tables.order_index.OrderIndex` of ``metric``, built (one scan of the
     rows used) the first time it is asked for and kept up to date from then on."""
-    for watcher in key_map.watchers:
-        if isinstance(watcher, OrderIndex) and watcher.metric == metric:
-            return watcher
-    return OrderIndex(key_map, metric)
+    index = _kept_index(key_map, metric)
+    return index if index is not None else OrderIndex(key_map, metric)
+
+
+def _kept_index(key_map: KeyRowMap, metric: str) -> OrderIndex | None:
+    return next((w for w in key_map.watchers if isinstance(w, OrderIndex) and w.metric == metric), None)
 
 
 def keep_order_index(policy, key_map: KeyRowMap) -> None:
@@ -548,7 +550,7 @@ def keep_order_index(policy, key_map: KeyRowMap) -> None:
     metric = _metric_of(policy)
     if metric is None:
         return
-    index = next((w for w in key_map.watchers if isinstance(w, OrderIndex) and w.metric == metric), None)
+    index = _kept_index(key_map, metric)
     if index is None:
         if 2 * len(key_map) < key_map.capacity:
             return
