@@ -282,7 +282,7 @@ def _over_blocks(block_sum, doc):
 
 
 _LOOKUP_SUMS: dict = {}
-FORMATS = ("float32", "float16", "bfloat16")
+_FORMATS = ("float32",) + half_ir.FORMATS_16  # what rows and activations may be
 
 
 def lookup_sum_registers(stored: str = "float32", output: str = "float32", streaming: bool = False):
@@ -301,8 +301,8 @@ def lookup_sum_registers(stored: str = "float32", output: str = "float32", strea
     16-bit values is half a line, stored aligned to 32 bytes), and the caller fences the stores
     (:func:`store_fence`) before its results are read by another thread."""
     key = (stored, output, bool(streaming))
-    if stored not in FORMATS or output not in FORMATS:
-        raise ValueError(f"rows are stored as {FORMATS}, not {stored!r} / {output!r}")
+    if stored not in _FORMATS or output not in _FORMATS:
+        raise ValueError(f"rows are stored as {_FORMATS}, not {stored!r} / {output!r}")
     row_sum = _LOOKUP_SUMS.get(key)
     if row_sum is None:
         rounded = "" if output == "float32" else f", rounded to nearest {output}"
