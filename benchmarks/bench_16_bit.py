@@ -4,7 +4,7 @@ Run from the repository root::
 
     python benchmarks/bench_16_bit.py [--rows 2000000] [--dim 64] [--ids 262144] [--rounds 12] [--steps 3]
         [--threads 2] [--optimizer rowwise_adagrad|adagrad|sgd] [--dtypes float32,bfloat16,float16]
-        [--tunings default,through-caches] [--read-activations] [--probes]
+        [--output-dtypes float32,bfloat16] [--tunings default,through-caches] [--read-activations] [--probes]
 
 Workload: the update shape (:func:`embedcore.bench.workloads.update_workload`): one ``rows x dim`` table,
 ``ids`` ids a step from the bounded Zipf distribution calibrated to ~150,000 distinct ids (one id per
@@ -14,7 +14,9 @@ update a random read-modify-write of ~150,000 rows. Each contender is an ``Embed
 ``bfloat16-nearest``: rounding to nearest, to time what the random bits cost), all with the same optimizer
 (row-wise Adagrad by default, FBGEMM's conventions: accumulators from 0, eps 1e-8) and the same batches,
 under each of the ``--tunings``: ``default`` (:data:`embedcore.DEFAULT_TUNING`) and ``through-caches``
-(``Tuning(stream_activations_min_bytes=None)``: activations written with normal stores).
+(``Tuning(stream_activations_min_bytes=None)``: activations written with normal stores), and with each of
+the ``--output-dtypes`` (the engine's ``output_dtype``: float32 activations by default; a contender with
+16-bit ones is named e.g. ``bfloat16/out-bfloat16``). The gradients given are float32 whatever the output.
 Each round runs ``steps`` steps per contender (lookup, then ``apply_gradients`` of the given gradient), the
 contenders' order reversed every other round; medians are over all steps of all rounds. With
 ``--read-activations`` each lookup is followed by one pass reading its activations (what a model's first
@@ -24,7 +26,8 @@ layer does; activations written past the caches come back from memory), timed on
 (``--threads``) and the process's allocator.
 
 Bytes a step (the model, not a measurement): the lookup reads ``ids * dim * itemsize`` of rows and writes
-``ids * dim * 4`` of activations (twice that through the caches: a store reads its line first); the
+``ids * dim * output itemsize`` of activations (twice that through the caches: a store reads its line
+first); the
 update reads and writes ``n_unique * (dim * itemsize + slot bytes)`` of rows and slots and reads the
 ``ids * dim * 4`` bytes of gradient rows twice (the engine's NaN check, then the update).
 """
@@ -51,6 +54,8 @@ from numba import njit, prange
 import embedcore as ec
 from embedcore.bench.machine import Probes, allocator_name
 from embedcore.bench.workloads import make_batches, update_workload
+from embedcore.kernels.half import bits_of, decoder, format_of
+from embedcore.kernels.rows import value_of
 
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -66,14 +71,20 @@ def _optimizer(name):
 TUNINGS = {"default": ec.Tuning(), "through-caches": ec.Tuning(stream_activations_min_bytes=None)}
 
 
-@njit(parallel=True, cache=True)
-def read_rows(act, out):
-    """``out[a] = sum of act[a]``: one read of every activation."""
+@njit(parallel=True)
+def _read_rows(act, out, decode):
     for a in prange(act.shape[0]):
         total = np.float32(0.0)
         for j in range(act.shape[1]):
-            total += act[a, j]
+            total += value_of(decode, act[a, j])
         out[a] = total
+
+
+def read_rows(act, out):
+    """``out[a] = sum of act[a]`` in float32: one read of every activation (float32, or float16 / bfloat16
+    converted as they are read)."""
+    name = format_of(act.dtype)
+    _read_rows(bits_of(act), out, decoder(name) if name != "float32" else None)
 
 
 def main(argv=None) -> int:
@@ -86,6 +97,8 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--optimizer", default="rowwise_adagrad", choices=("rowwise_adagrad", "adagrad", "sgd"))
     parser.add_argument("--dtypes", default="float32,bfloat16,float16")
+    parser.add_argument("--output-dtypes", default="float32",
+                        help="comma-separated, of float32, float16, bfloat16: the engines' output_dtype")
     parser.add_argument("--tunings", default="default", help=f"comma-separated, of {sorted(TUNINGS)}")
     parser.add_argument("--read-activations", action="store_true")
     parser.add_argument("--probes", action="store_true")
@@ -93,7 +106,8 @@ def main(argv=None) -> int:
     numba.set_num_threads(args.threads)
     dtypes = args.dtypes.split(",")
     tunings = args.tunings.split(",")
-    contenders = [(dtype, tuning) for tuning in tunings for dtype in dtypes]
+    outputs = args.output_dtypes.split(",")
+    contenders = [(dtype, output, tuning) for tuning in tunings for dtype in dtypes for output in outputs]
 
     w = update_workload(E=args.rows, D=args.dim, ids=args.ids, n_batches=args.steps)
     batches = make_batches(w)
@@ -102,16 +116,17 @@ def main(argv=None) -> int:
 
     engines = {}
     sums = np.empty(args.ids, np.float32)
-    for dtype, tuning in contenders:
+    for dtype, output, tuning in contenders:
         table = ec.TableConfig(args.rows, args.dim, name="t", combiner="sum", initializer=ec.RandomUniform(-0.05, 0.05),
                                weights_dtype=dtype.removesuffix("-nearest"),
                                stochastic_rounding=not dtype.endswith("-nearest"))
-        emb = ec.Embedding({"f": ec.FeatureConfig(table)}, _optimizer(args.optimizer), seed=1, tuning=TUNINGS[tuning])
+        emb = ec.Embedding({"f": ec.FeatureConfig(table)}, _optimizer(args.optimizer), seed=1, tuning=TUNINGS[tuning],
+                           output_dtype=output)
         for ids, grad in inputs[:2]:  # compile, and touch every page the batches map
             acts, ctx = emb({"f": ids})
             read_rows(acts["f"], sums)
             emb.apply_gradients({"f": grad}, ctx)
-        engines[dtype, tuning] = emb
+        engines[dtype, output, tuning] = emb
     probes = Probes(args.threads) if args.probes else None
     probe_rounds = []
 
@@ -144,18 +159,19 @@ def main(argv=None) -> int:
             print(f"# probe {name}: median {statistics.median(per_round):.1f} GB/s "
                   f"({min(per_round):.1f}-{max(per_round):.1f} over rounds)")
     base = {}
-    print(f"{'table':<16} {'tuning':<15} {'lookup ms':>10} {'vs f32':>7} {'read ms':>8} {'update ms':>10} "
+    print(f"{'table':<26} {'tuning':<15} {'lookup ms':>10} {'vs f32':>7} {'read ms':>8} {'update ms':>10} "
           f"{'vs f32':>7} {'step ms':>8} {'MB a step':>10}")
-    for dtype, tuning in contenders:
-        t = times[dtype, tuning]
+    for dtype, output, tuning in contenders:
+        t = times[dtype, output, tuning]
         med = {phase: statistics.median(t[phase]) for phase in t}
         base.setdefault(tuning, med)
         step = statistics.median(sum(parts) for parts in zip(t["lookup"], t["read"], t["update"]))
         itemsize = ITEMSIZE[dtype.removesuffix("-nearest")]
         rows_and_slots = statistics.median(n_unique) * 2 * (args.dim * itemsize + slot_bytes)
-        mb = (args.ids * args.dim * (itemsize + 4) + rows_and_slots + 2 * args.ids * args.dim * 4) / 1e6
+        mb = (args.ids * args.dim * (itemsize + ITEMSIZE[output]) + rows_and_slots + 2 * args.ids * args.dim * 4) / 1e6
+        name = dtype if outputs == ["float32"] else f"{dtype}/out-{output}"
         read = f"{med['read'] * 1e3:>8.2f}" if args.read_activations else f"{'-':>8}"
-        print(f"{dtype:<16} {tuning:<15} {med['lookup'] * 1e3:>10.2f} {med['lookup'] / base[tuning]['lookup']:>6.2f}x "
+        print(f"{name:<26} {tuning:<15} {med['lookup'] * 1e3:>10.2f} {med['lookup'] / base[tuning]['lookup']:>6.2f}x "
               f"{read} {med['update'] * 1e3:>10.2f} {med['update'] / base[tuning]['update']:>6.2f}x {step * 1e3:>8.2f} "
               f"{mb:>10.0f}")
     return 0

@@ -18,7 +18,7 @@ from .compiler import RowFunctionError
 from .config import DynamicTableConfig
 from .inputs import InputError
 from .kernels.rows import copy_counting_non_finite, count_non_finite
-from .lookup import LookupContext, TrainingEngine, _FeatureSlot
+from .lookup import LookupContext, TrainingEngine, _FeatureSlot, check_output_dtype
 from .optimizers import Optimizer
 from .tables import physical_tables
 from .tables.factory import lookup_only
@@ -106,6 +106,12 @@ class Embedding(TrainingEngine):
         tuning: an :class:`~embedcore.tuning.Tuning` (speed-only choices; default ``DEFAULT_TUNING``).
         fill: write the tables' and slots' initial values; ``False`` leaves them unwritten, for a caller
             that writes every row itself (as :meth:`restore` does from a checkpoint).
+        output_dtype: the activations' format, as FBGEMM's ``output_dtype``: ``"float32"`` (the default),
+            ``"float16"`` or ``"bfloat16"`` (``np.float16`` / ``ml_dtypes.bfloat16`` arrays, half the bytes
+            to write and for the model to read). Rows are summed in float32 either way, and each sum rounded
+            once, to nearest, ties to even: the activations are exactly the float32 ones cast to the format
+            (float16 overflow gives infinity, as the cast does; see
+            :func:`~embedcore.lookup.check_output_dtype`). Gradients are taken as before.
 
     The physical (stacked) tables are :attr:`physical_tables` (:class:`~embedcore.tables.PhysicalTable`).
 
@@ -121,7 +127,7 @@ class Embedding(TrainingEngine):
     _busy = "another thread is using this Embedding's state (apply_gradients, save, load, a dynamic lookup)"
 
     def __init__(self, feature_config, optimizer=None, *, seed=0, stack_tables=True, non_finite="raise",
-                 tuning: Tuning | None = None, fill: bool = True):
+                 tuning: Tuning | None = None, fill: bool = True, output_dtype: str = "float32"):
         if optimizer is not None and not isinstance(optimizer, Optimizer):
             raise ValueError(f"optimizer must be an embedcore optimizer or None (SGD, Adagrad, ..., CustomOptimizer): "
                              f"{type(optimizer)} is an unsupported optimizer class. Received: {optimizer!r:.80}")
@@ -130,6 +136,7 @@ class Embedding(TrainingEngine):
         if tuning is not None and not isinstance(tuning, Tuning):
             raise ValueError(f"tuning must be an embedcore.Tuning or None, got {tuning!r}")
         self.non_finite = non_finite
+        self.output_dtype = check_output_dtype(output_dtype)
         self.tuning = DEFAULT_TUNING if tuning is None else tuning
         self.skipped_rows = {}
         tables = self._init_features(feature_config)
@@ -158,7 +165,8 @@ class Embedding(TrainingEngine):
         tables = "; ".join("+".join(t.table_names) + f" [{t.n_rows} x {t.dim}, "
                            f"{'lookup-only' if t.optimizer is None else type(t.optimizer).__name__}]"
                            for t in self._physical)
-        return f"Embedding({len(self._features)} features; {tables}; step={self.step})"
+        output = "" if self.output_dtype == "float32" else f"; output_dtype={self.output_dtype!r}"
+        return f"Embedding({len(self._features)} features; {tables}; step={self.step}{output})"
 
     # -- checkpoints -------------------------------------------------------------------------------------
     def save(self, path, extra=None, metadata=None, incremental: bool = False) -> str:
@@ -206,15 +214,17 @@ class Embedding(TrainingEngine):
 
     @classmethod
     def restore(cls, path, *, functions=None, allow_import: bool = False, stack_tables: bool = True,
-                tuning: Tuning | None = None):
+                tuning: Tuning | None = None, output_dtype: str = "float32"):
         """A new engine built from a checkpoint's configuration, holding its tables, slots and ``step``.
+        ``tuning`` and ``output_dtype`` are the new engine's (a checkpoint stores neither: they change no
+        table).
 
         A function named by the checkpoint (a custom computation, a callable learning rate) is imported
         only if ``allow_import`` or found in ``functions`` (``{"module:name": f}`` or a list of functions).
         """
         from .checkpoint import restore
         return restore(cls, path, functions=functions, allow_import=allow_import, stack_tables=stack_tables,
-                       tuning=tuning)
+                       tuning=tuning, output_dtype=output_dtype)
 
     # -- state from arrays, copies and pickles (one block: set_state, deepcopy, pickle) ----------------
     def set_state(self, tables=None, slots=None, step=None) -> None:
@@ -282,7 +292,7 @@ class Embedding(TrainingEngine):
     def _copy_arguments(self) -> dict:
         """Constructor arguments, besides the configuration, that a copy of this engine is built with."""
         return {"seed": self.seed, "stack_tables": len(self._physical) < len(self._table_configs),
-                "non_finite": self.non_finite, "tuning": self.tuning}
+                "non_finite": self.non_finite, "tuning": self.tuning, "output_dtype": self.output_dtype}
 
     def _static_state(self) -> tuple:
         """``(tables, slots)`` of the static tables, as :meth:`set_state` takes them."""

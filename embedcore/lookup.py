@@ -21,9 +21,12 @@ import numpy as np
 from . import inputs
 from .config import FeatureConfig
 from .inputs import InputError, InputTypeError
+from .kernels.half import stored_dtype
 from .memory_budget import check_fits
 
-__all__ = ["TableLookup", "LookupContext", "activation_layout"]
+__all__ = ["TableLookup", "LookupContext", "activation_layout", "OUTPUT_DTYPES", "check_output_dtype"]
+
+OUTPUT_DTYPES = ("float32", "float16", "bfloat16")  # what lookups may return (an engine's ``output_dtype``)
 
 _CHECKED_ACTIVATION_BYTES = 1 << 26  # activations larger than this are checked against the machine's memory
 _MAX_ACTIVATION_ROWS = 2 ** 31  # an occurrence carries its activation row in 32 bits (kernels/occurrences.py)
@@ -107,6 +110,7 @@ class TableLookup:
     """
 
     serving = False
+    output_dtype = "float32"  # the activations' format (``Embedding(output_dtype=...)``, see check_output_dtype)
 
     def _init_features(self, feature_config):
         self._feature_config = feature_config
@@ -252,7 +256,8 @@ class TableLookup:
             if out_rows[g] >= _MAX_ACTIVATION_ROWS:
                 raise InputError(f"feature '{name}': the batch gives {out_rows[g]:,} activation rows for one "
                                  f"physical table, more than {_MAX_ACTIVATION_ROWS - 1:,}")
-        activation_bytes = sum(4 * n * space.dim for n, space in zip(out_rows, self._spaces))
+        value_bytes = stored_dtype(self.output_dtype).itemsize
+        activation_bytes = sum(value_bytes * n * space.dim for n, space in zip(out_rows, self._spaces))
         if activation_bytes > _CHECKED_ACTIVATION_BYTES:  # below it, reading the machine's memory would cost more
             check_fits(activation_bytes, f"the activations of this batch ({sum(out_rows):,} rows)", InputError)
         return slots, parts
@@ -280,7 +285,8 @@ class TableLookup:
         # change: one at a time, as apply_gradients.
         with exclusive("look up dynamic tables") if dynamic and exclusive is not None else contextlib.nullcontext():
             table_batches, leases = self._lay_out(parts, dynamic) if training else self._lay_out_read_only(parts)
-            acts = [table.lookup(tb) for table, tb in zip(self._spaces, table_batches)]
+            dtype = stored_dtype(self.output_dtype)
+            acts = [table.lookup(tb, dtype=dtype) for table, tb in zip(self._spaces, table_batches)]
         activations = [acts[s.group][s.out_offset:s.out_offset + s.n_rows].reshape(s.shape) for s in slots]
         ctx = LookupContext(token, generation, table_batches, slots, leases=leases, training=bool(training))
         return inputs.unflatten(structure, activations), ctx
@@ -328,6 +334,20 @@ class TableLookup:
             _return_leases(leases)
             raise
         return batches, leases
+
+
+def check_output_dtype(output_dtype) -> str:
+    """``output_dtype`` if it names a format lookups can return (:data:`OUTPUT_DTYPES`), else ``ValueError``
+    naming it.
+
+    The activations are summed in float32 whatever the tables' and the output's formats; a 16-bit output
+    rounds each float32 activation once, to nearest, ties to even: exactly ``float32_activations.astype(X)``
+    (``np.float16``, or ``ml_dtypes.bfloat16``). A float32 activation of magnitude 65520 or more becomes
+    float16 infinity, as that cast makes it (bfloat16 has float32's range: only float32 infinities stay
+    infinite)."""
+    if not isinstance(output_dtype, str) or output_dtype not in OUTPUT_DTYPES:
+        raise ValueError(f"output_dtype must be one of {list(OUTPUT_DTYPES)}, got {output_dtype!r:.80}")
+    return output_dtype
 
 
 def activation_layout(feature: FeatureConfig, batch, name: str, serving: bool = False):

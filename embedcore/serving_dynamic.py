@@ -108,17 +108,6 @@ class ServingDynamicTable(PhysicalTable):
         return DynamicTableBatch(**fields, pending=pending,
                                  pending_values=self._unknown(pending_keys) if n_pending else None), lease
 
-    def lookup(self, table_batch, out: np.ndarray | None = None) -> np.ndarray:
-        """As :meth:`PhysicalTable.lookup`, the unknown keys' values added to their activations."""
-        out = super().lookup(table_batch, out)
-        tb = table_batch
-        if tb is not None and getattr(tb, "pending", None) is not None:
-            extra = np.empty_like(out)
-            DenseStorage.over(tb.pending_values).gather(tb.pending.rows, tb.pending.gains, tb.pending.out_ptr,
-                                                        extra, True)
-            out += extra
-        return out
-
     def table_rows(self, name: str) -> np.ndarray:
         """The rows as stored, in increasing key order (:attr:`keys`)."""
         return self.storage.weights

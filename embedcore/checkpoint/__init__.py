@@ -457,8 +457,10 @@ def check_restore_fits(snap: Snapshot, shapes: dict) -> None:
                f"slots)", error=CheckpointError)
 
 
-def restore(cls, path, functions=None, allow_import: bool = False, stack_tables: bool = True, tuning=None):
-    """A new ``cls`` engine from a checkpoint (see :meth:`embedcore.Embedding.restore`).
+def restore(cls, path, functions=None, allow_import: bool = False, stack_tables: bool = True, tuning=None,
+            output_dtype: str = "float32"):
+    """A new ``cls`` engine from a checkpoint (see :meth:`embedcore.Embedding.restore`), its lookups returning
+    ``output_dtype`` activations (a choice of the reader, like ``tuning``: not stored).
 
     The manifest is checked whole, the memory the engine needs is checked against the machine, the
     configuration is decoded (importing only what is allowed, calling only embedcore classes) and every
@@ -479,7 +481,7 @@ def restore(cls, path, functions=None, allow_import: bool = False, stack_tables:
     snap, features, optimizer, seed, arrays, changes, states = read_current(path, read)
     try:
         emb = cls(features, optimizer, seed=seed, stack_tables=stack_tables, fill=False, tuning=tuning,
-                  non_finite=snap.manifest["config"].get("non_finite", "raise"))
+                  non_finite=snap.manifest["config"].get("non_finite", "raise"), output_dtype=output_dtype)
     except (ValueError, TypeError) as e:
         raise CheckpointError(f"{snap.dir}: the checkpoint's configuration does not build an engine: "
                               f"{type(e).__name__}: {e}") from None

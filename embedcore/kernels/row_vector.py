@@ -13,6 +13,11 @@ gives zeros. Every sum is bit-identical to ``weighted_sum``'s, whatever the mach
 splits the vector into the registers it has). :func:`sequential_sum_registers` is the same with no groups,
 every occurrence added on its own, bit-identical to :func:`embedcore.kernels.rows.sequential_sum`.
 
+The lookup's block sums (:func:`lookup_sum_registers`) also convert: rows stored in a 16-bit format are
+loaded as their ``uint16`` bits and converted to float32 lane by lane (exact), and a block of 16-bit
+activations is the finished float32 sum rounded once to nearest, ties to even, as it is stored (so it equals
+the float32 activation cast to that format, bit for bit).
+
 The block sum is one intrinsic (LLVM IR built here) rather than jitted Python: Numba inlines jitted
 helpers by copying their IR into the caller and typing it again, which for the loops below tripled the
 compile time of each kernel that uses them, and a helper left as a call costs atomic reference counts on
@@ -27,8 +32,8 @@ from numba.extending import intrinsic
 from . import half_ir
 from .prefetch import CACHE_LINE_FLOATS, emit_prefetch
 
-__all__ = ["weighted_sum_registers", "sequential_sum_registers", "weighted_sum_registers_16", "sums_in_registers",
-           "streaming_sum_registers", "store_fence", "block_width", "no_gains", "STREAM_ALIGN"]
+__all__ = ["weighted_sum_registers", "sequential_sum_registers", "sums_in_registers", "lookup_sum_registers",
+           "store_fence", "block_width", "no_gains", "STREAM_ALIGN"]
 
 _I32 = ir.IntType(32)
 STREAM_ALIGN = 64  # bytes: the alignment of the rows a streaming sum writes
@@ -50,12 +55,18 @@ def _bits_rows(array):
     return isinstance(array, types.Array) and array.ndim == 2 and array.layout == "C" and array.dtype == types.uint16
 
 
-def sums_in_registers(dst, index, gain, src, stored: str = "float32") -> bool:
+def _rows_of(array, stored: str) -> bool:
+    """Whether ``array`` (a Numba type) is C-contiguous rows of format ``stored``: float32, or the ``uint16``
+    bits of a 16-bit format."""
+    return _float32_rows(array) if stored == "float32" else _bits_rows(array)
+
+
+def sums_in_registers(dst, index, gain, src, stored: str = "float32", output: str = "float32") -> bool:
     """Whether :func:`weighted_sum_registers` takes arguments of these Numba types: C-contiguous float32
     rows ``dst`` and ``src`` (its vector loads and stores assume contiguous rows; ``src`` C-contiguous
-    ``uint16`` bits for a ``stored`` 16-bit format), 1-D integer ``index`` and float32 ``gain`` of any
-    layout, or ``None`` (every gain 1)."""
-    return (_float32_rows(dst) and (_float32_rows(src) if stored == "float32" else _bits_rows(src))
+    ``uint16`` bits for a ``stored`` 16-bit format, ``dst`` for an ``output`` 16-bit format), 1-D integer
+    ``index`` and float32 ``gain`` of any layout, or ``None`` (every gain 1)."""
+    return (_rows_of(dst, output) and _rows_of(src, stored)
             and isinstance(index, types.Array) and index.ndim == 1 and isinstance(index.dtype, types.Integer)
             and (no_gains(gain) or isinstance(gain, types.Array) and gain.ndim == 1
                  and gain.dtype == types.float32))
@@ -90,25 +101,29 @@ class _Arrays:
         return self.builder.extract_value(self.arrays[name][1].shape, 0)
 
 
-def _block_sum_intrinsic(group_size, stored="float32", streaming=False):
+def _block_sum_intrinsic(group_size, stored="float32", streaming=False, output="float32"):
     """The block sum adding occurrences in groups of ``group_size`` (4: ``(t0 + t1) + (t2 + t3)`` then the
     rest one by one, the lookup's order; 1: one by one, the update's order), of rows ``stored`` as float32 or
-    as the bits of a 16-bit format (converted to float32 as they are loaded); ``streaming``: the sum is
-    stored past the caches (see :data:`streaming_sum_registers`)."""
+    as the bits of a 16-bit format (converted to float32 as they are loaded), into rows of format ``output``
+    (float32, or a 16-bit format: the float32 sum rounded once to nearest, ties to even, as it is stored);
+    ``streaming``: the sum is stored past the caches (see :func:`lookup_sum_registers`)."""
 
     @intrinsic
     def block_sum(typingctx, dst, d, lo, hi, index, gain, src, ahead, col, width):
-        return _block_sum_signature(group_size, stored, streaming, dst, d, lo, hi, index, gain, src, ahead, col,
-                                    width)
+        return _block_sum_signature(group_size, stored, streaming, output, dst, d, lo, hi, index, gain, src, ahead,
+                                    col, width)
     return block_sum
 
 
-def _block_sum_signature(group_size, stored, streaming, dst, d, lo, hi, index, gain, src, ahead, col, width):
-    """``dst[d, col:col + width] = sum over k in [lo, hi) of gain[k] * src[index[k], col:col + width]`` (the
-    module docstring's order for ``group_size``; ``gain`` None: every gain 1, no product, the same sums since
-    ``1 * x == x``); for ``ahead`` > 0 the block's lines of the rows ``ahead`` occurrences on are prefetched."""
+def _block_sum_signature(group_size, stored, streaming, output, dst, d, lo, hi, index, gain, src, ahead, col,
+                         width):
+    """``dst[d, col:col + width] = round(sum over k in [lo, hi) of gain[k] * src[index[k], col:col + width])``
+    (the module docstring's order for ``group_size``; ``gain`` None: every gain 1, no product, the same sums
+    since ``1 * x == x``; ``round`` the identity for a float32 ``output``, else to nearest of that 16-bit
+    format, :func:`embedcore.kernels.half_ir.encode`); for ``ahead`` > 0 the block's lines of the rows
+    ``ahead`` occurrences on are prefetched."""
     if not (isinstance(width, types.IntegerLiteral) and width.literal_value % CACHE_LINE_FLOATS == 0
-            and sums_in_registers(dst, index, gain, src, stored)
+            and sums_in_registers(dst, index, gain, src, stored, output)
             and all(isinstance(t, types.Integer) for t in (d, lo, hi, ahead, col))):
         return None
     w = width.literal_value
@@ -219,12 +234,17 @@ def _block_sum_signature(group_size, stored, streaming, dst, d, lo, hi, index, g
         total = builder.phi(vector)
         total.add_incoming(ir.Constant(vector, [0.0] * w), not_group)
         total.add_incoming(acc1, ones_check)
-        target = builder.bitcast(arrays.pointer("dst", row_d, col_v), vector.as_pointer())
-        if streaming:  # whole 64-byte lines, each aligned (the caller's promise), written around the caches
-            store = builder.store(total, target, align=STREAM_ALIGN)
+        value_bytes = 4
+        if output != "float32":  # rounded once, to nearest, as a cast of the float32 sum would
+            total = half_ir.encode(half_ir.Lanes(builder, w), total, None, output)
+            value_bytes = 2
+        target = builder.bitcast(arrays.pointer("dst", row_d, col_v), total.type.as_pointer())
+        if streaming:  # whole aligned blocks (the caller's promise: rows of whole blocks from an aligned start),
+            #            written around the caches; a block of 16-bit values may be half a line
+            store = builder.store(total, target, align=min(STREAM_ALIGN, value_bytes * w))
             store.set_metadata("nontemporal", builder.module.add_metadata([_I32(1)]))
         else:
-            builder.store(total, target, align=4)
+            builder.store(total, target, align=value_bytes)
         return context.get_dummy_value()
 
     return types.void(dst, d, lo, hi, index, gain, src, ahead, col, width), codegen
@@ -232,8 +252,6 @@ def _block_sum_signature(group_size, stored, streaming, dst, d, lo, hi, index, g
 
 _grouped_block_sum = _block_sum_intrinsic(4)
 _sequential_block_sum = _block_sum_intrinsic(1)
-_grouped_block_sum_16 = {stored: _block_sum_intrinsic(4, stored) for stored in ("float16", "bfloat16")}
-_streaming_block_sum = {stored: _block_sum_intrinsic(4, stored, True) for stored in ("float32", "float16", "bfloat16")}
 
 
 @njit(inline="always")
@@ -263,27 +281,36 @@ def _over_blocks(block_sum, doc):
     return row_sum
 
 
-def _weighted_sum_registers_16(stored):
-    return _over_blocks(_grouped_block_sum_16[stored], f":func:`weighted_sum_registers` of the ``uint16`` bits "
-                                                      f"of {stored} rows (the same sums as of their float32 values)")
+_LOOKUP_SUMS: dict = {}
+_FORMATS = ("float32",) + half_ir.FORMATS_16  # what rows and activations may be
 
 
-weighted_sum_registers_16 = {stored: _weighted_sum_registers_16(stored) for stored in ("float16", "bfloat16")}
+def lookup_sum_registers(stored: str = "float32", output: str = "float32", streaming: bool = False):
+    """The lookup's row sum in registers, ``row_sum(dst, d, lo, hi, index, gain, src, ahead, dim, width)``:
+    ``dst[d] = round(sum over k in [lo, hi) of gain[k] * src[index[k]])``, the sum exactly as
+    :func:`weighted_sum_registers` makes it, of rows ``stored`` as float32 or the ``uint16`` bits of a 16-bit
+    format (their float32 values summed), written to rows of format ``output``: float32 as it is, or rounded
+    once to the nearest ``output`` value, ties to even (the bits ``np.float32(sum).astype(output)`` has;
+    beyond float16's range, infinity). One jitted function per ``(stored, output, streaming)``.
 
-
-def _streaming_sum_registers(stored):
-    return _over_blocks(_streaming_block_sum[stored], f":func:`weighted_sum_registers` of {stored} rows, each "
-                                                      f"block of ``dst`` stored past the caches")
-
-
-streaming_sum_registers = {stored: _streaming_sum_registers(stored) for stored in ("float32", "float16", "bfloat16")}
-"""Per stored format, the lookup's row sum (as :func:`weighted_sum_registers`) whose result is written with
-non-temporal stores: straight to memory through write-combining buffers, without first reading the
-destination's lines into the cache (a normal store reads each line it writes, for ownership). For an
-activation array far larger than the caches, that read is a third of the lookup's memory traffic, and the
-array would leave the caches anyway before the model reads it. ``dst`` rows must start on
-``STREAM_ALIGN``-byte boundaries (the caller checks), and the caller fences the stores (:func:`store_fence`)
-before its results are read by another thread."""
+    ``streaming``: the result is written with non-temporal stores, straight to memory through
+    write-combining buffers, without first reading the destination's lines into the cache (a normal store
+    reads each line it writes, for ownership). For an activation array far larger than the caches, that read
+    is a third of the lookup's memory traffic, and the array would leave the caches anyway before the model
+    reads it. ``dst`` rows must start on ``STREAM_ALIGN``-byte boundaries (the caller checks; a block of 16
+    16-bit values is half a line, stored aligned to 32 bytes), and the caller fences the stores
+    (:func:`store_fence`) before its results are read by another thread."""
+    key = (stored, output, bool(streaming))
+    if stored not in _FORMATS or output not in _FORMATS:
+        raise ValueError(f"rows are stored as {_FORMATS}, not {stored!r} / {output!r}")
+    row_sum = _LOOKUP_SUMS.get(key)
+    if row_sum is None:
+        rounded = "" if output == "float32" else f", rounded to nearest {output}"
+        past = ", each block stored past the caches" if streaming else ""
+        row_sum = _LOOKUP_SUMS[key] = _over_blocks(
+            _block_sum_intrinsic(4, stored, streaming, output),
+            f":func:`weighted_sum_registers` of {stored} rows into {output} rows{rounded}{past}")
+    return row_sum
 
 
 @intrinsic

@@ -33,13 +33,14 @@ from numba.extending import overload
 
 from ..compile_cache import jit_source
 from .aligned import is_aligned
-from .half import bits_of, decoder, f16_to_f32
+from .half import bits_of, decoder, encoder, f16_to_f32
 from .prefetch import CACHE_LINE_FLOATS, prefetch_rows_ahead
-from .row_vector import (STREAM_ALIGN, block_width, no_gains, sequential_sum_registers, store_fence,
-                         streaming_sum_registers, sums_in_registers, weighted_sum_registers, weighted_sum_registers_16)
+from .row_vector import (STREAM_ALIGN, block_width, lookup_sum_registers, no_gains, sequential_sum_registers,
+                         store_fence, sums_in_registers, weighted_sum_registers)
 
 __all__ = ["weighted_sum", "weighted_sum_fixed", "sequential_sum", "sequential_sum_fixed", "copy_row", "gather_combine",
-           "gather_kernel", "gather_16_kernel", "streaming_gather_kernel", "can_stream", "fixed_length",
+           "gather_kernel", "gather_16_kernel", "converting_gather_kernel", "streaming_gather_kernel", "can_stream",
+           "fixed_length",
            "sum_gradients", "count_non_finite", "copy_counting_non_finite", "ROWS_AHEAD", "STREAM_CHUNK"]
 
 ROWS_AHEAD = 16  # occurrences whose source rows are prefetched ahead of the current one (a shorter distance
@@ -255,45 +256,76 @@ def gather_kernel(dim: int, prefetch: bool = True):
     return kernel
 
 
-# The gather of a 16-bit table: the same sums of the rows' values converted to float32 (``decode``, one of
-# kernels/half.py's), in registers for rows of whole cache lines (``dim`` a constant), else in memory.
-_GATHER_16_SOURCE = '''
+# The gather that converts: rows stored in 16 bits (``decode``, one of kernels/half.py's, None for float32 rows)
+# or activations of a 16-bit format (each float32 sum rounded once to nearest by ``encode``, kernels/half.py's),
+# the same float32 sums as the float32 gather. For rows of whole cache lines (``dim`` a constant) the sum, its
+# conversions included, is one register block sum (row_vector.lookup_sum_registers); for other rows the sums go
+# to memory: straight into float32 activations, or through a float32 row of scratch per thread, rounded into
+# 16-bit activations once the row is summed.
+_GATHER_ANY_SOURCE = '''
 def gather(table, rows, gains, out_ptr, act, ahead):
     dim = act.shape[1]
     for a in prange(act.shape[0]):
         weighted_sum(act, a, out_ptr[a], out_ptr[a + 1], rows, gains, table, ahead, dim, decode)
 '''
 
-_GATHER_16_FIXED_SOURCE = '''
+_GATHER_ANY_ROUNDED_SOURCE = '''
+def gather(table, rows, gains, out_ptr, act, ahead):
+    n, dim = act.shape
+    for c in prange((n + {chunk} - 1) // {chunk}):
+        sums = np.empty((1, dim), np.float32)
+        for a in range(c * {chunk}, min(n, (c + 1) * {chunk})):
+            weighted_sum(sums, 0, out_ptr[a], out_ptr[a + 1], rows, gains, table, ahead, dim, decode)
+            for j in range(dim):
+                act[a, j] = encode(sums[0, j], 0)
+'''
+
+_GATHER_FIXED_SOURCE = '''
 def gather(table, rows, gains, out_ptr, act, ahead):
     if table.shape[1] != {dim} or act.shape[1] != {dim}:
         raise ValueError("gather kernel compiled for rows of {dim} values called with other rows")
     for a in prange(act.shape[0]):
         in_registers(act, a, out_ptr[a], out_ptr[a + 1], rows, gains, table, ahead, {dim}, {width})
 '''
+_ROUNDING_CHUNK = 256  # activation rows per scratch row (one allocation each)
+
+
+def converting_gather_kernel(stored: str, output: str = "float32", dim: int | None = None):
+    """The jitted gather of a table stored as ``stored`` (its ``uint16`` view for a 16-bit format) into
+    activations of format ``output`` (``"float32"``; or ``"float16"`` / ``"bfloat16"``, passed as their
+    ``uint16`` view, every value the float32 sum rounded once to nearest, ties to even): rows of ``dim``
+    values when :func:`fixed_length` (sums in registers; C-contiguous arrays), any length otherwise;
+    ``gather(table, rows, gains, out_ptr, act, ahead)``. The sums are :func:`weighted_sum`'s, so
+    ``output`` X gives exactly the float32 gather's activations cast to X."""
+    fixed = dim is not None and fixed_length(dim)  # (the caller passes C-contiguous rows then)
+    key = ("converting", stored, output, dim if fixed else None)
+    kernel = _GATHERS.get(key)
+    if kernel is None:
+        if fixed:
+            namespace = {"prange": prange, "in_registers": lookup_sum_registers(stored, output)}
+            source = _GATHER_FIXED_SOURCE.format(dim=dim, width=block_width(dim))
+        else:
+            namespace = {"prange": prange, "np": np, "weighted_sum": weighted_sum,
+                         "decode": decoder(stored) if stored != "float32" else None}
+            source = _GATHER_ANY_SOURCE
+            if output != "float32":
+                namespace["encode"] = encoder(output, stochastic=False)
+                source = _GATHER_ANY_ROUNDED_SOURCE.format(chunk=_ROUNDING_CHUNK)
+        kernel = _GATHERS[key] = jit_source(source, namespace, "gather", ("gather", *key),
+                                            f"embedcore gather kernel, {stored} rows, {output} activations",
+                                            parallel=True)
+    return kernel
 
 
 def gather_16_kernel(stored: str, dim: int | None = None):
     """The jitted gather of a table stored as ``stored`` (``"float16"`` or ``"bfloat16"``), its ``uint16``
-    view passed as ``table``, for rows of ``dim`` values when :func:`fixed_length` (sums in registers), any
-    length otherwise; ``gather(table, rows, gains, out_ptr, act, ahead)``."""
-    fixed = dim is not None and fixed_length(dim)  # (the caller passes C-contiguous rows then)
-    key = (stored, dim if fixed else None)
-    kernel = _GATHERS.get(key)
-    if kernel is None:
-        if fixed:
-            namespace = {"prange": prange, "in_registers": weighted_sum_registers_16[stored]}
-            source = _GATHER_16_FIXED_SOURCE.format(dim=dim, width=block_width(dim))
-        else:
-            namespace = {"prange": prange, "weighted_sum": weighted_sum, "decode": decoder(stored)}
-            source = _GATHER_16_SOURCE
-        kernel = _GATHERS[key] = jit_source(source, namespace, "gather", ("gather 16", *key),
-                                            f"embedcore gather kernel, {stored}", parallel=True)
-    return kernel
+    view passed as ``table``, into float32 activations: :func:`converting_gather_kernel` ``(stored,
+    "float32", dim)``."""
+    return converting_gather_kernel(stored, "float32", dim)
 
 
-# The gather that writes its activations past the caches (row_vector.streaming_sum_registers), for rows of
-# whole cache lines: the activation rows in chunks, each thread fencing its stores after each chunk.
+# The gather that writes its activations past the caches (row_vector.lookup_sum_registers streaming), for rows
+# of whole cache lines: the activation rows in chunks, each thread fencing its stores after each chunk.
 _GATHER_STREAMING_SOURCE = '''
 def gather(table, rows, gains, out_ptr, act, ahead):
     if table.shape[1] != {dim} or act.shape[1] != {dim}:
@@ -307,18 +339,22 @@ def gather(table, rows, gains, out_ptr, act, ahead):
 STREAM_CHUNK = 1024  # activation rows per fence
 
 
-def streaming_gather_kernel(stored: str, dim: int):
+def streaming_gather_kernel(stored: str, dim: int, output: str = "float32"):
     """The gather of rows of ``dim`` values (a :func:`fixed_length`) of a table ``stored`` as ``"float32"`` (its
-    rows) or a 16-bit format (its ``uint16`` bits) that stores the activations past the caches;
-    ``gather(table, rows, gains, out_ptr, act, ahead)`` with ``act`` C-contiguous and starting on a
-    ``STREAM_ALIGN``-byte boundary (see :func:`gather_combine`). The same sums as the other gathers."""
-    key = ("streaming", stored, dim)
+    rows) or a 16-bit format (its ``uint16`` bits) into activations of format ``output`` (float32, or the
+    ``uint16`` bits of a 16-bit format, rounded as :func:`converting_gather_kernel` rounds) that stores the
+    activations past the caches; ``gather(table, rows, gains, out_ptr, act, ahead)`` with ``act``
+    C-contiguous and starting on a ``STREAM_ALIGN``-byte boundary (see :func:`gather_combine`). The same
+    sums as the other gathers."""
+    key = ("streaming", stored, output, dim)
     kernel = _GATHERS.get(key)
     if kernel is None:
-        namespace = {"prange": prange, "streaming_sum": streaming_sum_registers[stored], "store_fence": store_fence}
+        namespace = {"prange": prange, "streaming_sum": lookup_sum_registers(stored, output, streaming=True),
+                     "store_fence": store_fence}
         source = _GATHER_STREAMING_SOURCE.format(dim=dim, width=block_width(dim), chunk=STREAM_CHUNK)
-        kernel = _GATHERS[key] = jit_source(source, namespace, "gather", ("gather streaming", stored, dim),
-                                            f"embedcore streaming gather kernel, {stored}, dim {dim}", parallel=True)
+        kernel = _GATHERS[key] = jit_source(source, namespace, "gather", ("gather streaming", stored, output, dim),
+                                            f"embedcore streaming gather kernel, {stored} rows, {output} "
+                                            f"activations, dim {dim}", parallel=True)
     return kernel
 
 
@@ -330,25 +366,28 @@ def can_stream(table, act) -> bool:
 
 
 def gather_combine(table, rows, gains, out_ptr, act, prefetch: bool = True, stored: str = "float32",
-                   stream: bool = False):
+                   stream: bool = False, output: str = "float32"):
     """``act[a] = sum over o in out_ptr[a]:out_ptr[a + 1] of gains[o] * table[rows[o]]`` (:func:`weighted_sum`,
     by the kernel for ``act``'s row length; ``gains`` None: every gain 1, none read). ``prefetch`` False skips
     the source rows' prefetch, for rows that are in cache anyway (see
     :func:`embedcore.kernels.prefetch.rows_stay_cached`); the sums are the same. A table ``stored`` in 16 bits
     comes as its ``uint16`` view; its values are summed as float32, as a float32 copy of it would be.
+    Activations of a 16-bit ``output`` format come as their ``uint16`` view; each is the float32 sum rounded
+    once to nearest, ties to even (exactly the float32 activations cast to ``output``).
     ``stream`` writes ``act`` past the caches when :func:`can_stream` allows (for activations much larger than
     the caches, see ``Tuning.stream_activations_min_bytes``); the sums are the same."""
     dim = act.shape[1]
+    ahead = ROWS_AHEAD if prefetch else 0
     if stream and can_stream(table, act):
-        streaming_gather_kernel(stored, dim)(table, rows, gains, out_ptr, act, ROWS_AHEAD if prefetch else 0)
-    elif stored != "float32":
+        streaming_gather_kernel(stored, dim, output)(table, rows, gains, out_ptr, act, ahead)
+    elif stored != "float32" or output != "float32":
         contiguous = table.flags.c_contiguous and act.flags.c_contiguous
-        gather_16_kernel(stored, dim if contiguous else None)(table, rows, gains, out_ptr, act,
-                                                              ROWS_AHEAD if prefetch else 0)
+        converting_gather_kernel(stored, output, dim if contiguous else None)(table, rows, gains, out_ptr, act,
+                                                                             ahead)
     elif fixed_length(dim):
         gather_kernel(dim, prefetch)(table, rows, gains, out_ptr, act)
     else:
-        _gather_any_dim(table, rows, gains, out_ptr, act, ROWS_AHEAD if prefetch else 0)
+        _gather_any_dim(table, rows, gains, out_ptr, act, ahead)
 
 
 @njit(cache=True)

@@ -31,7 +31,6 @@ from .. import inputs
 from ..inputs import TableBatch
 from .dynamic import DynamicTable, DynamicTableBatch, DynamicTableView, commit_plans, plan_tables
 from .physical import NOTHING_FLAGGED, PhysicalTable, TableUpdate
-from .storage import DenseStorage
 
 __all__ = ["DynamicPhysicalTable"]
 
@@ -157,17 +156,6 @@ class DynamicPhysicalTable(PhysicalTable):
         fields = {f.name: getattr(tb, f.name) for f in dataclasses.fields(TableBatch)}
         removals = {table.name: table.removals for table, *_ in looked_up}
         return DynamicTableBatch(**fields, pending=pending, pending_values=pending_values, removals=removals), lease
-
-    def lookup(self, table_batch, out: np.ndarray | None = None) -> np.ndarray:
-        """As :meth:`PhysicalTable.lookup`, the unadmitted keys' initial values added to their activations."""
-        out = super().lookup(table_batch, out)
-        tb = table_batch
-        if tb is not None and tb.pending is not None:
-            extra = np.empty_like(out)
-            DenseStorage.over(tb.pending_values).gather(tb.pending.rows, tb.pending.gains, tb.pending.out_ptr,
-                                                        extra, True)
-            out += extra
-        return out
 
     # -- update ---------------------------------------------------------------------------------------------
     def stale(self, table_batch) -> str | None:

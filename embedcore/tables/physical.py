@@ -40,7 +40,7 @@ from ..kernels.prefetch import rows_stay_cached
 from ..kernels.update import STATUS_GRADIENT, STATUS_LENGTH, STATUS_OUTPUT, STATUS_RAISED, compile_for
 from ..kernels.workspace import ArrayPool, Workspace, WorkspacePool
 from ..tuning import DEFAULT_TUNING, Tuning
-from .storage import Storage
+from .storage import DenseStorage, Storage, round_into
 
 __all__ = ["PhysicalTable", "TablePlace", "TableUpdate", "NOTHING_FLAGGED"]
 
@@ -219,19 +219,33 @@ class PhysicalTable:
             timer("layout", perf_counter() - t0)
         return tb, (self.batch_pool, workspace)
 
-    def lookup(self, table_batch, out: np.ndarray | None = None) -> np.ndarray:
-        """``out[a] = sum over the occurrences o of activation row a of gain[o] * row[o]``; ``out`` (float32
-        ``[n_out, dim]``, every row written) defaults to an array from ``activation_pool``."""
+    def lookup(self, table_batch, out: np.ndarray | None = None, dtype=np.float32) -> np.ndarray:
+        """``out[a] = round(sum over the occurrences o of activation row a of gain[o] * row[o])``: the sum in
+        float32, ``round`` the identity for float32 activations, else to the nearest value of ``out``'s
+        16-bit format, ties to even (so the activations are exactly the float32 ones cast to it). ``out``
+        (``[n_out, dim]`` of ``dtype``: float32, ``np.float16`` or ``ml_dtypes.bfloat16``; every row
+        written) defaults to an array from ``activation_pool``. A batch with ``pending`` occurrences (a
+        dynamic table's keys without a row, :mod:`embedcore.tables.dynamic`) adds their values'
+        sum, read from ``pending_values``, to the float32 sum before it is rounded."""
         tb = table_batch
         if out is None:
-            out = self.activation_pool.empty((tb.n_out if tb is not None else 0, self.dim), np.float32)
-        if tb is not None and tb.n_out:
-            timer = self.tuning.phase_timer
-            t0 = perf_counter() if timer is not None else 0.0
-            self.storage.gather(tb.rows, tb.gains, tb.out_ptr, out, self._prefetch_rows,
-                                self.tuning.streams(out.nbytes))
-            if timer is not None:
-                timer("gather", perf_counter() - t0)
+            out = self.activation_pool.empty((tb.n_out if tb is not None else 0, self.dim), dtype)
+        if tb is None or not tb.n_out:
+            return out
+        timer = self.tuning.phase_timer
+        t0 = perf_counter() if timer is not None else 0.0
+        pending = getattr(tb, "pending", None)
+        sums = out if pending is None or out.dtype == np.float32 else np.empty(out.shape, np.float32)
+        self.storage.gather(tb.rows, tb.gains, tb.out_ptr, sums, self._prefetch_rows,
+                            self.tuning.streams(sums.nbytes))
+        if pending is not None:
+            extra = np.empty_like(sums)
+            DenseStorage.over(tb.pending_values).gather(pending.rows, pending.gains, pending.out_ptr, extra, True)
+            sums += extra
+            if sums is not out:
+                round_into(out, sums)
+        if timer is not None:
+            timer("gather", perf_counter() - t0)
         return out
 
     # -- changed rows (incremental checkpoints) ---------------------------------------------------------

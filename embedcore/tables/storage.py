@@ -18,7 +18,15 @@ from ..kernels.aligned import aligned_empty
 from ..kernels.half import FLOAT32, StoredFormats, bits_of, format_of, stored_dtype
 from ..kernels.rows import gather_combine
 
-__all__ = ["Storage", "DenseStorage", "FusedInt8Storage"]
+__all__ = ["Storage", "DenseStorage", "FusedInt8Storage", "round_into"]
+
+
+def round_into(out: np.ndarray, sums: np.ndarray) -> None:
+    """``out[...] = sums``: float32 activations rounded to ``out``'s format (float16 or bfloat16) to nearest,
+    ties to even, as NumPy's and ml_dtypes' casts round (a magnitude beyond float16's range becomes
+    infinity, as the cast makes it; no warning). For the lookups that sum in float32 scratch first."""
+    with np.errstate(over="ignore"):
+        out[...] = sums
 
 
 class Storage:
@@ -57,10 +65,13 @@ class Storage:
         return tuple(slot[start:start + n] for slot in self.slots)
 
     def gather(self, rows, gains, out_ptr, act, prefetch: bool = True, stream: bool = False) -> None:
-        """The lookup: ``act[a] = sum over o in out_ptr[a]:out_ptr[a + 1] of gains[o] * row rows[o]`` in
-        float32 (``gains`` None: every gain 1), as :func:`~embedcore.kernels.rows.gather_combine` sums;
-        ``prefetch`` as there; ``stream``: the activations may be written past the caches (same sums)."""
-        gather_combine(self.kernel_weights, rows, gains, out_ptr, act, prefetch, self.formats.weights, stream)
+        """The lookup: ``act[a] = round(sum over o in out_ptr[a]:out_ptr[a + 1] of gains[o] * row rows[o])``,
+        the sum in float32 (``gains`` None: every gain 1), as :func:`~embedcore.kernels.rows.gather_combine`
+        sums, ``round`` to ``act``'s format (float32: none; float16 or bfloat16: once, to nearest, ties to
+        even); ``prefetch`` as there; ``stream``: the activations may be written past the caches (same
+        sums)."""
+        gather_combine(self.kernel_weights, rows, gains, out_ptr, bits_of(act), prefetch, self.formats.weights,
+                       stream, format_of(act.dtype))
 
     @staticmethod
     def bytes_needed(n_rows: int, dim: int, slot_dims, formats: StoredFormats = FLOAT32) -> int:
@@ -134,9 +145,13 @@ class FusedInt8Storage(Storage):
         """``act[a] = sum over o in out_ptr[a]:out_ptr[a + 1] of gains[o] * dequantized row rows[o]`` (``gains``
         None: every gain 1), summed as :func:`embedcore.kernels.quantized.gather_fused8` sums, in the
         activation rows themselves: they are read as they are summed, so they are always written through the
-        caches (``stream`` has no effect)."""
+        caches (``stream`` has no effect). 16-bit ``act`` is summed in float32 scratch, then rounded
+        (:func:`round_into`)."""
         from ..kernels.quantized import gather_fused8
-        gather_fused8(self.weights, rows, gains, out_ptr, act, prefetch)
+        sums = act if act.dtype == np.float32 else np.empty(act.shape, np.float32)
+        gather_fused8(self.weights, rows, gains, out_ptr, sums, prefetch)
+        if sums is not act:
+            round_into(act, sums)
 
     @staticmethod
     def bytes_needed(n_rows: int, dim: int, slot_dims=(), formats: StoredFormats = FLOAT32) -> int:
