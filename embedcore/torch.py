@@ -578,6 +578,10 @@ class EmbeddingModule(torch.nn.Module):
         else:
             with _compile_progress():
                 embedding = Embedding(embedding, optimizer, **kwargs)
+        if getattr(embedding, "output_dtype", "float32") != "float32":
+            raise ValueError(f"EmbeddingModule: the engine would return {embedding.output_dtype} activations "
+                             f"(output_dtype), and the module hands torch float32 ones; use output_dtype='float32' "
+                             f"(cast the activations in the model to compute in 16 bits)")
         self.embedding = embedding
         self.sharded = isinstance(embedding, ShardedEmbedding)
         self.include_last_offset = bool(include_last_offset)

@@ -342,6 +342,8 @@ def test_constructor_errors():
         EmbeddingLayer(embedding="not an engine")
     engine = ec.Embedding(_features(), ec.SGD(0.1))
     assert EmbeddingLayer(embedding=engine).embedding is engine
+    with pytest.raises(ValueError, match="bfloat16 activations"):  # the layer gives Keras float32 activations
+        EmbeddingLayer(embedding=ec.Embedding(_features(), ec.SGD(0.1), output_dtype="bfloat16"))
 
 
 # -- saving ------------------------------------------------------------------------------------------------

@@ -324,6 +324,11 @@ def test_nested_structures_and_constructors():
         EmbeddingModule(engine, ec.SGD(0.1))
     built = EmbeddingModule({"f": ec.FeatureConfig(ec.TableConfig(5, 2, name="t2"))}, ec.SGD(0.1), seed=3)
     assert built.embedding.seed == 3 and list(built.parameters()) == [] and "t2" in repr(built)
+    for dtype in ("bfloat16", "float16"):  # the module's activations are float32 tensors
+        with pytest.raises(ValueError, match=f"{dtype} activations"):
+            EmbeddingModule(ec.Embedding({"f": ec.FeatureConfig(t)}, ec.SGD(0.1), output_dtype=dtype))
+        with pytest.raises(ValueError, match=f"{dtype} activations"):
+            EmbeddingModule({"f": ec.FeatureConfig(t)}, ec.SGD(0.1), output_dtype=dtype)
 
 
 def test_missing_torch_gives_an_install_hint(monkeypatch):

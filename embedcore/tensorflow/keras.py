@@ -135,6 +135,9 @@ class EmbeddingLayer(keras.layers.Layer):
         if embedding is not None:
             if not isinstance(embedding, Embedding):
                 raise TypeError(f"embedding must be an embedcore.Embedding, got {type(embedding).__name__}")
+            if embedding.output_dtype != "float32":
+                raise ValueError(f"embedding returns {embedding.output_dtype} activations (output_dtype), and the "
+                                 f"layer gives Keras float32 ones; build the Embedding with output_dtype='float32'")
             if feature_configs is not None or optimizer is not None:
                 raise ValueError("pass either embedding or feature_configs (and optimizer), not both")
         else:
