@@ -11,7 +11,9 @@ occurrences is ``(w0 * s0 + w1 * s1) + (w2 * s2 + w3 * s3)``, added to the runni
 ``(hi - lo) % 4`` occurrences one by one; the first group (or occurrence) starts the sum, and no occurrence
 gives zeros. Every sum is bit-identical to ``weighted_sum``'s, whatever the machine's vector width (LLVM
 splits the vector into the registers it has). :func:`sequential_sum_registers` is the same with no groups,
-every occurrence added on its own, bit-identical to :func:`embedcore.kernels.rows.sequential_sum`.
+every occurrence added on its own, bit-identical to :func:`embedcore.kernels.rows.sequential_sum`. The
+``_16`` variants read rows stored as the ``uint16`` bits of float16 or bfloat16 values, converting each
+exactly to float32 as it is loaded, so their sums are those of a float32 copy of the rows.
 
 The block sum is one intrinsic (LLVM IR built here) rather than jitted Python: Numba inlines jitted
 helpers by copying their IR into the caller and typing it again, which for the loops below tripled the
@@ -27,7 +29,8 @@ from numba.extending import intrinsic
 from . import half_ir
 from .prefetch import CACHE_LINE_FLOATS, emit_prefetch
 
-__all__ = ["weighted_sum_registers", "sequential_sum_registers", "weighted_sum_registers_16", "sums_in_registers",
+__all__ = ["weighted_sum_registers", "sequential_sum_registers", "weighted_sum_registers_16",
+           "sequential_sum_registers_16", "sums_in_registers",
            "streaming_sum_registers", "store_fence", "block_width", "no_gains", "STREAM_ALIGN"]
 
 _I32 = ir.IntType(32)
@@ -233,6 +236,7 @@ def _block_sum_signature(group_size, stored, streaming, dst, d, lo, hi, index, g
 _grouped_block_sum = _block_sum_intrinsic(4)
 _sequential_block_sum = _block_sum_intrinsic(1)
 _grouped_block_sum_16 = {stored: _block_sum_intrinsic(4, stored) for stored in ("float16", "bfloat16")}
+_sequential_block_sum_16 = {stored: _block_sum_intrinsic(1, stored) for stored in ("float16", "bfloat16")}
 _streaming_block_sum = {stored: _block_sum_intrinsic(4, stored, True) for stored in ("float32", "float16", "bfloat16")}
 
 
@@ -269,6 +273,12 @@ def _weighted_sum_registers_16(stored):
 
 
 weighted_sum_registers_16 = {stored: _weighted_sum_registers_16(stored) for stored in ("float16", "bfloat16")}
+sequential_sum_registers_16 = {
+    stored: _over_blocks(_sequential_block_sum_16[stored], f":func:`sequential_sum_registers` of the ``uint16`` bits "
+                                                           f"of {stored} rows (each value converted exactly to "
+                                                           f"float32 as it is loaded: the same sums as of a "
+                                                           f"float32 copy)")
+    for stored in ("float16", "bfloat16")}
 
 
 def _streaming_sum_registers(stored):
