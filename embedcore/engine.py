@@ -545,17 +545,18 @@ def gradient_rows_counted(k, n_out, dim, workspace, gradients, features, count=F
 
 
 _BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
-_COUNTED_COPIES = (np.dtype(np.float16), _BFLOAT16, np.dtype(np.float32), np.dtype(np.float64))
+_SIXTEEN_BIT = (np.dtype(np.float16), _BFLOAT16)  # in native byte order: kept as they are
+_COUNTED_COPIES = _SIXTEEN_BIT + (np.dtype(np.float32), np.dtype(np.float64))
 _FLOAT_DTYPES = "float16, bfloat16, float32 or float64"
 
 
 def _rows_dtype(gradients, keep_16_bit):
-    """The dtype of a table's gradient rows: the 16-bit dtype every gradient (but None ones) has, when
-    ``keep_16_bit`` and there is one; else float32."""
+    """The dtype of a table's gradient rows: the 16-bit dtype (float16 or bfloat16, native byte order) every
+    gradient (but None ones) has, when ``keep_16_bit`` and there is one; else float32."""
     dtypes = {grad.dtype for grad, _ in gradients if grad is not None}
     if keep_16_bit and len(dtypes) == 1:
         dtype = dtypes.pop()
-        if dtype.itemsize == 2:
+        if dtype in _SIXTEEN_BIT:
             return dtype
     return np.dtype(np.float32)
 
