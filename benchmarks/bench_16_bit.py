@@ -4,7 +4,8 @@ Run from the repository root::
 
     python benchmarks/bench_16_bit.py [--rows 2000000] [--dim 64] [--ids 262144] [--rounds 12] [--steps 3]
         [--threads 2] [--optimizer rowwise_adagrad|adagrad|sgd] [--dtypes float32,bfloat16,float16]
-        [--tunings default,through-caches] [--read-activations] [--probes]
+        [--tunings default,through-caches] [--gradient-dtypes float32,bfloat16,float16] [--read-activations]
+        [--probes]
 
 Workload: the update shape (:func:`embedcore.bench.workloads.update_workload`): one ``rows x dim`` table,
 ``ids`` ids a step from the bounded Zipf distribution calibrated to ~150,000 distinct ids (one id per
@@ -14,7 +15,9 @@ update a random read-modify-write of ~150,000 rows. Each contender is an ``Embed
 ``bfloat16-nearest``: rounding to nearest, to time what the random bits cost), all with the same optimizer
 (row-wise Adagrad by default, FBGEMM's conventions: accumulators from 0, eps 1e-8) and the same batches,
 under each of the ``--tunings``: ``default`` (:data:`embedcore.DEFAULT_TUNING`) and ``through-caches``
-(``Tuning(stream_activations_min_bytes=None)``: activations written with normal stores).
+(``Tuning(stream_activations_min_bytes=None)``: activations written with normal stores), and for each of the
+``--gradient-dtypes`` (default ``float32``): the dtype of the gradient handed to ``apply_gradients``, made
+once per contender before any timing (a 16-bit gradient is read in place by the update, 2 bytes a value).
 Each round runs ``steps`` steps per contender (lookup, then ``apply_gradients`` of the given gradient), the
 contenders' order reversed every other round; medians are over all steps of all rounds. With
 ``--read-activations`` each lookup is followed by one pass reading its activations (what a model's first
@@ -26,7 +29,7 @@ layer does; activations written past the caches come back from memory), timed on
 Bytes a step (the model, not a measurement): the lookup reads ``ids * dim * itemsize`` of rows and writes
 ``ids * dim * 4`` of activations (twice that through the caches: a store reads its line first); the
 update reads and writes ``n_unique * (dim * itemsize + slot bytes)`` of rows and slots and reads the
-``ids * dim * 4`` bytes of gradient rows twice (the engine's NaN check, then the update).
+``ids * dim * gradient itemsize`` bytes of gradient rows twice (the engine's NaN check, then the update).
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ try:
 except ImportError:  # running from a checkout without installing
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 
+import ml_dtypes
 import numba
 import numpy as np
 from numba import njit, prange
@@ -53,6 +57,8 @@ from embedcore.bench.machine import Probes, allocator_name
 from embedcore.bench.workloads import make_batches, update_workload
 
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+GRADIENT_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16),
+                   "float16": np.dtype(np.float16)}
 
 
 def _optimizer(name):
@@ -87,31 +93,36 @@ def main(argv=None) -> int:
     parser.add_argument("--optimizer", default="rowwise_adagrad", choices=("rowwise_adagrad", "adagrad", "sgd"))
     parser.add_argument("--dtypes", default="float32,bfloat16,float16")
     parser.add_argument("--tunings", default="default", help=f"comma-separated, of {sorted(TUNINGS)}")
+    parser.add_argument("--gradient-dtypes", default="float32",
+                        help=f"comma-separated, of {sorted(GRADIENT_DTYPES)}: the gradients' dtype")
     parser.add_argument("--read-activations", action="store_true")
     parser.add_argument("--probes", action="store_true")
     args = parser.parse_args(argv)
     numba.set_num_threads(args.threads)
     dtypes = args.dtypes.split(",")
     tunings = args.tunings.split(",")
-    contenders = [(dtype, tuning) for tuning in tunings for dtype in dtypes]
+    gradient_dtypes = args.gradient_dtypes.split(",")
+    contenders = [(dtype, tuning, grad) for tuning in tunings for dtype in dtypes for grad in gradient_dtypes]
 
     w = update_workload(E=args.rows, D=args.dim, ids=args.ids, n_batches=args.steps)
     batches = make_batches(w)
     inputs = [(b.ids[0][:, None], np.ascontiguousarray(b.grad[0], np.float32)) for b in batches]
     n_unique = [len(np.unique(ids)) for ids, _ in inputs]
+    # each gradient dtype's gradients, made once, outside the timing
+    gradients = {g: [grad.astype(GRADIENT_DTYPES[g]) for _, grad in inputs] for g in gradient_dtypes}
 
     engines = {}
     sums = np.empty(args.ids, np.float32)
-    for dtype, tuning in contenders:
+    for dtype, tuning, grad_dtype in contenders:
         table = ec.TableConfig(args.rows, args.dim, name="t", combiner="sum", initializer=ec.RandomUniform(-0.05, 0.05),
                                weights_dtype=dtype.removesuffix("-nearest"),
                                stochastic_rounding=not dtype.endswith("-nearest"))
         emb = ec.Embedding({"f": ec.FeatureConfig(table)}, _optimizer(args.optimizer), seed=1, tuning=TUNINGS[tuning])
-        for ids, grad in inputs[:2]:  # compile, and touch every page the batches map
+        for (ids, _), grad in list(zip(inputs, gradients[grad_dtype]))[:2]:  # compile, touch every page
             acts, ctx = emb({"f": ids})
             read_rows(acts["f"], sums)
             emb.apply_gradients({"f": grad}, ctx)
-        engines[dtype, tuning] = emb
+        engines[dtype, tuning, grad_dtype] = emb
     probes = Probes(args.threads) if args.probes else None
     probe_rounds = []
 
@@ -121,7 +132,7 @@ def main(argv=None) -> int:
             probe_rounds.append(probes.measure())
         for contender in (contenders if r % 2 == 0 else contenders[::-1]):
             emb = engines[contender]
-            for ids, grad in inputs:
+            for (ids, _), grad in zip(inputs, gradients[contender[2]]):
                 t0 = time.perf_counter()
                 acts, ctx = emb({"f": ids})
                 t1 = time.perf_counter()
@@ -144,20 +155,21 @@ def main(argv=None) -> int:
             print(f"# probe {name}: median {statistics.median(per_round):.1f} GB/s "
                   f"({min(per_round):.1f}-{max(per_round):.1f} over rounds)")
     base = {}
-    print(f"{'table':<16} {'tuning':<15} {'lookup ms':>10} {'vs f32':>7} {'read ms':>8} {'update ms':>10} "
-          f"{'vs f32':>7} {'step ms':>8} {'MB a step':>10}")
-    for dtype, tuning in contenders:
-        t = times[dtype, tuning]
+    print(f"{'table':<16} {'tuning':<15} {'gradient':<9} {'lookup ms':>10} {'vs f32':>7} {'read ms':>8} "
+          f"{'update ms':>10} {'vs f32':>7} {'step ms':>8} {'MB a step':>10}")
+    for dtype, tuning, grad_dtype in contenders:
+        t = times[dtype, tuning, grad_dtype]
         med = {phase: statistics.median(t[phase]) for phase in t}
-        base.setdefault(tuning, med)
+        base.setdefault(tuning, med)  # the first contender of the tuning (float32, float32 gradient by default)
         step = statistics.median(sum(parts) for parts in zip(t["lookup"], t["read"], t["update"]))
         itemsize = ITEMSIZE[dtype.removesuffix("-nearest")]
         rows_and_slots = statistics.median(n_unique) * 2 * (args.dim * itemsize + slot_bytes)
-        mb = (args.ids * args.dim * (itemsize + 4) + rows_and_slots + 2 * args.ids * args.dim * 4) / 1e6
+        mb = (args.ids * args.dim * (itemsize + 4) + rows_and_slots
+              + 2 * args.ids * args.dim * GRADIENT_DTYPES[grad_dtype].itemsize) / 1e6
         read = f"{med['read'] * 1e3:>8.2f}" if args.read_activations else f"{'-':>8}"
-        print(f"{dtype:<16} {tuning:<15} {med['lookup'] * 1e3:>10.2f} {med['lookup'] / base[tuning]['lookup']:>6.2f}x "
-              f"{read} {med['update'] * 1e3:>10.2f} {med['update'] / base[tuning]['update']:>6.2f}x {step * 1e3:>8.2f} "
-              f"{mb:>10.0f}")
+        print(f"{dtype:<16} {tuning:<15} {grad_dtype:<9} {med['lookup'] * 1e3:>10.2f} "
+              f"{med['lookup'] / base[tuning]['lookup']:>6.2f}x {read} {med['update'] * 1e3:>10.2f} "
+              f"{med['update'] / base[tuning]['update']:>6.2f}x {step * 1e3:>8.2f} {mb:>10.0f}")
     return 0
 
 
