@@ -4,7 +4,8 @@ Run from the repository root::
 
     python benchmarks/bench_16_bit.py [--rows 2000000] [--dim 64] [--ids 262144] [--rounds 12] [--steps 3]
         [--threads 2] [--optimizer rowwise_adagrad|adagrad|sgd] [--dtypes float32,bfloat16,float16]
-        [--output-dtypes float32,bfloat16] [--tunings default,through-caches] [--read-activations] [--probes]
+        [--output-dtypes float32,bfloat16] [--gradient-dtypes float32,bfloat16,float16,output]
+        [--tunings default,through-caches] [--read-activations] [--probes]
 
 Workload: the update shape (:func:`embedcore.bench.workloads.update_workload`): one ``rows x dim`` table,
 ``ids`` ids a step from the bounded Zipf distribution calibrated to ~150,000 distinct ids (one id per
@@ -14,9 +15,12 @@ update a random read-modify-write of ~150,000 rows. Each contender is an ``Embed
 ``bfloat16-nearest``: rounding to nearest, to time what the random bits cost), all with the same optimizer
 (row-wise Adagrad by default, FBGEMM's conventions: accumulators from 0, eps 1e-8) and the same batches,
 under each of the ``--tunings``: ``default`` (:data:`embedcore.DEFAULT_TUNING`) and ``through-caches``
-(``Tuning(stream_activations_min_bytes=None)``: activations written with normal stores), and with each of
-the ``--output-dtypes`` (the engine's ``output_dtype``: float32 activations by default; a contender with
-16-bit ones is named e.g. ``bfloat16/out-bfloat16``). The gradients given are float32 whatever the output.
+(``Tuning(stream_activations_min_bytes=None)``: activations written with normal stores), with each of
+the ``--output-dtypes`` (the engine's ``output_dtype``: float32 activations by default) and each of the
+``--gradient-dtypes`` (default ``float32``; ``output``: the output's dtype, as a framework hands back the
+gradient of 16-bit activations): the dtype of the gradient given to ``apply_gradients``, made once before any
+timing (a 16-bit gradient is read in place by the update, 2 bytes a value). A contender is named
+``table/out-X/grad-Y`` where X or Y is not float32.
 Each round runs ``steps`` steps per contender (lookup, then ``apply_gradients`` of the given gradient), the
 contenders' order reversed every other round; medians are over all steps of all rounds. With
 ``--read-activations`` each lookup is followed by one pass reading its activations (what a model's first
@@ -29,7 +33,7 @@ Bytes a step (the model, not a measurement): the lookup reads ``ids * dim * item
 ``ids * dim * output itemsize`` of activations (twice that through the caches: a store reads its line
 first); the
 update reads and writes ``n_unique * (dim * itemsize + slot bytes)`` of rows and slots and reads the
-``ids * dim * 4`` bytes of gradient rows twice (the engine's NaN check, then the update).
+``ids * dim * gradient itemsize`` bytes of gradient rows twice (the engine's NaN check, then the update).
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ try:
 except ImportError:  # running from a checkout without installing
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 
+import ml_dtypes
 import numba
 import numpy as np
 from numba import njit, prange
@@ -58,6 +63,8 @@ from embedcore.kernels.half import bits_of, decoder, format_of
 from embedcore.kernels.rows import value_of
 
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+GRADIENT_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16),
+                   "float16": np.dtype(np.float16)}
 
 
 def _optimizer(name):
@@ -100,6 +107,8 @@ def main(argv=None) -> int:
     parser.add_argument("--output-dtypes", default="float32",
                         help="comma-separated, of float32, float16, bfloat16: the engines' output_dtype")
     parser.add_argument("--tunings", default="default", help=f"comma-separated, of {sorted(TUNINGS)}")
+    parser.add_argument("--gradient-dtypes", default="float32",
+                        help=f"comma-separated, of {sorted(GRADIENT_DTYPES)}: the gradients' dtype")
     parser.add_argument("--read-activations", action="store_true")
     parser.add_argument("--probes", action="store_true")
     args = parser.parse_args(argv)
@@ -107,26 +116,31 @@ def main(argv=None) -> int:
     dtypes = args.dtypes.split(",")
     tunings = args.tunings.split(",")
     outputs = args.output_dtypes.split(",")
-    contenders = [(dtype, output, tuning) for tuning in tunings for dtype in dtypes for output in outputs]
+    gradient_choices = args.gradient_dtypes.split(",")
+    contenders = list(dict.fromkeys((dtype, output, output if grad == "output" else grad, tuning) for tuning in tunings
+                                    for dtype in dtypes for output in outputs for grad in gradient_choices))
+    gradient_dtypes = sorted({c[2] for c in contenders})
 
     w = update_workload(E=args.rows, D=args.dim, ids=args.ids, n_batches=args.steps)
     batches = make_batches(w)
     inputs = [(b.ids[0][:, None], np.ascontiguousarray(b.grad[0], np.float32)) for b in batches]
     n_unique = [len(np.unique(ids)) for ids, _ in inputs]
+    # each gradient dtype's gradients, made once, outside the timing
+    gradients = {g: [grad.astype(GRADIENT_DTYPES[g]) for _, grad in inputs] for g in gradient_dtypes}
 
     engines = {}
     sums = np.empty(args.ids, np.float32)
-    for dtype, output, tuning in contenders:
+    for dtype, output, grad_dtype, tuning in contenders:
         table = ec.TableConfig(args.rows, args.dim, name="t", combiner="sum", initializer=ec.RandomUniform(-0.05, 0.05),
                                weights_dtype=dtype.removesuffix("-nearest"),
                                stochastic_rounding=not dtype.endswith("-nearest"))
         emb = ec.Embedding({"f": ec.FeatureConfig(table)}, _optimizer(args.optimizer), seed=1, tuning=TUNINGS[tuning],
                            output_dtype=output)
-        for ids, grad in inputs[:2]:  # compile, and touch every page the batches map
+        for (ids, _), grad in list(zip(inputs, gradients[grad_dtype]))[:2]:  # compile, touch every page
             acts, ctx = emb({"f": ids})
             read_rows(acts["f"], sums)
             emb.apply_gradients({"f": grad}, ctx)
-        engines[dtype, output, tuning] = emb
+        engines[dtype, output, grad_dtype, tuning] = emb
     probes = Probes(args.threads) if args.probes else None
     probe_rounds = []
 
@@ -136,7 +150,7 @@ def main(argv=None) -> int:
             probe_rounds.append(probes.measure())
         for contender in (contenders if r % 2 == 0 else contenders[::-1]):
             emb = engines[contender]
-            for ids, grad in inputs:
+            for (ids, _), grad in zip(inputs, gradients[contender[2]]):
                 t0 = time.perf_counter()
                 acts, ctx = emb({"f": ids})
                 t1 = time.perf_counter()
@@ -159,19 +173,21 @@ def main(argv=None) -> int:
             print(f"# probe {name}: median {statistics.median(per_round):.1f} GB/s "
                   f"({min(per_round):.1f}-{max(per_round):.1f} over rounds)")
     base = {}
-    print(f"{'table':<26} {'tuning':<15} {'lookup ms':>10} {'vs f32':>7} {'read ms':>8} {'update ms':>10} "
+    print(f"{'table':<34} {'tuning':<15} {'lookup ms':>10} {'vs f32':>7} {'read ms':>8} {'update ms':>10} "
           f"{'vs f32':>7} {'step ms':>8} {'MB a step':>10}")
-    for dtype, output, tuning in contenders:
-        t = times[dtype, output, tuning]
+    for dtype, output, grad_dtype, tuning in contenders:
+        t = times[dtype, output, grad_dtype, tuning]
         med = {phase: statistics.median(t[phase]) for phase in t}
-        base.setdefault(tuning, med)
+        base.setdefault(tuning, med)  # the first contender of the tuning (float32, float32 gradient by default)
         step = statistics.median(sum(parts) for parts in zip(t["lookup"], t["read"], t["update"]))
         itemsize = ITEMSIZE[dtype.removesuffix("-nearest")]
         rows_and_slots = statistics.median(n_unique) * 2 * (args.dim * itemsize + slot_bytes)
-        mb = (args.ids * args.dim * (itemsize + ITEMSIZE[output]) + rows_and_slots + 2 * args.ids * args.dim * 4) / 1e6
-        name = dtype if outputs == ["float32"] else f"{dtype}/out-{output}"
+        mb = (args.ids * args.dim * (itemsize + ITEMSIZE[output]) + rows_and_slots
+              + 2 * args.ids * args.dim * GRADIENT_DTYPES[grad_dtype].itemsize) / 1e6
+        name = dtype + (f"/out-{output}" if output != "float32" else "") + (
+            f"/grad-{grad_dtype}" if grad_dtype != "float32" else "")
         read = f"{med['read'] * 1e3:>8.2f}" if args.read_activations else f"{'-':>8}"
-        print(f"{name:<26} {tuning:<15} {med['lookup'] * 1e3:>10.2f} {med['lookup'] / base[tuning]['lookup']:>6.2f}x "
+        print(f"{name:<34} {tuning:<15} {med['lookup'] * 1e3:>10.2f} {med['lookup'] / base[tuning]['lookup']:>6.2f}x "
               f"{read} {med['update'] * 1e3:>10.2f} {med['update'] / base[tuning]['update']:>6.2f}x {step * 1e3:>8.2f} "
               f"{mb:>10.0f}")
     return 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 from time import perf_counter
 
+import ml_dtypes
 import numpy as np
 
 from . import inputs
@@ -392,6 +393,13 @@ class Embedding(TrainingEngine):
         table always did here); callables (learning rates, hyperparameters) are evaluated once per call as
         always.
 
+        A gradient may be float32, float64, float16 or ``ml_dtypes.bfloat16`` (as JAX and TensorFlow hand
+        out). A 16-bit gradient is applied exactly as its ``astype(np.float32)`` copy would be (every 16-bit
+        value is a float32, and the sums are the same float32 sums, bit for bit), but without making that
+        copy: when a table's gradients are all of one 16-bit format and contiguous (one feature's array, or
+        consecutive views of one array), the update reads them in place, 2 bytes a value instead of 4, and
+        its NaN/Inf check is a pass over their bits.
+
         Everything is validated before anything changes: a bad gradient raises :class:`InputError` naming
         the feature, with tables, slots and ``step`` unchanged; so does a ``ctx`` that is not a context of
         this engine's lookup against its current tables (another engine's, one looked up before a
@@ -442,7 +450,7 @@ class Embedding(TrainingEngine):
             elif without:
                 tb = occurrences_without(tb, without)
             d_act, bad = gradient_rows_counted(k, tb.n_out, table.dim, table.workspace, checked, ctx.features,
-                                               count=refuse)
+                                               count=refuse, keep_16_bit=True)
             if refuse and bad != 0:  # None: read in place, not counted yet; else counted as they were copied
                 _refuse_non_finite(d_act, k, checked, ctx.features)
             work.append((table, tb, d_act))
@@ -512,18 +520,26 @@ def gradient_rows(k, n_out, dim, workspace, gradients, features):
     return gradient_rows_counted(k, n_out, dim, workspace, gradients, features)[0]
 
 
-def gradient_rows_counted(k, n_out, dim, workspace, gradients, features, count=False):
+def gradient_rows_counted(k, n_out, dim, workspace, gradients, features, count=False, keep_16_bit=False):
     """``(d_act, bad)``: :func:`gradient_rows`, and ``bad`` the number of NaN/Inf values among the rows when
     ``count`` and they were copied (counted by the copy, which reads each value anyway), else None (rows
-    used in place: nothing has read them yet)."""
+    used in place: nothing has read them yet).
+
+    With ``keep_16_bit``, when the table's gradients are all of one 16-bit format (float16 or bfloat16), the
+    rows stay in that format (for :meth:`PhysicalTable.update <embedcore.tables.PhysicalTable.update>`, which
+    converts each value exactly to float32 as it sums it): in place under the same conditions as float32
+    ones, else copied into a workspace array of that format (``None`` gradients as zeros). Their NaN/Inf are
+    then values whose exponent bits are all ones, counted without converting anything. Any other mix of
+    dtypes is copied into float32 rows (16-bit values exactly)."""
     mine = [(grad, s) for grad, s in zip(gradients, features) if s.group == k]
-    if all(grad is not None and grad.dtype == np.float32 and grad.flags.c_contiguous for grad, _ in mine):
+    dtype = _rows_dtype(mine, keep_16_bit)
+    if all(grad is not None and grad.dtype == dtype and grad.flags.c_contiguous for grad, _ in mine):
         if len(mine) == 1:
             return mine[0][0].reshape(n_out, dim), None
         consecutive = _consecutive(mine, n_out, dim)
         if consecutive is not None:
             return consecutive, None
-    d_act = workspace.array("d_act", (n_out, dim), np.float32)
+    d_act = workspace.array("d_act" if dtype == np.float32 else f"d_act_{dtype}", (n_out, dim), dtype)
     bad = 0 if count else None
     for grad, s in mine:
         rows = d_act[s.out_offset:s.out_offset + s.n_rows]
@@ -538,14 +554,30 @@ def gradient_rows_counted(k, n_out, dim, workspace, gradients, features, count=F
     return d_act, bad
 
 
-_COUNTED_COPIES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
+_BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+_SIXTEEN_BIT = (np.dtype(np.float16), _BFLOAT16)  # in native byte order: kept as they are
+_COUNTED_COPIES = _SIXTEEN_BIT + (np.dtype(np.float32), np.dtype(np.float64))
+_FLOAT_DTYPES = "float16, bfloat16, float32 or float64"
+
+
+def _rows_dtype(gradients, keep_16_bit):
+    """The dtype of a table's gradient rows: the 16-bit dtype (float16 or bfloat16, native byte order) every
+    gradient (but None ones) has, when ``keep_16_bit`` and there is one; else float32."""
+    dtypes = {grad.dtype for grad, _ in gradients if grad is not None}
+    if keep_16_bit and len(dtypes) == 1:
+        dtype = dtypes.pop()
+        if dtype in _SIXTEEN_BIT:
+            return dtype
+    return np.dtype(np.float32)
 
 
 def _consecutive(gradients, n_rows, dim):
-    """One ``[n_rows, dim]`` view over float32 C-contiguous gradients ``(array, slot)`` whose data follow
-    each other in memory in the slots' ``out_offset`` order, or None. The view spans exactly their data, so
-    it reads only memory those arrays own (the caller keeps them alive); the update never writes it."""
-    row_bytes = dim * 4
+    """One ``[n_rows, dim]`` view over C-contiguous gradients ``(array, slot)`` of one dtype whose data
+    follow each other in memory in the slots' ``out_offset`` order, or None. The view spans exactly their
+    data, so it reads only memory those arrays own (the caller keeps them alive); the update never writes
+    it."""
+    itemsize = gradients[0][0].dtype.itemsize
+    row_bytes = dim * itemsize
     first = start = None
     for grad, s in gradients:
         if grad.size == 0:  # no activation rows, no memory
@@ -557,7 +589,7 @@ def _consecutive(gradients, n_rows, dim):
             return None
     if first is None or start != first.__array_interface__["data"][0]:
         return None
-    return np.lib.stride_tricks.as_strided(first, shape=(n_rows, dim), strides=(row_bytes, 4))
+    return np.lib.stride_tricks.as_strided(first, shape=(n_rows, dim), strides=(row_bytes, itemsize))
 
 
 def _refuse_non_finite(d_act, g, gradients, features):
@@ -589,12 +621,13 @@ def check_gradient(grad, s: _FeatureSlot, refuse_non_finite: bool = True,
             grad = np.asarray(grad)
         else:
             raise InputError(f"gradient of feature '{name}' must be an array, got {type(grad).__name__}")
-    if grad.dtype.kind != "f":
-        raise InputError(f"gradient of feature '{name}' must hold floats, got dtype {grad.dtype}")
+    if grad.dtype.kind != "f" and grad.dtype != _BFLOAT16:
+        raise InputError(f"gradient of feature '{name}' must hold floats ({_FLOAT_DTYPES}), got dtype "
+                         f"{grad.dtype}")
     if grad.shape != s.shape:
         raise InputError(f"gradient of feature '{name}' has shape {grad.shape}, its activations have {s.shape}")
     flat = grad.reshape(-1)
-    native = flat if flat.dtype in (np.float16, np.float32, np.float64) else flat.astype(np.float64)
+    native = flat if flat.dtype in _COUNTED_COPIES else flat.astype(np.float64)
     if refuse_non_finite and not values_checked_later and count_non_finite(native):
         bad = np.unravel_index(int(np.flatnonzero(~np.isfinite(native))[0]), grad.shape)
         raise InputError(f"gradient of feature '{name}' holds {grad[bad]} at index {tuple(int(i) for i in bad)}; "

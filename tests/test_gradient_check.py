@@ -10,7 +10,7 @@ import pytest
 import embedcore as ec
 
 DIM = 8
-GRADIENT_DTYPES = [np.float32, np.float16, np.float64]
+GRADIENT_DTYPES = [np.float32, np.float16, np.float64, ml_dtypes.bfloat16]
 TABLE_DTYPES = ["float32", "bfloat16", "float16"]
 
 
@@ -113,10 +113,12 @@ def test_in_a_feature_with_weights(table_dtype, grad_dtype):
     _refused(emb, grads, ctx, "f", (1, 0), "nan")
 
 
-@pytest.mark.parametrize("layout", ["strided", "separate", "float16", "float64"])
+@pytest.mark.parametrize("layout", ["strided", "separate", "float16", "float64", "bfloat16", "bfloat16 separate",
+                                    "bfloat16 in place", "mixed 16-bit"])
 def test_stacked_features_copied_into_one_gradient_are_named(layout):
     """Features of one physical table whose gradients are copied (not read in place) are counted as they
-    are copied; the error still names the right feature and index."""
+    are copied (16-bit ones of one format into 16-bit rows, a mix into float32 ones), and 16-bit ones read in
+    place are counted over their bits; the error still names the right feature and index."""
     features = {f"f{t}": ec.FeatureConfig(ec.TableConfig(40, DIM, name=f"t{t}", combiner="sum",
                                                          weights_dtype="bfloat16")) for t in range(3)}
     emb = ec.Embedding(features, ec.Adagrad(0.1))
@@ -128,6 +130,14 @@ def test_stacked_features_copied_into_one_gradient_are_named(layout):
         grads = {k: v.copy() for k, v in grads.items()}
     elif layout in ("float16", "float64"):
         grads = {k: v.astype(layout) for k, v in grads.items()}
+    elif layout == "bfloat16":  # strided
+        grads = {k: v for k, v in zip(grads, np.split(whole.astype(ml_dtypes.bfloat16), 3, axis=1))}
+    elif layout == "bfloat16 separate":
+        grads = {k: v.astype(ml_dtypes.bfloat16) for k, v in grads.items()}
+    elif layout == "bfloat16 in place":  # consecutive views of one array
+        grads = {f"f{t}": v for t, v in enumerate(np.ones((3, 7, DIM), ml_dtypes.bfloat16))}
+    elif layout == "mixed 16-bit":
+        grads = {k: v.astype(np.float16 if k == "f1" else ml_dtypes.bfloat16) for k, v in grads.items()}
     grads["f2"][6, DIM - 1] = np.nan
     grads["f1"][0, 0] = np.inf
     _refused(emb, grads, ctx, "f1", (0, 0), "inf")
@@ -172,7 +182,7 @@ def test_a_dynamic_table_refuses_the_same_and_changes_nothing():
     assert emb.step == 1
 
 
-@pytest.mark.parametrize("layout", ["in place", "float16", "float64", "strided"])
+@pytest.mark.parametrize("layout", ["in place", "float16", "float64", "strided", "bfloat16", "bfloat16 strided"])
 def test_skip_policy_is_the_same_whichever_way_the_rows_are_read(layout):
     """Under ``non_finite="skip"`` nothing counts the copies: the same rows are skipped and the same values
     written as from the float32 gradient read in place."""
@@ -182,12 +192,15 @@ def test_skip_policy_is_the_same_whichever_way_the_rows_are_read(layout):
         _, ctx = emb({"a": ids, "f": ids})
         report = emb.apply_gradients({"a": np.ones((10, DIM), np.float32), "f": grad}, ctx)
         return report, _snapshot(emb)
-    base = np.linspace(-1, 1, 10 * DIM).astype(np.float16).astype(np.float32).reshape(10, DIM)
+    # values that float16 and bfloat16 both hold
+    base = np.linspace(-1, 1, 10 * DIM).astype(ml_dtypes.bfloat16).astype(np.float32).reshape(10, DIM)
+    assert np.array_equal(base.astype(np.float16).astype(np.float32), base)
     base[1, 2] = np.nan   # row 7 (also touched by occurrence 6)
     base[8, 0] = -np.inf  # row 25
     expected_report, expected = run(base)
     grad = {"in place": base, "float16": base.astype(np.float16), "float64": base.astype(np.float64),
-            "strided": np.repeat(base, 2, axis=1)[:, ::2]}[layout]
+            "strided": np.repeat(base, 2, axis=1)[:, ::2], "bfloat16": base.astype(ml_dtypes.bfloat16),
+            "bfloat16 strided": np.repeat(base, 2, axis=1).astype(ml_dtypes.bfloat16)[:, ::2]}[layout]
     report, got = run(grad)
     assert {k: {r: v.tolist() for r, v in d.items()} for k, d in report.skipped.items()} == \
         {k: {r: v.tolist() for r, v in d.items()} for k, d in expected_report.skipped.items()}

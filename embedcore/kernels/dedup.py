@@ -24,6 +24,7 @@ import numba
 import numpy as np
 from numba import njit, prange
 
+from .half_arrays import tagged, value_at
 from .occurrences import activation_rows, occurrence_views
 from .rows import gain_at
 
@@ -457,7 +458,9 @@ def _sum_block(batch, b, plan, hashing, sorting, uniq, d_act, sums, s_lo):
     :func:`_hash_block`), and the sum of distinct row ``uniq[lo + k]``'s gradient to ``sums[s_lo + k]``,
     every occurrence's ``gain * d_act[activation row]`` added as the occurrences come (the order of
     ``rows.sequential_sum`` over grouped occurrences, from -0.0, which adds exactly as starting from the
-    first); returns the number of distinct rows, or -1 (see :func:`_hash_count`)."""
+    first; ``d_act`` float32 rows or tagged 16-bit ones, each value converted exactly to float32 as it is
+    read: :mod:`embedcore.kernels.half_arrays`); returns the number of distinct rows, or -1 (see
+    :func:`_hash_count`)."""
     lo, hi = batch.blocks[b], batch.blocks[b + 1]
     n_unique = _hash_count(batch.rows, lo, hi, plan.limits[b], plan.table_bits[b], plan.table_lo[b], hashing)
     if n_unique < 0:
@@ -478,7 +481,7 @@ def _sum_block(batch, b, plan, hashing, sorting, uniq, d_act, sums, s_lo):
                 su = _U(counts[_U(lo + sid[_U(o)])])
                 for j in range(dim):
                     ju = _U(j)
-                    sums[su, ju] += d_act[au, ju]
+                    sums[su, ju] += value_at(d_act, au, ju)
         return n_unique
     src_row, src_gain = occurrence_views(batch.payload)
     for o in range(lo, hi):
@@ -488,7 +491,7 @@ def _sum_block(batch, b, plan, hashing, sorting, uniq, d_act, sums, s_lo):
         w = gain_at(src_gain, ou)
         for j in range(dim):
             ju = _U(j)
-            sums[su, ju] += w * d_act[au, ju]
+            sums[su, ju] += w * value_at(d_act, au, ju)
     return n_unique
 
 
@@ -619,9 +622,10 @@ def sum_by_blocks(rows, n_rows, packed, workspace, blocks, out_ptr, d_act):
     :func:`group_rows` would group block by block; else None (one thread, blocks too uneven, a block with
     too many distinct rows, or a recent one: the caller groups with :func:`group_rows`, whose sums are the
     same). ``packed`` and ``out_ptr`` as for :func:`group_rows` (every activation row's occurrences within one
-    block, as the lookup lays them out); ``d_act`` the ``[n_out, dim]`` float32 gradients of the
-    activation rows (a payload's activation rows must lie below ``n_out``: they are not checked). A batch
-    that is not so raises ValueError before anything is summed.
+    block, as the lookup lays them out); ``d_act`` the ``[n_out, dim]`` gradients of the activation rows,
+    float32, or float16 / bfloat16 (read in place, each value converted exactly to float32 as it is added:
+    the sums of their float32 copy); a payload's activation rows must lie below ``n_out`` (they are not
+    checked). A batch that is not so raises ValueError before anything is summed.
 
     ``uniq`` are the distinct rows (ascending), and the gradient of ``uniq[u]`` is ``sums[index[u]]``:
     each occurrence's ``gain * d_act[activation row]`` added to its row's sum as the block's occurrences are
@@ -641,7 +645,7 @@ def sum_blocks(rows, n_rows, packed, workspace, blocks, out_ptr, d_act, narrow_t
     if blocks is None or not blocks_worth_it(blocks, rows.shape[0], numba.get_num_threads()):
         return None
     rows, packed, blocks, out_ptr = checked_batch(rows, packed, blocks, out_ptr)
-    d_act = np.ascontiguousarray(d_act, np.float32)
+    d_act = np.ascontiguousarray(d_act, d_act.dtype if d_act.dtype.itemsize == 2 else np.float32)
     implied = packed is None
     if implied:
         act_bounds = np.searchsorted(out_ptr, blocks, "left")
@@ -662,7 +666,7 @@ def sum_blocks(rows, n_rows, packed, workspace, blocks, out_ptr, d_act, narrow_t
     sorting = _sort_scratch(workspace, n, rows.dtype, np.int32)  # the distinct rows' permutations
     uniq = workspace.array("uniq", n, np.int64)
     index = workspace.array("block_sums_index", n, np.int32)
-    total = _sum_blocks(batch, plan, hashing, sorting, uniq, index, d_act, sums, sums_lo)
+    total = _sum_blocks(batch, plan, hashing, sorting, uniq, index, tagged(d_act), sums, sums_lo)
     if total < 0:
         return None
     return uniq[:total], np.arange(total + 1, dtype=np.int64), index[:total], sums

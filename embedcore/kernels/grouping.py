@@ -38,7 +38,8 @@ class Grouped(NamedTuple):
     uniq: np.ndarray    # int64 distinct physical rows, ascending
     ptr: np.ndarray     # int64 CSR offsets into ``packed``, len(uniq) + 1
     packed: np.ndarray  # payloads in grouped order: int64 packed words, or int32 rows of ``d_act`` (gain 1)
-    d_act: np.ndarray   # float32 [rows, dim] gradient rows the payloads refer to (the sums, when summed)
+    d_act: np.ndarray   # [rows, dim] gradient rows the payloads refer to: float32 or 16-bit as given, float32
+                        # sums when summed
 
 
 class Grouper:
@@ -73,8 +74,8 @@ class Grouper:
 
     def group(self, table_batch, n_rows: int, workspace, d_act: np.ndarray) -> Grouped:
         """``table_batch`` (an :class:`embedcore.inputs.TableBatch` of a table of ``n_rows`` rows) grouped
-        for the update, with scratch from ``workspace``; ``d_act`` the ``[n_out, dim]`` float32 gradients
-        of its activation rows. Raises ValueError for a malformed batch, before anything is summed."""
+        for the update, with scratch from ``workspace``; ``d_act`` the ``[n_out, dim]`` gradients of its
+        activation rows (float32, float16 or bfloat16). Raises ValueError for a malformed batch, before anything is summed."""
         tb = table_batch
         if self.tuning.sum_by_blocks and self.stacked and self._sorts_left == 0:
             summed = dedup.sum_blocks(tb.rows, n_rows, tb.packed, workspace, tb.blocks, tb.out_ptr, d_act,

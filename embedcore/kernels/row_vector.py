@@ -11,7 +11,9 @@ occurrences is ``(w0 * s0 + w1 * s1) + (w2 * s2 + w3 * s3)``, added to the runni
 ``(hi - lo) % 4`` occurrences one by one; the first group (or occurrence) starts the sum, and no occurrence
 gives zeros. Every sum is bit-identical to ``weighted_sum``'s, whatever the machine's vector width (LLVM
 splits the vector into the registers it has). :func:`sequential_sum_registers` is the same with no groups,
-every occurrence added on its own, bit-identical to :func:`embedcore.kernels.rows.sequential_sum`.
+every occurrence added on its own, bit-identical to :func:`embedcore.kernels.rows.sequential_sum`. The
+``_16`` variants read rows stored as the ``uint16`` bits of float16 or bfloat16 values, converting each
+exactly to float32 as it is loaded, so their sums are those of a float32 copy of the rows.
 
 The lookup's block sums (:func:`lookup_sum_registers`) also convert: rows stored in a 16-bit format are
 loaded as their ``uint16`` bits and converted to float32 lane by lane (exact), and a block of 16-bit
@@ -32,8 +34,8 @@ from numba.extending import intrinsic
 from . import half_ir
 from .prefetch import CACHE_LINE_FLOATS, emit_prefetch
 
-__all__ = ["weighted_sum_registers", "sequential_sum_registers", "sums_in_registers", "lookup_sum_registers",
-           "store_fence", "block_width", "no_gains", "STREAM_ALIGN"]
+__all__ = ["weighted_sum_registers", "sequential_sum_registers", "sequential_sum_registers_16", "sums_in_registers",
+           "lookup_sum_registers", "store_fence", "block_width", "no_gains", "STREAM_ALIGN"]
 
 _I32 = ir.IntType(32)
 STREAM_ALIGN = 64  # bytes: the alignment of the rows a streaming sum writes
@@ -252,6 +254,7 @@ def _block_sum_signature(group_size, stored, streaming, output, dst, d, lo, hi, 
 
 _grouped_block_sum = _block_sum_intrinsic(4)
 _sequential_block_sum = _block_sum_intrinsic(1)
+_sequential_block_sum_16 = {stored: _block_sum_intrinsic(1, stored) for stored in half_ir.FORMATS_16}
 
 
 @njit(inline="always")
@@ -279,6 +282,14 @@ def _over_blocks(block_sum, doc):
             block_sum(dst, d, lo, hi, index, gain, src, ahead, col, width)
     row_sum.__doc__ = doc
     return row_sum
+
+
+sequential_sum_registers_16 = {
+    stored: _over_blocks(_sequential_block_sum_16[stored], f":func:`sequential_sum_registers` of the ``uint16`` bits "
+                                                           f"of {stored} rows (each value converted exactly to "
+                                                           f"float32 as it is loaded: the same sums as of a "
+                                                           f"float32 copy)")
+    for stored in half_ir.FORMATS_16}
 
 
 _LOOKUP_SUMS: dict = {}

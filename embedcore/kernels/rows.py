@@ -33,12 +33,14 @@ from numba.extending import overload
 
 from ..compile_cache import jit_source
 from .aligned import is_aligned
-from .half import bits_of, decoder, encoder, f16_to_f32
+from .half import bits_of, decoder, encoder, format_of
+from .half_arrays import EXPONENT_MASK, tagged, value_at
 from .prefetch import CACHE_LINE_FLOATS, prefetch_rows_ahead
 from .row_vector import (STREAM_ALIGN, block_width, lookup_sum_registers, no_gains, sequential_sum_registers,
-                         store_fence, sums_in_registers, weighted_sum_registers)
+                         sequential_sum_registers_16, store_fence, sums_in_registers, weighted_sum_registers)
 
-__all__ = ["weighted_sum", "weighted_sum_fixed", "sequential_sum", "sequential_sum_fixed", "copy_row", "gather_combine",
+__all__ = ["weighted_sum", "weighted_sum_fixed", "sequential_sum", "sequential_sum_fixed", "sequential_sum_fixed_16",
+           "copy_row", "gather_combine",
            "gather_kernel", "gather_16_kernel", "converting_gather_kernel", "streaming_gather_kernel", "can_stream",
            "fixed_length",
            "sum_gradients", "count_non_finite", "copy_counting_non_finite", "ROWS_AHEAD", "STREAM_CHUNK"]
@@ -187,6 +189,34 @@ def sequential_sum_fixed(dst, d, lo, hi, index, gain, src, ahead, dim, width):
 
 
 _overload_fixed(sequential_sum_fixed, sequential_sum_registers, sequential_sum)
+
+
+def _sequential_sum_fixed_16(stored):
+    """:func:`sequential_sum_fixed` of source rows given as the ``uint16`` bits of ``stored`` values, each
+    converted exactly to float32 as it is read: the same sums, bit for bit, as of a float32 copy of them."""
+    def fixed(dst, d, lo, hi, index, gain, src, ahead, dim, width):
+        raise NotImplementedError("only callable from jitted code")
+
+    decode = decoder(stored)
+    in_registers = sequential_sum_registers_16[stored]
+
+    @overload(fixed, inline="always")
+    def impl(dst, d, lo, hi, index, gain, src, ahead, dim, width):
+        if sums_in_registers(dst, index, gain, src, stored):
+            def impl_registers(dst, d, lo, hi, index, gain, src, ahead, dim, width):
+                in_registers(dst, d, lo, hi, index, gain, src, ahead, dim, width)
+            return impl_registers
+
+        def impl_memory(dst, d, lo, hi, index, gain, src, ahead, dim, width):
+            sequential_sum(dst, d, lo, hi, index, gain, src, ahead, dim, decode)
+        return impl_memory
+
+    fixed.__name__ = fixed.__qualname__ = f"sequential_sum_fixed_{stored}"
+    fixed.__doc__ = _sequential_sum_fixed_16.__doc__.replace("``stored``", stored)
+    return fixed
+
+
+sequential_sum_fixed_16 = {stored: _sequential_sum_fixed_16(stored) for stored in ("float16", "bfloat16")}
 
 
 # copy_row: dst[j] = src[j] for every j (converted to dst's dtype), one 64-byte line of float32 at a time,
@@ -409,18 +439,18 @@ def _count_non_finite_parallel(values):
 
 
 @njit(cache=True)
-def _count_non_finite_f16_serial(bits):
+def _count_non_finite_bits_serial(bits, mask):
     bad = 0
     for i in range(bits.shape[0]):
-        bad += (bits[i] & np.uint16(0x7C00)) == np.uint16(0x7C00)  # exponent all ones: Inf or NaN
+        bad += (bits[i] & mask) == mask  # exponent all ones: Inf or NaN
     return bad
 
 
 @njit(cache=True, parallel=True)
-def _count_non_finite_f16_parallel(bits):
+def _count_non_finite_bits_parallel(bits, mask):
     bad = 0
     for i in prange(bits.shape[0]):
-        bad += (bits[i] & np.uint16(0x7C00)) == np.uint16(0x7C00)
+        bad += (bits[i] & mask) == mask
     return bad
 
 
@@ -428,12 +458,13 @@ PARALLEL_MIN = 1 << 20  # below this, waking the worker threads costs more than 
 
 
 def count_non_finite(values) -> int:
-    """Number of NaN/Inf entries of a flat float16, float32 or float64 array (no temporary array, unlike
-    ``np.isfinite``; float16 is read as its bits, which Numba takes)."""
+    """Number of NaN/Inf entries of a flat float16, bfloat16, float32 or float64 array (no temporary array,
+    unlike ``np.isfinite``). A 16-bit array is read as its bits, a NaN/Inf being a value whose exponent
+    field is all ones: a pass over 2 bytes a value, no conversion."""
     large = values.shape[0] >= PARALLEL_MIN
-    if values.dtype == np.float16:
-        kernel = _count_non_finite_f16_parallel if large else _count_non_finite_f16_serial
-        return int(kernel(bits_of(values)))
+    if values.dtype.itemsize == 2:
+        kernel = _count_non_finite_bits_parallel if large else _count_non_finite_bits_serial
+        return int(kernel(bits_of(values), EXPONENT_MASK[format_of(values.dtype)]))
     kernel = _count_non_finite_parallel if large else _count_non_finite_serial
     return int(kernel(values))
 
@@ -448,12 +479,33 @@ def _copy_row_counting(src, dst, i):
     return bad
 
 
+def _put_value(dst, i, j, src):
+    """``dst[i, j] = src[i, j]`` for a tagged 16-bit ``src``: decoded into float32 ``dst``, the bits copied
+    into ``uint16`` ``dst`` (jitted code only)."""
+    raise NotImplementedError("only callable from jitted code")
+
+
+@overload(_put_value, inline="always")
+def _put_value_impl(dst, i, j, src):
+    if dst.dtype == types.float32:
+        def decoded(dst, i, j, src):
+            dst[i, j] = value_at(src, i, j)
+        return decoded
+
+    def bits(dst, i, j, src):
+        dst[i, j] = src.bits[i, j]
+    return bits
+
+
 @njit(cache=True, inline="always")
-def _copy_row_counting_f16(bits, dst, i):
+def _copy_row_counting_16(src, mask, dst, i):
+    """Row ``i`` of the tagged 16-bit ``src`` into ``dst``: decoded into float32 rows, or its bits copied
+    into ``uint16`` rows (the same format); returns how many of its values are NaN/Inf."""
     bad = 0
+    bits = src.bits
     for j in range(bits.shape[1]):
-        dst[i, j] = f16_to_f32(bits[i, j])
-        bad += (bits[i, j] & np.uint16(0x7C00)) == np.uint16(0x7C00)
+        _put_value(dst, i, j, src)
+        bad += (bits[i, j] & mask) == mask
     return bad
 
 
@@ -474,30 +526,33 @@ def _copy_counting_parallel(src, dst):
 
 
 @njit(cache=True)
-def _copy_counting_f16_serial(bits, dst):
+def _copy_counting_16_serial(src, mask, dst):
     bad = 0
-    for i in range(bits.shape[0]):
-        bad += _copy_row_counting_f16(bits, dst, i)
+    for i in range(dst.shape[0]):
+        bad += _copy_row_counting_16(src, mask, dst, i)
     return bad
 
 
 @njit(cache=True, parallel=True)
-def _copy_counting_f16_parallel(bits, dst):
+def _copy_counting_16_parallel(src, mask, dst):
     bad = 0
-    for i in prange(bits.shape[0]):
-        bad += _copy_row_counting_f16(bits, dst, i)
+    for i in prange(dst.shape[0]):
+        bad += _copy_row_counting_16(src, mask, dst, i)
     return bad
 
 
 def copy_counting_non_finite(src, dst) -> int:
-    """Copy the ``[rows, dim]`` float16, float32 or float64 array ``src`` (any strides) into the float32
-    array ``dst`` of its shape, and return how many of the copied values are NaN/Inf: one pass where a copy
-    then :func:`count_non_finite` read the values twice. float64 values must lie within float32 range or
-    be non-finite (the callers refuse a finite one beyond it first: it would become an Inf here)."""
+    """Copy the ``[rows, dim]`` float16, bfloat16, float32 or float64 array ``src`` (any strides) into the
+    array ``dst`` of its shape, float32 or (for a 16-bit ``src``) of ``src``'s own dtype, and return how many
+    of the copied values are NaN/Inf: one pass where a copy then :func:`count_non_finite` read the values
+    twice. 16-bit values become float32 exactly, or keep their bits; float64 values must lie within float32
+    range or be non-finite (the callers refuse a finite one beyond it first: it would become an Inf here)."""
     large = src.size >= PARALLEL_MIN
-    if src.dtype == np.float16:
-        kernel = _copy_counting_f16_parallel if large else _copy_counting_f16_serial
-        return int(kernel(bits_of(src), dst))
+    if src.dtype.itemsize == 2:
+        if dst.dtype not in (np.float32, src.dtype):
+            raise ValueError(f"a {src.dtype} gradient is copied into float32 or {src.dtype} rows, not {dst.dtype}")
+        kernel = _copy_counting_16_parallel if large else _copy_counting_16_serial
+        return int(kernel(tagged(src), EXPONENT_MASK[format_of(src.dtype)], bits_of(dst)))
     kernel = _copy_counting_parallel if large else _copy_counting_serial
     return int(kernel(src, dst))
 

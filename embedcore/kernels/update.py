@@ -15,6 +15,9 @@ The gradient of unique row ``u`` is ``sum over k in ptr[u]:ptr[u + 1] of src_gai
 (the occurrences in grouped order, see :func:`embedcore.kernels.dedup.group_rows`), summed by
 :func:`embedcore.kernels.rows.sequential_sum` in a fixed order, so results do not depend on the thread count
 (in a kernel compiled for the row length, the same sum in vector registers: ``rows.sequential_sum_fixed``).
+The gradient rows may be float32 or the ``uint16`` bits of float16 or bfloat16 values (``gradient``, see
+:func:`fused_update_kernel`): a 16-bit value is converted exactly to float32 as the sum reads it, so the
+update is bit-identical to that of the gradient's float32 copy, at half the bytes read.
 Batches grouped block by block arrive summed already (:func:`embedcore.kernels.dedup.sum_by_blocks`: the
 same sums), one occurrence per unique row.
 The rows are read at random, so the loop prefetches the table and slot rows ``ROWS_AHEAD`` unique rows
@@ -23,7 +26,8 @@ ahead and, when the gradients outgrow the caches, the gradient rows ``OCCURRENCE
 
 ``lazy=False`` visits every row of the table, with a zero gradient for rows the batch did not touch
 (non-lazy Adam). A kernel is generated per (function, slot layout, mode, row length when it fills whole
-cache lines: see :func:`embedcore.kernels.rows.fixed_length`) and kept for the process.
+cache lines: see :func:`embedcore.kernels.rows.fixed_length`, stored formats, gradient format) and kept for
+the process.
 
 No NaN or Inf is ever written: a row whose summed gradient is not finite (float32 overflow of large
 gradients, or NaN/Inf let through on purpose) is not updated, and neither is a row for which ``f`` returns a
@@ -63,7 +67,7 @@ from .half_rows import row_loader, row_storer
 from .occurrences import occurrence_views, pack_occurrences
 from .prefetch import prefetch_row
 from .row_vector import block_width
-from .rows import copy_row, fixed_length, sequential_sum, sequential_sum_fixed
+from .rows import copy_row, fixed_length, sequential_sum, sequential_sum_fixed, sequential_sum_fixed_16
 
 __all__ = ["update_kernel", "fused_update_kernel", "compile_for", "all_finite", "balanced_chunks", "CHUNK_ROWS",
            "ROWS_AHEAD", "OCCURRENCES_AHEAD", "STATUS_GRADIENT", "STATUS_OUTPUT", "STATUS_LENGTH", "STATUS_RAISED"]
@@ -178,7 +182,7 @@ def kernel(table, slots, uniq, ptr, packed, d_act, learning_rate, hyperparameter
 {unpack}
     src_row, src_gain = occurrence_views(packed)  # activation rows and gains (None: all 1; kernels/occurrences.py)
 {dim}
-    ahead = OCCURRENCES_AHEAD if d_act.size * 4 >= PREFETCH_MIN_BYTES else 0
+    ahead = OCCURRENCES_AHEAD if d_act.size * d_act.itemsize >= PREFETCH_MIN_BYTES else 0
 {chunks}
     return flags.sum()
 '''
@@ -383,15 +387,20 @@ def _dim(dim):
                     f"rows')"], 1)
 
 
-def kernel_source(row_function, lazy=True, dim=None, formats: StoredFormats = FLOAT32) -> str:
+def kernel_source(row_function, lazy=True, dim=None, formats: StoredFormats = FLOAT32,
+                  gradient: str = "float32") -> str:
     """The Python source of the update kernel generated for ``row_function``; with ``dim``, compiled for
     rows of that length (see :func:`embedcore.kernels.rows.fixed_length`); for tables stored in
-    ``formats`` (16-bit ones take the argument ``rounding``, see :func:`fused_update_kernel`)."""
+    ``formats`` (16-bit ones take the argument ``rounding``, see :func:`fused_update_kernel`) and gradient
+    rows in the format ``gradient``."""
     slot_dims = row_function.slot_dims
     unpack = [f"s{k} = slots[{k}]" for k in range(len(slot_dims))] or ["pass"]
-    # With a constant row length the gradient is summed in registers (kernels/row_vector.py).
-    row_sum, dim_args = (("sequential_sum", "dim") if dim is None
-                         else ("sequential_sum_fixed", f"dim, {block_width(dim)}"))
+    # With a constant row length the gradient is summed in registers (kernels/row_vector.py); 16-bit gradient
+    # values are converted to float32 (exactly) as they are read: sum_g and dec_g (kernel_namespace).
+    if dim is None:
+        row_sum, dim_args = "sequential_sum", ("dim" if gradient == "float32" else "dim, dec_g")
+    else:
+        row_sum, dim_args = ("sequential_sum_fixed" if gradient == "float32" else "sum_g"), f"dim, {block_width(dim)}"
     slot_args = "".join(f"s{k}, " for k in range(len(slot_dims)))
     loop = (_LAZY_LOOP if lazy else _DENSE_LOOP).format(
         row_sum=row_sum, dim_args=dim_args, prefetch=_prefetch(slot_dims),
@@ -404,10 +413,12 @@ def kernel_source(row_function, lazy=True, dim=None, formats: StoredFormats = FL
                             scratch=_scratch(slot_dims, row_function.elementwise, formats))
 
 
-def kernel_namespace(row_function, formats: StoredFormats = FLOAT32) -> dict:
+def kernel_namespace(row_function, formats: StoredFormats = FLOAT32, gradient: str = "float32") -> dict:
     """The globals the generated source refers to."""
     namespace = {"rounding_place": rounding_place, "slot_key": slot_key, "rounding_bits": rounding_bits,
                  "LANES": ROUNDING_LANES}
+    if is_16_bit(gradient):  # the gradient's decoder, and its row sum for rows of a constant length
+        namespace.update({"dec_g": decoder(gradient), "sum_g": sequential_sum_fixed_16[gradient]})
     for prefix, name in (("w", formats.weights), ("s", formats.slots)):
         if is_16_bit(name):
             namespace.update({f"dec_{prefix}": decoder(name), f"enc_{prefix}": encoder(name, formats.stochastic),
@@ -423,7 +434,8 @@ def kernel_namespace(row_function, formats: StoredFormats = FLOAT32) -> dict:
             "STATUS_OUTPUT": STATUS_OUTPUT, "STATUS_LENGTH": STATUS_LENGTH, "STATUS_RAISED": STATUS_RAISED}
 
 
-def fused_update_kernel(row_function, lazy=True, dim=None, formats: StoredFormats = FLOAT32):
+def fused_update_kernel(row_function, lazy=True, dim=None, formats: StoredFormats = FLOAT32,
+                        gradient: str = "float32"):
     """The jitted update kernel for a :class:`~embedcore.compiler.CompiledRowFunction`, for rows of ``dim``
     values (compiled for that length when :func:`~embedcore.kernels.rows.fixed_length` says so; ``None``:
     any length).
@@ -439,17 +451,23 @@ def fused_update_kernel(row_function, lazy=True, dim=None, formats: StoredFormat
     A table or slots stored in 16 bits (``formats``, see :mod:`embedcore.kernels.half`) are passed as their
     ``uint16`` views, and the kernel takes one more argument, ``rounding`` (int64 ``[tables, 4]``, see
     :func:`~embedcore.kernels.half.rounding_place`): the keys of the stochastic rounding of this step.
+
+    ``gradient`` is the format of the gradient rows ``d_act``: ``"float32"`` (float32 ``[n_out, dim]``), or
+    ``"float16"`` / ``"bfloat16"``, passed as their ``uint16`` bits (``[n_out, dim]``): each value is
+    converted exactly to float32 as the sum reads it, so the sums, and the update, are bit-identical to those
+    of the float32 copy of the gradient, while the kernel reads 2 bytes a gradient value instead of 4.
     """
     dim = dim if dim is not None and fixed_length(dim) else None
     key = (row_function.dispatcher, row_function.slot_dims, row_function.elementwise, row_function.split, lazy, dim,
-           formats)
+           formats, gradient)
     kernel = _KERNELS.get(key)
     if kernel is None:
-        source = kernel_source(row_function, lazy, dim, formats)
+        source = kernel_source(row_function, lazy, dim, formats, gradient)
         key_parts = None if row_function.fingerprint is None else (
             "update kernel", row_function.fingerprint, row_function.slot_dims, row_function.elementwise,
-            row_function.split, lazy) + ((tuple(formats),) if formats.any_16 else ())
-        kernel = jit_source(source, kernel_namespace(row_function, formats), "kernel", key_parts,
+            row_function.split, lazy) + ((tuple(formats),) if formats.any_16 else ()) + (
+            (("gradient", gradient),) if is_16_bit(gradient) else ())
+        kernel = jit_source(source, kernel_namespace(row_function, formats, gradient), "kernel", key_parts,
                             f"embedcore update kernel for {row_function.python_function!r}", parallel=True,
                             error_model="numpy")
         kernel.source = source
@@ -463,7 +481,8 @@ def compile_for(row_function, lazy, table, slots, n_hyperparameters, unit_gains=
     (so a function whose kernel cannot compile is refused when the engine is built, not halfway through
     an update): occurrences' payloads as int32 activation rows when ``unit_gains`` (the batches without
     weights of tables that sum), else as packed int64 words. The other payload type compiles (or loads from
-    the cache) when a batch first brings it."""
+    the cache) when a batch first brings it, and so does the variant for 16-bit gradient rows (``gradient``
+    of :func:`fused_update_kernel`) when a float16 or bfloat16 gradient first comes."""
     kernel = fused_update_kernel(row_function, lazy, table.shape[1], formats)
     index = numba.typeof(np.empty(0, np.int64))
     payload = numba.typeof(np.empty(0, np.int32 if unit_gains else np.int64))

@@ -34,10 +34,11 @@ import numpy as np
 from .. import inputs
 from ..compiler import RowFunctionError, describe
 from ..initializers import TruncatedNormal, fill_rows, stream_key
-from ..kernels.half import FORMAT_RANGE, decoder, format_of, step_key
+from ..kernels.half import FORMAT_RANGE, bits_of, decoder, format_of, step_key
 from ..kernels.grouping import Grouper
 from ..kernels.prefetch import rows_stay_cached
-from ..kernels.update import STATUS_GRADIENT, STATUS_LENGTH, STATUS_OUTPUT, STATUS_RAISED, compile_for
+from ..kernels.update import (STATUS_GRADIENT, STATUS_LENGTH, STATUS_OUTPUT, STATUS_RAISED, compile_for,
+                               fused_update_kernel)
 from ..kernels.workspace import ArrayPool, Workspace, WorkspacePool
 from ..tuning import DEFAULT_TUNING, Tuning
 from .storage import DenseStorage, Storage, round_into
@@ -295,7 +296,9 @@ class PhysicalTable:
     def update(self, table_batch, d_act: np.ndarray, learning_rate, hyperparameters, step: int = 0) -> TableUpdate:
         """Apply one step of the optimizer to the rows ``table_batch`` touched (every row when the optimizer
         is not lazy), in place: each row's gradient is the sum of its occurrences' ``gain * d_act[activation
-        row]`` (``d_act`` float32 ``[n_out, dim]``, checked by the caller), in occurrence order.
+        row]`` (``d_act`` ``[n_out, dim]``, checked by the caller), in occurrence order, in float32. ``d_act``
+        may be float32, or float16 or bfloat16: 16-bit rows are read in place, each value converted exactly
+        to float32 as it is summed, so the update is bit-identical to that of ``d_act.astype(np.float32)``.
 
         Every row is updated exactly once or left unchanged and named in the result (NaN/Inf gradient sum or
         result, a row function that raised or returned rows of the wrong length, a result beyond a 16-bit
@@ -322,11 +325,19 @@ class PhysicalTable:
         if self.formats.any_16:
             self._rounding[:, 3] = [step_key(key, step) for key in self._rounding_keys]
             rounding = (self._rounding,)
-        flagged = self._kernel(*self._kernel_arrays, uniq, ptr, packed, d_act, learning_rate, hyperparameters,
-                               status, *rounding)
+        flagged = self._kernel_for(d_act.dtype)(*self._kernel_arrays, uniq, ptr, packed, bits_of(d_act),
+                                                learning_rate, hyperparameters, status, *rounding)
         if timer is not None:
             timer("update", perf_counter() - t0)
         return self._flagged(uniq, status) if flagged else NOTHING_FLAGGED
+
+    def _kernel_for(self, gradient_dtype):
+        """The update kernel for gradient rows of ``gradient_dtype``: the one compiled when the engine was built
+        for float32, else the variant that reads 16-bit gradient rows (compiled, or loaded from the cache, on
+        first use, as a new payload type is)."""
+        if gradient_dtype == np.float32:
+            return self._kernel
+        return fused_update_kernel(self.row_function, self._lazy, self.dim, self.formats, format_of(gradient_dtype))
 
     def _flagged(self, uniq, status) -> TableUpdate:
         """The rows ``status`` flags (per unique row when lazy, per physical row when not), by table."""
