@@ -94,8 +94,9 @@ def _map(fn, tree):
 def lookup(emb, features, weights=None, *, device=None, training: bool = True):
     """Look up activations as jax arrays: returns ``(activations, ctx)``.
 
-    Same inputs and result structure as :meth:`embedcore.Embedding.lookup`; each activation (float32,
-    ``[B, dim]``, ``[B, L, dim]`` or the feature's ``output_shape``) is put on ``device`` (default: JAX's
+    Same inputs and result structure as :meth:`embedcore.Embedding.lookup`; each activation (of the engine's
+    ``output_dtype``: float32, or bfloat16 / float16; ``[B, dim]``, ``[B, L, dim]`` or the feature's
+    ``output_shape``) is put on ``device`` (default: JAX's
     default device) with :func:`jax.device_put`, without a copy when the backend can alias it (see the
     module docstring). Pass ``ctx`` to :func:`apply_gradients` with the gradients of these activations.
     Ids and weights may be jax arrays (read as NumPy, without a copy on CPU) as well as NumPy arrays,
@@ -117,13 +118,16 @@ def _host_input(value):
     return value
 
 
+_ENGINE_FLOATS = (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)  # gradients the engine reads as they are
+
+
 def _to_numpy(grad):
     if isinstance(grad, jax.core.Tracer):
         raise InputError("gradients must be concrete arrays, got a JAX tracer: call embedcore.jax.apply_gradients "
                          "outside jax.jit / jax.grad, on the d_activations that the jitted step returned")
     if isinstance(grad, jax.Array):
-        if jnp.issubdtype(grad.dtype, jnp.floating) and grad.dtype not in (jnp.float32, jnp.float64):
-            grad = grad.astype(jnp.float32)
+        if jnp.issubdtype(grad.dtype, jnp.floating) and grad.dtype not in _ENGINE_FLOATS:
+            grad = grad.astype(jnp.float32)  # float8 and the like: exact in float32
         return np.asarray(grad)
     return grad
 

@@ -247,7 +247,7 @@ def test_gradients_are_read_in_place_and_never_written():
         ecj.apply_gradients(emb, grads, ctx)
 
 
-def test_low_precision_gradients_are_cast_to_float32():
+def test_low_precision_gradients_give_their_float32_values_results():
     emb, expected = make_emb(), make_emb()
     features, weights, _ = random_batch(np.random.default_rng(3))
     acts, ctx = ecj.lookup(emb, features, weights)
@@ -256,6 +256,26 @@ def test_low_precision_gradients_are_cast_to_float32():
     ecj.apply_gradients(emb, grads, ctx)
     expected.apply_gradients(read_only({name: np.full(a.shape, 0.375, np.float32) for name, a in acts.items()}),
                              ctx_np)
+    for name, table in emb.embedding_tables.items():
+        np.testing.assert_array_equal(table, expected.embedding_tables[name], err_msg=name)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_16_bit_activations_and_gradients_round_trip(dtype):
+    """An engine with a 16-bit output_dtype gives jax arrays of that dtype; their 16-bit gradients update the
+    tables exactly as the float32 copies of those gradients do on a float32-output engine."""
+    emb = ec.Embedding(make_emb().feature_config, ADAGRAD, seed=3, stack_tables=False, output_dtype=dtype)
+    expected = make_emb()
+    features, weights, _ = random_batch(np.random.default_rng(4))
+    acts, ctx = ecj.lookup(emb, features, weights)
+    acts_np, ctx_np = expected.lookup(features, weights)
+    for name, a in acts.items():
+        assert a.dtype == jnp.dtype(dtype), name
+        np.testing.assert_array_equal(np.asarray(a), acts_np[name].astype(a.dtype), err_msg=name)
+    grads = jax.grad(lambda a: sum(jnp.sum(jnp.sin(x.astype(jnp.float32)) * 3) for x in a.values()))(acts)
+    assert all(g.dtype == jnp.dtype(dtype) for g in grads.values())
+    ecj.apply_gradients(emb, grads, ctx)
+    expected.apply_gradients(read_only({name: np.asarray(g).astype(np.float32) for name, g in grads.items()}), ctx_np)
     for name, table in emb.embedding_tables.items():
         np.testing.assert_array_equal(table, expected.embedding_tables[name], err_msg=name)
 
