@@ -218,7 +218,7 @@ def test_sum_blocks_reads_16_bit_rows_as_their_float32_copy(monkeypatch):
     numba.set_num_threads(min(2, numba.config.NUMBA_NUM_THREADS))
     try:
         if numba.get_num_threads() < 2:
-            pytest.skip("block sums need 2 threads")
+            pytest.skip("Numba has 1 thread here: the block-summing path runs only with 2 or more")
         rng = np.random.default_rng(0)
         n_out, dim = 4000, 24
         rows = np.concatenate([rng.integers(0, 50, 2000), 50 + rng.integers(0, 60, 2000)]).astype(np.int64)

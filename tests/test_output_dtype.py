@@ -147,6 +147,8 @@ def test_training_from_16_bit_activations_is_training_from_float32_ones(output):
     for _ in range(3):
         ids, weights = _batch(rng, True)
         (got, ctx), (want, ctx32) = emb(ids, weights), f32(ids, weights)
+        for f in ids:
+            _assert_cast(got[f], want[f], output)
         grads = {f: rng.normal(0, 0.5, a.shape).astype(np.float32) for f, a in want.items()}
         emb.apply_gradients(grads, ctx)
         f32.apply_gradients(grads, ctx32)

@@ -75,7 +75,8 @@ class Grouper:
     def group(self, table_batch, n_rows: int, workspace, d_act: np.ndarray) -> Grouped:
         """``table_batch`` (an :class:`embedcore.inputs.TableBatch` of a table of ``n_rows`` rows) grouped
         for the update, with scratch from ``workspace``; ``d_act`` the ``[n_out, dim]`` gradients of its
-        activation rows (float32, float16 or bfloat16). Raises ValueError for a malformed batch, before anything is summed."""
+        activation rows (float32, float16 or bfloat16). Raises ValueError for a malformed batch, before
+        anything is summed."""
         tb = table_batch
         if self.tuning.sum_by_blocks and self.stacked and self._sorts_left == 0:
             summed = dedup.sum_blocks(tb.rows, n_rows, tb.packed, workspace, tb.blocks, tb.out_ptr, d_act,
