@@ -25,9 +25,15 @@ ahead and, when the gradients outgrow the caches, the gradient rows ``OCCURRENCE
 (:mod:`embedcore.kernels.prefetch`).
 
 ``lazy=False`` visits every row of the table, with a zero gradient for rows the batch did not touch
-(non-lazy Adam). A kernel is generated per (function, slot layout, mode, row length when it fills whole
-cache lines: see :func:`embedcore.kernels.rows.fixed_length`, stored formats, gradient format) and kept for
-the process.
+(non-lazy Adam).
+
+A kernel has two compiled parts (:class:`UpdateKernel`): the loop over one chunk's rows, with the row function
+inlined, generated per (function, slot layout, mode, row length when it fills whole cache lines: see
+:func:`embedcore.kernels.rows.fixed_length`, stored formats, gradient format) as serial code, and one
+parallel loop over the chunks, :func:`_run_chunks`, written once, which calls the chunk's code through a
+function pointer: it compiles once per argument types whatever the optimizer, and Numba caches it with
+embedcore's other kernels. A parallel loop costs seconds to compile, so a new optimizer costs only its own
+rows' code.
 
 No NaN or Inf is ever written: a row whose summed gradient is not finite (float32 overflow of large
 gradients, or NaN/Inf let through on purpose) is not updated, and neither is a row for which ``f`` returns a
@@ -48,7 +54,8 @@ that may raise serially, or loses the exception with the rest of that thread's c
 around code that Numba inlined, and a ``try`` in the loop's body makes Numba run the loop serially too. So
 each chunk's rows are updated by a generated function of its own, ``update_rows``, which records the row it
 is at; ``guarded_rows`` calls it (not inlined) inside ``try``/``except`` and, should the row function raise,
-flags that row and calls it again for the rest of the chunk. The loop calls ``guarded_rows`` per chunk.
+flags that row and calls it again for the rest of the chunk. The parallel loop calls ``guarded_rows`` per
+chunk, through its pointer, so no exception ever reaches it.
 (Numba does not free what the row function allocated before it raised: a failing row may leak its
 temporaries.)
 """
@@ -57,14 +64,14 @@ from __future__ import annotations
 
 import numba
 import numpy as np
-from numba import njit, prange, types  # noqa: F401  (prange is used by the generated source)
+from numba import njit, prange, types
 from numba.extending import overload
 
 from ..compile_cache import jit_source
 from .half import (FLOAT32, ROUNDING_LANES, StoredFormats, decoder, encoder, finite_16, is_16_bit, rounding_bits,
                    rounding_place, slot_key)
 from .half_rows import row_loader, row_storer
-from .occurrences import occurrence_views, pack_occurrences
+from .occurrences import holds_rows_alone, occurrence_views, pack_occurrences
 from .prefetch import prefetch_row
 from .row_vector import block_width
 from .rows import copy_row, fixed_length, sequential_sum, sequential_sum_fixed, sequential_sum_fixed_16
@@ -152,39 +159,30 @@ def _into_row_impl(dst, value):
 
 _TEMPLATE = '''
 @row_jit
-def update_rows(table, {slot_params}uniq, ptr, src_row, src_gain, d_act, learning_rate, hyperparameters, status,
-                lo, hi, ahead, progress{rounding}):
+def update_rows(table, slots, uniq, ptr, src_row, src_gain, d_act, learning_rate, hyperparameters, status, lo, hi,
+                ahead, progress, rounding):
+{unpack}
 {unpack_dim}
     n_unique = uniq.shape[0]
 {scratch}
 {loop}
 
 
-@row_jit
-def guarded_rows(table, {slot_params}uniq, ptr, src_row, src_gain, d_act, learning_rate, hyperparameters, status,
-                 lo, hi, ahead{rounding}):
+def guarded_rows(table, slots, uniq, ptr, src_row, src_gain, d_act, learning_rate, hyperparameters, status, lo, hi,
+                 ahead, rounding):
     progress = np.zeros(2, np.int64)  # the row being updated, how many rows were flagged
     start = lo
     while start < hi:
         progress[0] = start  # so a failure before the first row (its scratch) flags that row, never an earlier one
         try:
-            update_rows(table, {slot_params}uniq, ptr, src_row, src_gain, d_act, learning_rate, hyperparameters,
-                        status, start, hi, ahead, progress{rounding})
+            update_rows(table, slots, uniq, ptr, src_row, src_gain, d_act, learning_rate, hyperparameters, status,
+                        start, hi, ahead, progress, rounding)
             start = hi
         except Exception:  # the row function raised on this row: it stays untouched, the next rows go on
             status[progress[0]] = STATUS_RAISED
             progress[1] += 1
             start = progress[0] + 1
     return progress[1]
-
-
-def kernel(table, slots, uniq, ptr, packed, d_act, learning_rate, hyperparameters, status{rounding}):
-{unpack}
-    src_row, src_gain = occurrence_views(packed)  # activation rows and gains (None: all 1; kernels/occurrences.py)
-{dim}
-    ahead = OCCURRENCES_AHEAD if d_act.size * d_act.itemsize >= PREFETCH_MIN_BYTES else 0
-{chunks}
-    return flags.sum()
 '''
 
 # Per call of update_rows: one scratch row for the gradient and one for each new row / slot row (none per
@@ -193,17 +191,6 @@ _SCRATCH = '''    g_sum = np.empty((1, dim), np.float32)
     g_row = g_sum[0]
     w_new = np.empty(dim, np.float32)
 {slot_scratch}'''
-
-# Lazy: unique rows in chunks of equal work (occurrences + ROW_COST per row): hot rows hold thousands of
-# occurrences, and chunks of equal row counts left one thread with most of the work.
-_LAZY_CHUNKS = '''
-    bounds = balanced_chunks(ptr, CHUNK)
-    n_chunks = bounds.shape[0] - 1
-    flags = np.zeros(n_chunks, np.int64)
-    for c in prange(n_chunks):
-        flags[c] = guarded_rows(table, {slot_args}uniq, ptr, src_row, src_gain, d_act, learning_rate,
-                                hyperparameters, status, bounds[c], bounds[c + 1], ahead{rounding})
-'''
 
 _LAZY_LOOP = '''    for u in range(lo, hi):
         progress[0] = u
@@ -215,18 +202,7 @@ _LAZY_LOOP = '''    for u in range(lo, hi):
         {row_sum}(g_sum, 0, ptr[uu], ptr[uu + _U(1)], src_row, src_gain, d_act, ahead, {dim_args})
 {body}'''
 
-# Dense: every row of the table, in chunks; rows the batch did not touch get a zero gradient.
-_DENSE_CHUNKS = '''
-    n_rows = table.shape[0]
-    n_chunks = (n_rows + CHUNK - 1) // CHUNK
-    flags = np.zeros(n_chunks, np.int64)
-    for c in prange(n_chunks):
-        lo = c * CHUNK
-        hi = min(n_rows, lo + CHUNK)
-        flags[c] = guarded_rows(table, {slot_args}uniq, ptr, src_row, src_gain, d_act, learning_rate,
-                                hyperparameters, status, lo, hi, ahead{rounding})
-'''
-
+# Dense: every row of the table; rows the batch did not touch get a zero gradient.
 _DENSE_LOOP = '''    u = np.searchsorted(uniq, lo)
     for r in range(lo, hi):
         progress[0] = r
@@ -377,22 +353,12 @@ def _body(slot_dims, elementwise, formats, dim_arg):
 _KERNELS: dict = {}
 
 
-def _dim(dim):
-    """The kernel's row length: ``table.shape[1]``, or the constant ``dim`` (checked against the arrays)."""
-    if dim is None:
-        return _indent(["dim = table.shape[1]"], 1)
-    return _indent([f"dim = {int(dim)}",
-                    f"if table.shape[1] != {int(dim)} or d_act.shape[1] != {int(dim)}:",
-                    f"    raise ValueError('update kernel compiled for rows of {int(dim)} values called with other "
-                    f"rows')"], 1)
-
-
 def kernel_source(row_function, lazy=True, dim=None, formats: StoredFormats = FLOAT32,
                   gradient: str = "float32") -> str:
-    """The Python source of the update kernel generated for ``row_function``; with ``dim``, compiled for
-    rows of that length (see :func:`embedcore.kernels.rows.fixed_length`); for tables stored in
-    ``formats`` (16-bit ones take the argument ``rounding``, see :func:`fused_update_kernel`) and gradient
-    rows in the format ``gradient``."""
+    """The Python source of the chunk function ``guarded_rows`` generated for ``row_function`` (see
+    :class:`UpdateKernel`); with ``dim``, compiled for rows of that length (see
+    :func:`embedcore.kernels.rows.fixed_length`); for tables stored in ``formats`` (16-bit ones read the
+    argument ``rounding``, see :func:`fused_update_kernel`) and gradient rows in the format ``gradient``."""
     slot_dims = row_function.slot_dims
     unpack = [f"s{k} = slots[{k}]" for k in range(len(slot_dims))] or ["pass"]
     # With a constant row length the gradient is summed in registers (kernels/row_vector.py); 16-bit gradient
@@ -401,15 +367,11 @@ def kernel_source(row_function, lazy=True, dim=None, formats: StoredFormats = FL
         row_sum, dim_args = "sequential_sum", ("dim" if gradient == "float32" else "dim, dec_g")
     else:
         row_sum, dim_args = ("sequential_sum_fixed" if gradient == "float32" else "sum_g"), f"dim, {block_width(dim)}"
-    slot_args = "".join(f"s{k}, " for k in range(len(slot_dims)))
     loop = (_LAZY_LOOP if lazy else _DENSE_LOOP).format(
         row_sum=row_sum, dim_args=dim_args, prefetch=_prefetch(slot_dims),
         body=_indent(_body(slot_dims, row_function.elementwise, formats, "dim" if dim is None else str(int(dim))), 2))
-    rounding = ", rounding" if formats.any_16 else ""
-    chunks = (_LAZY_CHUNKS if lazy else _DENSE_CHUNKS).format(slot_args=slot_args, rounding=rounding)
     rows_dim = _indent([f"dim = {int(dim)}" if dim is not None else "dim = table.shape[1]"], 1)
-    return _TEMPLATE.format(unpack=_indent(unpack, 1), dim=_dim(dim), chunks=chunks, loop=loop,
-                            slot_params=slot_args, unpack_dim=rows_dim, rounding=rounding,
+    return _TEMPLATE.format(unpack=_indent(unpack, 1), loop=loop, unpack_dim=rows_dim,
                             scratch=_scratch(slot_dims, row_function.elementwise, formats))
 
 
@@ -424,19 +386,138 @@ def kernel_namespace(row_function, formats: StoredFormats = FLOAT32, gradient: s
             namespace.update({f"dec_{prefix}": decoder(name), f"enc_{prefix}": encoder(name, formats.stochastic),
                               f"fin_{prefix}": finite_16(name), f"load_{prefix}": row_loader(name),
                               f"store_{prefix}": row_storer(name, formats.stochastic)})
-    return namespace | {"np": np, "prange": prange, "fn": row_function.dispatcher, "into_row": into_row,
+    return namespace | {"np": np, "fn": row_function.dispatcher, "into_row": into_row,
             "all_finite": all_finite, "copy_row": copy_row, "sequential_sum": sequential_sum,
             "sequential_sum_fixed": sequential_sum_fixed, "prefetch_row": prefetch_row, "_U": np.uint64,
-            "balanced_chunks": balanced_chunks, "row_jit": numba.njit(error_model="numpy"),
-            "CHUNK": CHUNK_ROWS, "ROWS_AHEAD": ROWS_AHEAD, "OCCURRENCES_AHEAD": OCCURRENCES_AHEAD,
-            "PREFETCH_MIN_BYTES": PREFETCH_MIN_BYTES, "occurrence_views": occurrence_views,
+            "row_jit": numba.njit(error_model="numpy"), "ROWS_AHEAD": ROWS_AHEAD,
             "STATUS_GRADIENT": STATUS_GRADIENT,
             "STATUS_OUTPUT": STATUS_OUTPUT, "STATUS_LENGTH": STATUS_LENGTH, "STATUS_RAISED": STATUS_RAISED}
 
 
+@njit(cache=True)
+def _even_chunks(n_rows, chunk_rows):
+    """Bounds ``[0, chunk_rows, 2 chunk_rows, ..., n_rows]``: the dense update's chunks of table rows."""
+    n_chunks = (n_rows + chunk_rows - 1) // chunk_rows
+    bounds = np.empty(n_chunks + 1, np.int64)
+    for c in range(n_chunks):
+        bounds[c] = c * chunk_rows
+    bounds[n_chunks] = n_rows
+    return bounds
+
+
+@njit(cache=True, parallel=True)
+def _run_chunks(chunk, table, slots, uniq, ptr, packed, d_act, learning_rate, hyperparameters, status, rounding,
+                lazy, ahead):
+    """The parallel loop of every update kernel: ``chunk`` (a compiled ``guarded_rows``, passed as a function
+    pointer) over chunks of unique rows of equal work (``lazy``: occurrences + ``ROW_COST`` per row; hot rows
+    hold thousands of occurrences, and chunks of equal row counts left one thread with most of the work), or
+    over chunks of ``CHUNK_ROWS`` table rows (dense); returns the number of rows the chunks flagged. Being
+    given the row function's code as a pointer, this loop is compiled once per argument types, not once per
+    optimizer."""
+    src_row, src_gain = occurrence_views(packed)  # activation rows and gains (None: all 1; kernels/occurrences.py)
+    bounds = balanced_chunks(ptr, CHUNK_ROWS) if lazy else _even_chunks(table.shape[0], CHUNK_ROWS)
+    n_chunks = bounds.shape[0] - 1
+    flags = np.zeros(n_chunks, np.int64)
+    for c in prange(n_chunks):
+        flags[c] = chunk(table, slots, uniq, ptr, src_row, src_gain, d_act, learning_rate, hyperparameters, status,
+                         bounds[c], bounds[c + 1], ahead, rounding)
+    return flags.sum()
+
+
+class _ChunkPointer(types.WrapperAddressProtocol):
+    """A compiled ``guarded_rows`` as :func:`_run_chunks` takes it: typed by its signature alone (Numba's
+    wrapper address protocol), so the parallel loop does not depend on which function it is."""
+
+    def __init__(self, address, signature):
+        self._address, self._signature = address, signature
+
+    def __wrapper_address__(self):
+        return self._address
+
+    def signature(self):
+        return self._signature
+
+
+def _argument_key(value):
+    """What decides ``value``'s Numba type, read in well under a microsecond (``numba.typeof`` takes several)."""
+    if isinstance(value, np.ndarray):
+        flags = value.flags
+        return (value.dtype, value.ndim, flags.c_contiguous, flags.f_contiguous, flags.writeable, flags.aligned)
+    if isinstance(value, tuple):
+        return tuple(_argument_key(v) for v in value)
+    return type(value)
+
+
+_NO_ROUNDING = np.zeros((0, 4), np.int64)
+
+
+class UpdateKernel:
+    """The update kernel of one row function and layout (:func:`fused_update_kernel`).
+
+    Two compiled parts: ``guarded_rows``, generated for the row function (the loop over one chunk's rows with
+    the function inlined: serial code, compiled per function, argument types and row length), and
+    :func:`_run_chunks`, the parallel loop over chunks, which calls it through a function pointer and is
+    compiled once per argument types for every optimizer (and cached by Numba with embedcore's other kernels).
+    A parallel loop costs seconds to compile; keeping it out of the generated code is what makes a new
+    optimizer cost only its own rows' code.
+    """
+
+    def __init__(self, chunk, lazy: bool, dim, source: str):
+        self.chunk, self.lazy, self.dim, self.source = chunk, lazy, dim, source
+        self._compiled: dict = {}
+
+    @property
+    def stats(self):
+        """Numba's cache statistics of the generated part (hits: loaded from disk, misses: compiled)."""
+        return self.chunk.stats
+
+    @property
+    def signatures(self):
+        """The argument types the generated part is compiled for."""
+        return self.chunk.signatures
+
+    def __call__(self, table, slots, uniq, ptr, packed, d_act, learning_rate, hyperparameters, status,
+                 rounding=_NO_ROUNDING):
+        """Update ``table`` (see :func:`fused_update_kernel`); the number of rows flagged in ``status``."""
+        if self.dim is not None and (table.shape[1] != self.dim or d_act.shape[1] != self.dim):
+            raise ValueError(f"update kernel compiled for rows of {self.dim} values called with other rows")
+        args = (table, tuple(slots), uniq, ptr, packed, d_act, learning_rate, hyperparameters, status, rounding)
+        run = self._compiled.get(_argument_key(args))
+        if run is None:
+            run = self._compile_for(args)
+        ahead = OCCURRENCES_AHEAD if d_act.size * d_act.itemsize >= PREFETCH_MIN_BYTES else 0
+        return run[0](run[1], *args, self.lazy, ahead)
+
+    def _compile_for(self, args):
+        types_ = tuple(numba.typeof(a) for a in args)
+        # guarded_rows takes the payload's views (occurrence_views): int32 rows alone and no gains, or the
+        # strided halves of packed words
+        views = ((types_[4], types.none) if holds_rows_alone(types_[4]) else
+                 (types.Array(types.int32, 1, "A"), types.Array(types.float32, 1, "A")))
+        signature = types.int64(*types_[:4], *views, *types_[5:-1], types.int64, types.int64, types.int64,
+                                types_[-1])
+        self.chunk.compile(signature)
+        result = self.chunk.overloads[signature.args]
+        pointer = _ChunkPointer(result.library.get_pointer_to_function(result.fndesc.llvm_cfunc_wrapper_name),
+                                signature)
+        driver_types = (types.FunctionType(signature),) + types_ + (types.boolean, types.int64)
+        _run_chunks.compile(driver_types)
+        run = (_run_chunks.overloads[driver_types].entry_point, pointer)
+        self._compiled[_argument_key(args)] = run
+        return run
+
+    def compile(self, table, slots, payload_dtype, n_hyperparameters, rounding=_NO_ROUNDING):
+        """Compile now for the arrays an engine will pass (``payload_dtype``: int32 activation rows or int64
+        packed words; float32 gradient rows, a float32 learning rate and hyperparameters)."""
+        empty = np.empty(0, np.int64)
+        self._compile_for((table, tuple(slots), empty, empty, np.empty(0, payload_dtype),
+                           np.empty((0, table.shape[1]), np.float32), np.float32(0),
+                           tuple(np.float32(0) for _ in range(n_hyperparameters)), np.empty(0, np.uint8), rounding))
+
+
 def fused_update_kernel(row_function, lazy=True, dim=None, formats: StoredFormats = FLOAT32,
-                        gradient: str = "float32"):
-    """The jitted update kernel for a :class:`~embedcore.compiler.CompiledRowFunction`, for rows of ``dim``
+                        gradient: str = "float32") -> UpdateKernel:
+    """The update kernel for a :class:`~embedcore.compiler.CompiledRowFunction`, for rows of ``dim``
     values (compiled for that length when :func:`~embedcore.kernels.rows.fixed_length` says so; ``None``:
     any length).
 
@@ -445,8 +526,8 @@ def fused_update_kernel(row_function, lazy=True, dim=None, formats: StoredFormat
     zeroed, one entry per unique row when lazy, per table row when not; see the module docstring).
     ``packed`` holds the occurrences' activation rows and gains in grouped order, as
     :func:`~embedcore.kernels.dedup.group_rows` returns them (packed int64 words, or int32 activation rows
-    when every gain is 1: a kernel is compiled for each); the gradient of ``uniq[u]`` is summed from them on
-    the fly and never written to memory.
+    when every gain is 1: the generated part is compiled for each); the gradient of ``uniq[u]`` is summed
+    from them on the fly and never written to memory.
 
     A table or slots stored in 16 bits (``formats``, see :mod:`embedcore.kernels.half`) are passed as their
     ``uint16`` views, and the kernel takes one more argument, ``rounding`` (int64 ``[tables, 4]``, see
@@ -467,11 +548,10 @@ def fused_update_kernel(row_function, lazy=True, dim=None, formats: StoredFormat
             "update kernel", row_function.fingerprint, row_function.slot_dims, row_function.elementwise,
             row_function.split, lazy) + ((tuple(formats),) if formats.any_16 else ()) + (
             (("gradient", gradient),) if is_16_bit(gradient) else ())
-        kernel = jit_source(source, kernel_namespace(row_function, formats, gradient), "kernel", key_parts,
-                            f"embedcore update kernel for {row_function.python_function!r}", parallel=True,
-                            error_model="numpy")
-        kernel.source = source
-        _KERNELS[key] = kernel
+        chunk = jit_source(source, kernel_namespace(row_function, formats, gradient), "guarded_rows", key_parts,
+                           f"embedcore update kernel for {row_function.python_function!r}", row_function="fn",
+                           error_model="numpy")
+        kernel = _KERNELS[key] = UpdateKernel(chunk, lazy, dim, source)
     return kernel
 
 
@@ -484,15 +564,8 @@ def compile_for(row_function, lazy, table, slots, n_hyperparameters, unit_gains=
     the cache) when a batch first brings it, and so does the variant for 16-bit gradient rows (``gradient``
     of :func:`fused_update_kernel`) when a float16 or bfloat16 gradient first comes."""
     kernel = fused_update_kernel(row_function, lazy, table.shape[1], formats)
-    index = numba.typeof(np.empty(0, np.int64))
-    payload = numba.typeof(np.empty(0, np.int32 if unit_gains else np.int64))
-    signature = (numba.typeof(table), numba.typeof(tuple(slots)), index, index, payload,
-                 numba.typeof(np.empty((0, table.shape[1]), np.float32)), numba.float32,
-                 numba.typeof(tuple(np.float32(0) for _ in range(n_hyperparameters))),
-                 numba.typeof(np.empty(0, np.uint8)))
-    if formats.any_16:
-        signature += (numba.typeof(np.empty((1, 4), np.int64)),)
-    kernel.compile(signature)
+    kernel.compile(table, slots, np.int32 if unit_gains else np.int64, n_hyperparameters,
+                   np.empty((1, 4), np.int64) if formats.any_16 else _NO_ROUNDING)
     return kernel
 
 
