@@ -7,7 +7,10 @@ cache would not notice changing. So each kernel's source is written to a file of
 folder, named by a digest of everything the compiled code depends on:
 
 * the generated source and the Numba and Python versions;
-* the sources of embedcore's compiler, optimizers and kernels (any change to embedcore invalidates);
+* the sources of the embedcore modules the kernel is built from: those of the functions its source calls
+  (its namespace), and every embedcore module those import, transitively (:func:`module_files`), so an
+  edit elsewhere in embedcore leaves it cached; the row function is keyed by its fingerprint, and its
+  compiled form by the modules that make it (:mod:`embedcore.compiler` and what that imports);
 * a *fingerprint* of the row function: its bytecode and constants, the values of the closure cells and
   globals it reads (attributes of modules too: ``helpers.scale``, ``cfg.EPS``), and, recursively, the
   same of every Python or jitted function among them; NumPy, Numba and ``math`` by name and version.
@@ -32,10 +35,11 @@ import types as pytypes
 import numba
 import numpy as np
 
-__all__ = ["cache_dir", "fingerprint", "Uncacheable", "load_source", "jit_source", "read_verdict", "write_verdict"]
+__all__ = ["cache_dir", "fingerprint", "Uncacheable", "load_source", "jit_source", "read_verdict", "write_verdict",
+           "module_files", "namespace_modules"]
 
-_EMBEDCORE_SOURCES = ("compiler.py", "compile_cache.py", "split_reductions.py", "optimizers.py", "common_options.py",
-                      "kernels")
+_PACKAGE = __name__.rpartition(".")[0]  # "embedcore"
+_ROW_FUNCTION_MAKERS = (f"{_PACKAGE}.compiler",)  # what turns a user's function into the code a kernel inlines
 
 
 class Uncacheable(Exception):
@@ -62,27 +66,69 @@ def cache_dir() -> str | None:
     return folder if os.access(folder, os.W_OK) else None
 
 
-_PACKAGE_DIGEST = None
+def _module_of(value) -> str | None:
+    """The name of the module ``value`` (a module, function, Numba dispatcher, overload stub or intrinsic)
+    was defined in, if it is one of embedcore's; else None."""
+    if isinstance(value, pytypes.ModuleType):
+        name = value.__name__
+    else:
+        target = getattr(value, "py_func", None) or getattr(value, "_defn", None) or value
+        if not callable(target):
+            return None
+        name = getattr(target, "__module__", None)
+    if not isinstance(name, str) or not (name == _PACKAGE or name.startswith(_PACKAGE + ".")):
+        return None
+    return name
 
 
-def _package_digest() -> str:
-    global _PACKAGE_DIGEST
-    if _PACKAGE_DIGEST is None:
+def namespace_modules(namespace: dict) -> set:
+    """The embedcore modules the values of a generated kernel's ``namespace`` come from."""
+    return {name for name in map(_module_of, namespace.values()) if name is not None}
+
+
+_IMPORTS: dict = {}
+
+
+def _imports(name: str) -> set:
+    """The embedcore modules module ``name`` refers to (modules and the definitions it imported)."""
+    if name not in _IMPORTS:
+        module = sys.modules[name]
+        # The package itself re-exports everything: its own file counts, not what it imports.
+        values = () if name == _PACKAGE else list(vars(module).values())
+        _IMPORTS[name] = {m for m in map(_module_of, values) if m is not None and m != name}
+    return _IMPORTS[name]
+
+
+def module_files(*modules) -> list:
+    """The source files of the embedcore ``modules`` (names) and of every embedcore module they import,
+    transitively: what code built from them depends on. Sorted, relative to the package folder."""
+    seen, todo = set(), [m for m in modules if m in sys.modules]
+    while todo:
+        name = todo.pop()
+        if name not in seen:
+            seen.add(name)
+            todo.extend(_imports(name) - seen)
+    root = os.path.dirname(os.path.abspath(sys.modules[_PACKAGE].__file__))
+    files = {os.path.relpath(os.path.abspath(sys.modules[m].__file__), root) for m in seen
+             if getattr(sys.modules[m], "__file__", None)}
+    return sorted(files)
+
+
+_DIGESTS: dict = {}
+
+
+def _modules_digest(modules) -> str:
+    """A digest of the files of :func:`module_files` (kept for the process: its sources do not change)."""
+    key = frozenset(modules)
+    if key not in _DIGESTS:
         h = hashlib.sha256()
-        root = os.path.dirname(os.path.abspath(__file__))
-        paths = []
-        for name in _EMBEDCORE_SOURCES:
-            path = os.path.join(root, name)
-            if os.path.isdir(path):
-                paths += sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".py"))
-            else:
-                paths.append(path)
-        for path in paths:
-            h.update(path[len(root):].encode())
-            with open(path, "rb") as f:
+        root = os.path.dirname(os.path.abspath(sys.modules[_PACKAGE].__file__))
+        for path in module_files(*key):
+            h.update(path.encode() + b"\x00")
+            with open(os.path.join(root, path), "rb") as f:
                 h.update(f.read())
-        _PACKAGE_DIGEST = h.hexdigest()
-    return _PACKAGE_DIGEST
+        _DIGESTS[key] = h.hexdigest()
+    return _DIGESTS[key]
 
 
 def fingerprint(fn) -> str:
@@ -197,9 +243,10 @@ def _module_attributes(code, namespace):
     return found
 
 
-def _key(*parts) -> str:
+def _key(modules, *parts) -> str:
+    """The cache key of something built from ``parts`` and the embedcore ``modules`` (see :func:`module_files`)."""
     h = hashlib.sha256()
-    h.update(f"{sys.version} numba {numba.__version__} embedcore {_package_digest()}".encode())
+    h.update(f"{sys.version} numba {numba.__version__} embedcore {_modules_digest(modules)}".encode())
     for part in parts:
         h.update(b"\x00" + str(part).encode())
     return h.hexdigest()[:32]
@@ -220,13 +267,18 @@ def _write_atomically(path: str, text: str) -> None:
         raise
 
 
-def load_source(source: str, namespace: dict, function: str, key_parts) -> pytypes.FunctionType | None:
+def load_source(source: str, namespace: dict, function: str, key_parts,
+                row_function: str | None = None) -> pytypes.FunctionType | None:
     """``function`` defined by ``source`` in a module file of the cache folder, its globals ``namespace``,
-    so that ``numba.njit(cache=True)`` can cache it; None when caching is off."""
+    so that ``numba.njit(cache=True)`` can cache it; None when caching is off. Its key covers ``source``,
+    ``key_parts`` and the embedcore modules the namespace's values come from; but for the namespace entry
+    ``row_function``, a user's row function, which ``key_parts`` covers by its fingerprint: for it, the
+    modules that compile row functions count instead."""
     folder = cache_dir()
     if folder is None:
         return None
-    key = _key(source, *key_parts)
+    modules = namespace_modules({k: v for k, v in namespace.items() if k != row_function})
+    key = _key(modules | (set(_ROW_FUNCTION_MAKERS) if row_function else set()), source, *key_parts)
     path = os.path.join(folder, f"kernel_{key}.py")
     try:
         if _read(path) != source:  # absent, or not what this process generated: (re)write it
@@ -248,12 +300,13 @@ def load_source(source: str, namespace: dict, function: str, key_parts) -> pytyp
     return getattr(module, function)
 
 
-def jit_source(source: str, namespace: dict, function: str, key_parts, label: str, **options):
+def jit_source(source: str, namespace: dict, function: str, key_parts, label: str, row_function: str | None = None,
+               **options):
     """``function`` of the generated ``source`` (globals ``namespace``), jitted with ``numba.njit(**options)``:
     from its file in the cache folder (:func:`load_source`), so Numba caches the compiled code, unless
     ``key_parts`` is None (the source depends on something that cannot be fingerprinted) or caching is off;
-    else compiled in memory, ``label`` naming it in tracebacks."""
-    defined = None if key_parts is None else load_source(source, namespace, function, key_parts)
+    else compiled in memory, ``label`` naming it in tracebacks. ``row_function``: see :func:`load_source`."""
+    defined = None if key_parts is None else load_source(source, namespace, function, key_parts, row_function)
     cached = defined is not None
     if not cached:
         exec(compile(source, f"<{label}>", "exec"), namespace)
@@ -271,7 +324,7 @@ def _read(path: str) -> str | None:
 
 def _verdict_path(key_parts) -> str | None:
     folder = cache_dir()
-    return None if folder is None else os.path.join(folder, f"verdict_{_key(*key_parts)}.json")
+    return None if folder is None else os.path.join(folder, f"verdict_{_key(_ROW_FUNCTION_MAKERS, *key_parts)}.json")
 
 
 def read_verdict(key_parts) -> dict | None:

@@ -180,3 +180,42 @@ def test_a_tampered_kernel_file_is_rewritten_before_use(tmp_path, monkeypatch):
         del sys.modules[name]  # as in a new process
     assert compile_cache.load_source(source, {}, "kernel", ("test", 1))() == 1
     assert path.read_text() == source
+
+
+def test_a_kernel_is_keyed_by_the_modules_it_is_built_from_not_the_whole_package():
+    """An edit to a module no kernel code comes from (the engine, the dynamic tables' key map) leaves the
+    update and gather kernels cached; an edit to one whose code they inline (the row sums) does not."""
+    import embedcore as ec
+    from embedcore.kernels.update import kernel_namespace
+    namespace = kernel_namespace(ec.Adagrad(0.1).compiled(64))
+    without_row_function = {k: v for k, v in namespace.items() if k != "fn"}
+    files = compile_cache.module_files(*compile_cache.namespace_modules(without_row_function), "embedcore.compiler")
+    for built_from in ("kernels/update.py", "kernels/rows.py", "kernels/row_vector.py", "kernels/half.py",
+                       "compiler.py", "split_reductions.py"):
+        assert built_from in files
+    for elsewhere in ("engine.py", "optimizers.py", "kernels/hash_map.py", "kernels/dedup.py", "tables/physical.py",
+                      "torch.py", "checkpoint/store.py"):
+        assert elsewhere not in files
+    assert "embedcore.optimizers" in compile_cache.namespace_modules(namespace)  # the built-in recipe's module:
+    # left out of the key because the row function's fingerprint covers its code
+
+
+def test_the_key_changes_with_a_module_the_kernel_is_built_from(tmp_path, monkeypatch):
+    monkeypatch.setenv("EMBEDCORE_CACHE_DIR", str(tmp_path / "cache"))
+    from embedcore.kernels import rows
+    source = "def kernel():\n    return 1\n"
+    modules = {"embedcore.kernels.rows"}
+    before = compile_cache._key(modules, source)
+    assert compile_cache._key({"embedcore.kernels.dedup"}, source) != before
+    monkeypatch.setattr(compile_cache, "_DIGESTS", {})
+    real_open = open
+
+    def edited(path, *args, **kwargs):  # the same files, one of them edited
+        f = real_open(path, *args, **kwargs)
+        if str(path).endswith(os.path.join("kernels", "half.py")):
+            import io
+            return io.BytesIO(f.read() + b"\n# edited\n")
+        return f
+    monkeypatch.setattr("builtins.open", edited)
+    assert compile_cache._key(modules, source) != before  # rows.py imports half.py: its edit counts
+    assert rows.__name__ in modules
