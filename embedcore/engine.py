@@ -11,13 +11,13 @@ from __future__ import annotations
 import threading
 from time import perf_counter
 
-import ml_dtypes
 import numpy as np
 
 from . import inputs
 from .compiler import RowFunctionError
 from .config import DynamicTableConfig
 from .inputs import InputError
+from .kernels.half import is_bfloat16, is_native_16_bit
 from .kernels.rows import copy_counting_non_finite, count_non_finite
 from .lookup import LookupContext, TrainingEngine, _FeatureSlot, check_output_dtype
 from .optimizers import Optimizer
@@ -545,7 +545,7 @@ def gradient_rows_counted(k, n_out, dim, workspace, gradients, features, count=F
         rows = d_act[s.out_offset:s.out_offset + s.n_rows]
         if grad is None:
             rows[...] = 0  # never read by the update; not left as stale values that a NaN check would see
-        elif count and grad.dtype in _COUNTED_COPIES:
+        elif count and _copied_counting(grad.dtype):
             bad += copy_counting_non_finite(grad.reshape(s.n_rows, dim), rows)
         else:
             rows[...] = grad.reshape(s.n_rows, dim)
@@ -554,9 +554,14 @@ def gradient_rows_counted(k, n_out, dim, workspace, gradients, features, count=F
     return d_act, bad
 
 
-_BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
-_SIXTEEN_BIT = (np.dtype(np.float16), _BFLOAT16)  # in native byte order: kept as they are
-_COUNTED_COPIES = _SIXTEEN_BIT + (np.dtype(np.float32), np.dtype(np.float64))
+
+
+def _copied_counting(dtype) -> bool:
+    """Whether gradients of ``dtype`` are counted for NaN/Inf as they are copied (native 16-bit ones are
+    kept as they are; float32 and float64 converted)."""
+    return is_native_16_bit(dtype) or dtype == np.float32 or dtype == np.float64
+
+
 _FLOAT_DTYPES = "float16, bfloat16, float32 or float64"
 
 
@@ -566,7 +571,7 @@ def _rows_dtype(gradients, keep_16_bit):
     dtypes = {grad.dtype for grad, _ in gradients if grad is not None}
     if keep_16_bit and len(dtypes) == 1:
         dtype = dtypes.pop()
-        if dtype in _SIXTEEN_BIT:
+        if is_native_16_bit(dtype):
             return dtype
     return np.dtype(np.float32)
 
@@ -621,13 +626,13 @@ def check_gradient(grad, s: _FeatureSlot, refuse_non_finite: bool = True,
             grad = np.asarray(grad)
         else:
             raise InputError(f"gradient of feature '{name}' must be an array, got {type(grad).__name__}")
-    if grad.dtype.kind != "f" and grad.dtype != _BFLOAT16:
+    if grad.dtype.kind != "f" and not is_bfloat16(grad.dtype):
         raise InputError(f"gradient of feature '{name}' must hold floats ({_FLOAT_DTYPES}), got dtype "
                          f"{grad.dtype}")
     if grad.shape != s.shape:
         raise InputError(f"gradient of feature '{name}' has shape {grad.shape}, its activations have {s.shape}")
     flat = grad.reshape(-1)
-    native = flat if flat.dtype in _COUNTED_COPIES else flat.astype(np.float64)
+    native = flat if _copied_counting(flat.dtype) else flat.astype(np.float64)
     if refuse_non_finite and not values_checked_later and count_non_finite(native):
         bad = np.unravel_index(int(np.flatnonzero(~np.isfinite(native))[0]), grad.shape)
         raise InputError(f"gradient of feature '{name}' holds {grad[bad]} at index {tuple(int(i) for i in bad)}; "

@@ -34,21 +34,19 @@ from __future__ import annotations
 
 import os
 
-import ml_dtypes
 import numpy as np
 
 from .checkpoint import CheckpointError, check_finite, read_current, table_tensors
 from .checkpoint.dynamic import dynamic_file_name, is_dynamic_entry, read_state
 from .checkpoint.store import (FUSED_INT8_EXTRA_BYTES, SERVING_DTYPES, SERVING_FORMAT, Snapshot, SnapshotWriter,
                                open_snapshot)
+from .kernels.half import stored_dtype
 from .memory_budget import check_fits
 
 __all__ = ["export_for_serving", "quantize_int8_rows", "dequantize_int8_rows", "serving_weights", "serving_rows",
            "SERVING_DTYPES"]
 
 _CHUNK_ROWS = 1 << 14  # rows converted per pass (a few MB of float64 scratch for rows of 64 values)
-_STORED = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16),
-           "bfloat16": np.dtype(ml_dtypes.bfloat16)}
 _F32_MAX = np.float32(np.finfo(np.float32).max)
 
 
@@ -110,7 +108,7 @@ def _convert(array: np.ndarray, dtype: str, where: str) -> np.ndarray:
     if dtype == "float32" and array.dtype == np.float32:
         return array  # the verified memory map itself: written without a copy
     width = dim + FUSED_INT8_EXTRA_BYTES if dtype == "int8" else dim
-    target = np.dtype(np.uint8) if dtype == "int8" else _STORED[dtype]
+    target = np.dtype(np.uint8) if dtype == "int8" else stored_dtype(dtype)
     check_fits(n * width * target.itemsize, f"{where} as {dtype}", error=CheckpointError)
     out = np.empty((n, width), target)
     if dtype == "int8":

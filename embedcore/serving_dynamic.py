@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import dataclasses
 
-import ml_dtypes
 import numpy as np
 
 from .initializers import TruncatedNormal, fill_key_rows
 from .inputs import TableBatch, select_occurrences
+from .kernels.half import stored_dtype
 from .kernels.hash_map import KeyRowMap, as_keys
 from .tables.dynamic import DynamicTableBatch
 from .tables.physical import PhysicalTable, TablePlace
@@ -42,7 +42,7 @@ def unknown_rows(config, seed: int, unknown_keys: str, initializer=None):
     """The function ``keys (uint64 [u]) -> rows [u, dim]`` that gives the keys a table does not hold their
     values under ``unknown_keys`` (module docstring), in the table's ``weights_dtype``."""
     dim, name = config.dim, config.name
-    stored = np.dtype(ml_dtypes.bfloat16) if config.weights_dtype == "bfloat16" else np.dtype(config.weights_dtype)
+    stored = stored_dtype(config.weights_dtype)
     if unknown_keys == "zeros":
         return lambda keys: np.zeros((keys.shape[0], dim), stored)
     init = initializer or TruncatedNormal(0.0, 1.0 / np.sqrt(dim))

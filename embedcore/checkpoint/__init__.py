@@ -38,7 +38,7 @@ from .dynamic import dynamic_file_name, is_dynamic_entry, read_state, write_dyna
 from .errors import CheckpointError
 from . import delta as _delta
 from .store import Snapshot, SnapshotWriter, open_snapshot, read_current
-from .tensor_file import STORABLE_DTYPES
+from .tensor_file import storable
 
 __all__ = ["CheckpointError", "save", "load_into", "restore", "read_extra", "open_snapshot", "read_current",
            "engine_config", "table_tensors", "table_rows", "table_changes", "write_table_shards", "check_save_inputs",
@@ -64,7 +64,7 @@ def check_save_inputs(extra, metadata, step=0) -> dict:
     extra = dict(extra or {})
     for name, value in extra.items():
         if not isinstance(name, str) or not name or name == "__metadata__" or not isinstance(value, np.ndarray) \
-                or value.dtype.newbyteorder("<") not in STORABLE_DTYPES:
+                or not storable(value.dtype):
             raise CheckpointError(f"extra entry {name!r} ({type(value).__name__}"
                                   f"{', dtype ' + str(value.dtype) if isinstance(value, np.ndarray) else ''}) cannot "
                                   f"be stored: extra maps non-empty names (not '__metadata__') to NumPy arrays of "

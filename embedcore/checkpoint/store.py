@@ -46,7 +46,7 @@ import stat
 from .config_codec import check_config, need_int
 from .dynamic import check_dynamic_config, check_dynamic_entry, is_dynamic_entry
 from .errors import CheckpointError
-from .tensor_file import (STORABLE_DTYPES, TensorFileError, read_capped, read_header, sha256_of, open_tensors,
+from .tensor_file import (STORABLE_DTYPE_SIZES, TensorFileError, read_capped, read_header, sha256_of, open_tensors,
                           write_tensors)
 
 __all__ = ["FORMAT", "SERVING_FORMAT", "SERVING_DTYPES", "FUSED_INT8_EXTRA_BYTES", "SnapshotWriter", "Snapshot",
@@ -65,7 +65,7 @@ _MAX_CURRENT = 4096
 _MAX_MANIFEST = 64 * 2 ** 20
 _MAX_STEP = 2 ** 63 - 1
 _MAX_ROWS = 2 ** 62
-_DTYPE_SIZES = {str(d): d.itemsize for d in STORABLE_DTYPES}
+_DTYPE_SIZES = STORABLE_DTYPE_SIZES
 TABLE_DTYPES = ("float32", "float16", "bfloat16")  # how tables and slots may be stored
 _RETRIES = 8
 

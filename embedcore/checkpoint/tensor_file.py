@@ -22,17 +22,34 @@ import os
 import stat
 import struct
 
-import ml_dtypes
 import numpy as np
 
-__all__ = ["TensorFileError", "write_tensors", "read_header", "open_tensors", "sha256_of", "open_regular",
-           "read_capped"]
+from ..kernels.half import bfloat16, is_bfloat16
 
-_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "I64": np.int64, "I32": np.int32,
+__all__ = ["TensorFileError", "write_tensors", "read_header", "open_tensors", "sha256_of", "open_regular",
+           "read_capped", "storable", "STORABLE_DTYPE_NAMES", "STORABLE_DTYPE_SIZES"]
+
+_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "I64": np.int64, "I32": np.int32,
            "I16": np.int16, "I8": np.int8, "U64": np.uint64, "U32": np.uint32, "U16": np.uint16, "U8": np.uint8,
-           "BOOL": np.bool_}
+           "BOOL": np.bool_}  # and "BF16", bfloat16, which needs ml_dtypes: looked up when met (_dtype_named)
 _NAMES = {np.dtype(v): k for k, v in _DTYPES.items()}
-STORABLE_DTYPES = frozenset(_NAMES)
+STORABLE_DTYPE_SIZES = {str(d): d.itemsize for d in _NAMES} | {"bfloat16": 2}  # by str(dtype)
+STORABLE_DTYPE_NAMES = tuple(sorted(STORABLE_DTYPE_SIZES))
+
+
+def _file_name(dtype):
+    """The file's name of a little-endian ``dtype``, or None when it cannot be stored."""
+    return "BF16" if is_bfloat16(dtype) else _NAMES.get(dtype)
+
+
+def _dtype_named(name):
+    return bfloat16() if name == "BF16" else np.dtype(_DTYPES[name])
+
+
+def storable(dtype) -> bool:
+    """Whether arrays of ``dtype`` (either byte order) can be written."""
+    dtype = np.dtype(dtype)
+    return dtype.byteorder in "<>=|" and _file_name(dtype.newbyteorder("<")) is not None
 _ALIGN = 64
 _MAX_HEADER = 100 * 2 ** 20
 _MAX_DIMENSION = 2 ** 62
@@ -112,12 +129,12 @@ def write_tensors(path: str, tensors: dict, metadata: dict | None = None) -> dic
     for name, array in tensors.items():
         array = np.asarray(array)
         little = array.dtype.newbyteorder("<") if array.dtype.byteorder in "<>=" else array.dtype
-        if not isinstance(name, str) or not name or name == "__metadata__" or little not in _NAMES:
+        if not isinstance(name, str) or not name or name == "__metadata__" or _file_name(little) is None:
             raise TensorFileError(f"tensor {name!r} (dtype {array.dtype}) cannot be stored: names must be non-empty "
                                   f"strings other than '__metadata__', dtypes one of "
-                                  f"{sorted(str(d) for d in _NAMES)}")
+                                  f"{list(STORABLE_DTYPE_NAMES)}")
         array = np.ascontiguousarray(array, dtype=little)
-        header[name] = {"dtype": _NAMES[array.dtype], "shape": list(array.shape),
+        header[name] = {"dtype": _file_name(array.dtype), "shape": list(array.shape),
                         "data_offsets": [offset, offset + array.nbytes]}
         offset += array.nbytes
         arrays.append((name, array))
@@ -170,7 +187,7 @@ def read_header(path: str) -> tuple[dict, dict, int]:
     ranges = []
     for name, entry in header.items():
         try:
-            dtype = np.dtype(_DTYPES[entry["dtype"]]).newbyteorder("<")
+            dtype = _dtype_named(entry["dtype"]).newbyteorder("<")
             shape, (begin, end) = tuple(entry["shape"]), entry["data_offsets"]
             if not all(type(x) is int and 0 <= x <= _MAX_DIMENSION for x in shape + (begin, end)):
                 raise ValueError

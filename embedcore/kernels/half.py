@@ -32,7 +32,6 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-import ml_dtypes
 import numpy as np
 from numba import njit, types
 from numba.extending import intrinsic
@@ -40,16 +39,35 @@ from numba.extending import intrinsic
 from . import half_ir
 from .random import mix64
 
-__all__ = ["FORMATS", "stored_dtype", "format_of", "bits_of", "is_16_bit", "f16_to_f32", "bf16_to_f32",
+__all__ = ["FORMAT_NAMES", "bfloat16", "is_bfloat16", "is_native_16_bit", "stored_dtype", "format_of", "bits_of", "is_16_bit", "f16_to_f32", "bf16_to_f32",
            "f32_to_f16", "f32_to_bf16", "f32_to_f16_stochastic", "f32_to_bf16_stochastic", "rounding_bits",
            "rounding_words", "ROUNDING_LANES",
            "decoder", "encoder", "finite_16", "FORMAT_RANGE", "StoredFormats", "FLOAT32", "rounding_place",
            "slot_key", "step_key"]
 
-FORMATS = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16),
-           "bfloat16": np.dtype(ml_dtypes.bfloat16)}
+FORMAT_NAMES = ("float32", "float16", "bfloat16")
+_NUMPY_FORMATS = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16)}
 FORMAT_RANGE = {"float32": float(np.finfo(np.float32).max), "float16": 65504.0,
-                "bfloat16": float(ml_dtypes.finfo(ml_dtypes.bfloat16).max)}
+                "bfloat16": (2.0 - 2.0 ** -7) * 2.0 ** 127}  # 8 significant bits, float32's exponent range
+
+
+def bfloat16() -> np.dtype:
+    """ml_dtypes' bfloat16 dtype, imported on first use: importing ml_dtypes takes 0.5-1 s, which a process
+    that never meets a bfloat16 array should not pay (a caller holding one has imported it already)."""
+    import ml_dtypes
+    return np.dtype(ml_dtypes.bfloat16)
+
+
+def is_bfloat16(dtype) -> bool:
+    """Whether ``dtype`` is bfloat16 (of either byte order), told without importing ml_dtypes."""
+    dtype = np.dtype(dtype)
+    return dtype.name == "bfloat16" and dtype.itemsize == 2
+
+
+def is_native_16_bit(dtype) -> bool:
+    """Whether ``dtype`` is float16 or bfloat16 in this machine's byte order (what jitted code reads)."""
+    dtype = np.dtype(dtype)
+    return dtype.isnative and (dtype == np.float16 or is_bfloat16(dtype))
 
 
 class StoredFormats(NamedTuple):
@@ -78,16 +96,18 @@ FLOAT32 = StoredFormats()
 
 def stored_dtype(name: str) -> np.dtype:
     """The NumPy dtype of a table stored as ``name`` (``"float32"``, ``"float16"`` or ``"bfloat16"``)."""
-    return FORMATS[name]
+    return bfloat16() if name == "bfloat16" else _NUMPY_FORMATS[name]
 
 
 def format_of(dtype) -> str:
     """The format name of a stored array's dtype (``ValueError`` for any other dtype)."""
     dtype = np.dtype(dtype)
-    for name, d in FORMATS.items():
+    for name, d in _NUMPY_FORMATS.items():
         if d == dtype:
             return name
-    raise ValueError(f"tables are stored as {sorted(FORMATS)}, not {dtype}")
+    if is_bfloat16(dtype) and dtype == bfloat16():
+        return "bfloat16"
+    raise ValueError(f"tables are stored as {sorted(FORMAT_NAMES)}, not {dtype}")
 
 
 def is_16_bit(name: str) -> bool:
