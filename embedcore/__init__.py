@@ -23,6 +23,7 @@ TensorFlow or JAX custom computations to ``translate``:
 * ``bench/``: ``embedcore bench``, the head-to-head measurements.
 """
 
+from . import compile_progress
 from .checkpoint import CheckpointError
 from .compiler import RowFunctionError
 from .config import DynamicTableConfig, FeatureConfig, TableConfig
@@ -48,3 +49,5 @@ __all__ = [
     "Tuning", "export_for_serving",
     "DynamicTableConfig", "CountAdmission", "EvictionPolicy", "LRU", "LFU", "TTL", "EvictByScore", "hash_keys",
 ]
+
+compile_progress.watch()  # kernels compiling say so on stderr (EMBEDCORE_PROGRESS=0 silences it)

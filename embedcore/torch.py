@@ -107,13 +107,9 @@ Sharded over ``torch.distributed`` (launch with ``torchrun --nproc-per-node K tr
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import math
-import os
 import sys
-import threading
-import time
 import weakref
 
 import numpy as np
@@ -419,41 +415,6 @@ class EmbeddingLearningRates(torch.optim.Optimizer):
             opt.learning_rate = lr
 
 
-@contextlib.contextmanager
-def _compile_progress(after: float = 1.0, every: float = 2.0, stream=None):
-    """Building the tables compiles their kernels with Numba: ~10 s the first time on an empty cache, about
-    half a second once cached. When the block lasts longer than ``after`` seconds, say so on stderr, and how
-    long it has taken every ``every`` seconds, until it ends. ``EMBEDCORE_PROGRESS=0`` silences it."""
-    if os.environ.get("EMBEDCORE_PROGRESS", "1").strip().lower() in ("0", "off", "no", "false"):
-        yield
-        return
-    stream = stream or sys.stderr
-    done = threading.Event()
-    start = time.monotonic()
-    shown = []
-
-    def report():
-        if done.wait(after):
-            return
-        shown.append(True)
-        stream.write("embedcore: compiling the tables' kernels (Numba; ~10 s on a first run, cached afterwards "
-                     "in $EMBEDCORE_CACHE_DIR or ~/.cache/embedcore)...\n")
-        stream.flush()
-        while not done.wait(every):
-            stream.write(f"embedcore: still compiling, {time.monotonic() - start:.0f} s\n")
-            stream.flush()
-    thread = threading.Thread(target=report, name="embedcore-compile-progress", daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        done.set()
-        thread.join()
-        if shown:
-            stream.write(f"embedcore: kernels ready in {time.monotonic() - start:.1f} s\n")
-            stream.flush()
-
-
 def _process_group(group):
     """The ``ProcessGroup`` to shard over: ``group`` itself, or the default group for ``"default"``."""
     import torch.distributed as dist
@@ -573,11 +534,9 @@ class EmbeddingModule(torch.nn.Module):
                                  "with comm=process_group")
         elif process_group is not None:
             group = _process_group(process_group)
-            with _compile_progress():
-                embedding = ShardedEmbedding(embedding, optimizer, comm=group, **kwargs)
+            embedding = ShardedEmbedding(embedding, optimizer, comm=group, **kwargs)
         else:
-            with _compile_progress():
-                embedding = Embedding(embedding, optimizer, **kwargs)
+            embedding = Embedding(embedding, optimizer, **kwargs)
         if getattr(embedding, "output_dtype", "float32") != "float32":
             raise ValueError(f"EmbeddingModule: the engine would return {embedding.output_dtype} activations "
                              f"(output_dtype), and the module hands torch float32 ones; use output_dtype='float32' "
@@ -636,12 +595,10 @@ class EmbeddingModule(torch.nn.Module):
         world size, whatever the number of ranks that wrote it). ``kwargs``: as ``Embedding.restore`` /
         ``ShardedEmbedding.restore`` (``functions``, ``allow_import``, ``timeout``)."""
         if process_group is None:
-            with _compile_progress():
-                return cls(Embedding.restore(path, **kwargs), include_last_offset=include_last_offset)
+            return cls(Embedding.restore(path, **kwargs), include_last_offset=include_last_offset)
         from .distributed import ShardedEmbedding
         group = _process_group(process_group)
-        with _compile_progress():
-            engine = ShardedEmbedding.restore(path, comm=group, **kwargs)
+        engine = ShardedEmbedding.restore(path, comm=group, **kwargs)
         return cls(engine, include_last_offset=include_last_offset, process_group=group)
 
     def learning_rates(self) -> EmbeddingLearningRates:
