@@ -168,8 +168,9 @@ def update_rows(table, slots, uniq, ptr, src_row, src_gain, d_act, learning_rate
 {loop}
 
 
-def guarded_rows(table, slots, uniq, ptr, src_row, src_gain, d_act, learning_rate, hyperparameters, status, lo, hi,
-                 ahead, rounding):
+def guarded_rows(table, slots, uniq, ptr, src_row, src_gain, d_act, learning_rate, hyperparameter_values, status, lo,
+                 hi, ahead, rounding):
+    hyperparameters = {hyperparameters}  # the tuple the row function takes, from the float32 array
     progress = np.zeros(2, np.int64)  # the row being updated, how many rows were flagged
     start = lo
     while start < hi:
@@ -371,7 +372,9 @@ def kernel_source(row_function, lazy=True, dim=None, formats: StoredFormats = FL
         row_sum=row_sum, dim_args=dim_args, prefetch=_prefetch(slot_dims),
         body=_indent(_body(slot_dims, row_function.elementwise, formats, "dim" if dim is None else str(int(dim))), 2))
     rows_dim = _indent([f"dim = {int(dim)}" if dim is not None else "dim = table.shape[1]"], 1)
-    return _TEMPLATE.format(unpack=_indent(unpack, 1), loop=loop, unpack_dim=rows_dim,
+    n = row_function.n_hyperparameters
+    hyperparameters = "(" + "".join(f"hyperparameter_values[{k}], " for k in range(n)) + ")"
+    return _TEMPLATE.format(unpack=_indent(unpack, 1), loop=loop, unpack_dim=rows_dim, hyperparameters=hyperparameters,
                             scratch=_scratch(slot_dims, row_function.elementwise, formats))
 
 
@@ -406,7 +409,7 @@ def _even_chunks(n_rows, chunk_rows):
 
 
 @njit(cache=True, parallel=True)
-def _run_chunks(chunk, table, slots, uniq, ptr, packed, d_act, learning_rate, hyperparameters, status, rounding,
+def _run_chunks(chunk, table, slots, uniq, ptr, packed, d_act, learning_rate, hyperparameter_values, status, rounding,
                 lazy, ahead):
     """The parallel loop of every update kernel: ``chunk`` (a compiled ``guarded_rows``, passed as a function
     pointer) over chunks of unique rows of equal work (``lazy``: occurrences + ``ROW_COST`` per row; hot rows
@@ -419,7 +422,7 @@ def _run_chunks(chunk, table, slots, uniq, ptr, packed, d_act, learning_rate, hy
     n_chunks = bounds.shape[0] - 1
     flags = np.zeros(n_chunks, np.int64)
     for c in prange(n_chunks):
-        flags[c] = chunk(table, slots, uniq, ptr, src_row, src_gain, d_act, learning_rate, hyperparameters, status,
+        flags[c] = chunk(table, slots, uniq, ptr, src_row, src_gain, d_act, learning_rate, hyperparameter_values, status,
                          bounds[c], bounds[c + 1], ahead, rounding)
     return flags.sum()
 
@@ -481,7 +484,10 @@ class UpdateKernel:
         """Update ``table`` (see :func:`fused_update_kernel`); the number of rows flagged in ``status``."""
         if self.dim is not None and (table.shape[1] != self.dim or d_act.shape[1] != self.dim):
             raise ValueError(f"update kernel compiled for rows of {self.dim} values called with other rows")
-        args = (table, tuple(slots), uniq, ptr, packed, d_act, learning_rate, hyperparameters, status, rounding)
+        # float32, as the contract has them; the hyperparameters as an array, so that the parallel loop's
+        # argument types do not depend on how many an optimizer has
+        args = (table, tuple(slots), uniq, ptr, packed, d_act, np.float32(learning_rate),
+                np.asarray(hyperparameters, np.float32).reshape(-1), status, rounding)
         run = self._compiled.get(_argument_key(args))
         if run is None:
             run = self._compile_for(args)
@@ -512,7 +518,7 @@ class UpdateKernel:
         empty = np.empty(0, np.int64)
         self._compile_for((table, tuple(slots), empty, empty, np.empty(0, payload_dtype),
                            np.empty((0, table.shape[1]), np.float32), np.float32(0),
-                           tuple(np.float32(0) for _ in range(n_hyperparameters)), np.empty(0, np.uint8), rounding))
+                           np.zeros(n_hyperparameters, np.float32), np.empty(0, np.uint8), rounding))
 
 
 def fused_update_kernel(row_function, lazy=True, dim=None, formats: StoredFormats = FLOAT32,
