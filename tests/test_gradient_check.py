@@ -9,6 +9,8 @@ import pytest
 
 import embedcore as ec
 
+from .covering import pairs
+
 DIM = 8
 GRADIENT_DTYPES = [np.float32, np.float16, np.float64, ml_dtypes.bfloat16]
 TABLE_DTYPES = ["float32", "bfloat16", "float16"]
@@ -59,10 +61,10 @@ def _position(where, shape):
     return tuple(int(i) for i in np.unravel_index(flat, shape))
 
 
-@pytest.mark.parametrize("table_dtype", TABLE_DTYPES)
-@pytest.mark.parametrize("grad_dtype", GRADIENT_DTYPES)
-@pytest.mark.parametrize("where", ["first", "middle", "last"])
-@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+# Every table format with every gradient dtype, and each of those with every position and value: pairwise
+# (tests/covering.py), not the 108 cases of the full product.
+@pytest.mark.parametrize("table_dtype,grad_dtype,where,value",
+                         pairs(TABLE_DTYPES, GRADIENT_DTYPES, ["first", "middle", "last"], ["nan", "inf", "-inf"]))
 def test_non_finite_gradient_is_refused_at_its_index_and_changes_nothing(table_dtype, grad_dtype, where, value):
     emb = _engine(table_dtype)
     ids = np.array([3, 7, 3, 11, 49, 0, 7, 3, 25, 30])  # duplicates: rows summed from several occurrences

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 import embedcore as ec
 from embedcore.kernels import dedup
 from embedcore.tables.physical import PhysicalTable
+from .covering import pairs
 
 FORMATS = {"float16": np.dtype(np.float16), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
 BATCH = 12
@@ -139,10 +140,10 @@ def _steps(rng, dim, dtype, layout, n=3):
     return [(*_batch(rng), _gradients(rng, dim, dtype, layout)) for _ in range(n)]
 
 
-@pytest.mark.parametrize("fmt", sorted(FORMATS))
-@pytest.mark.parametrize("table_dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("dim", [5, 16, 24, 64])
-@pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
+# Each (optimizer, row length, table format, gradient format) compiles kernels of its own: the variant axes
+# are covered pairwise (tests/covering.py), not as their full product.
+@pytest.mark.parametrize("fmt,table_dtype,dim,optimizer",
+                         pairs(sorted(FORMATS), ["float32", "bfloat16"], [5, 16, 24, 64], ["sgd", "adagrad"]))
 def test_bit_identical_to_the_float32_copy(fmt, table_dtype, dim, optimizer, update_gradients):
     rng = np.random.default_rng(dim)
     steps = _steps(rng, dim, FORMATS[fmt], "one array")
@@ -154,20 +155,19 @@ def test_bit_identical_to_the_float32_copy(fmt, table_dtype, dim, optimizer, upd
         assert np.shares_memory(d_act, grads["f0"])
 
 
-@pytest.mark.parametrize("fmt", sorted(FORMATS))
-@pytest.mark.parametrize("optimizer", ["rowwise_adagrad", "adam", "custom"])
-@pytest.mark.parametrize("dim,table_dtype", [(64, "float32"), (64, "bfloat16"), (5, "float32"), (24, "bfloat16")])
+@pytest.mark.parametrize("fmt,optimizer,dim,table_dtype",
+                         pairs(sorted(FORMATS), ["rowwise_adagrad", "adam", "custom"], [64, 5, 24], ["float32", "bfloat16"]))
 def test_every_optimizer(fmt, optimizer, dim, table_dtype):
     rng = np.random.default_rng(11)
     _compare_with_float32(_steps(rng, dim, FORMATS[fmt], "one array"), lambda: _engine(dim, table_dtype, optimizer))
 
 
-@pytest.mark.parametrize("fmt", sorted(FORMATS))
-@pytest.mark.parametrize("layout,kept", [("separate", True), ("strided", True), ("mixed", False)])
-@pytest.mark.parametrize("dim", [16, 24])
-def test_copied_gradients(fmt, layout, kept, dim, update_gradients):
+@pytest.mark.parametrize("fmt,layout_kept,dim",
+                         pairs(sorted(FORMATS), [("separate", True), ("strided", True), ("mixed", False)], [16, 24]))
+def test_copied_gradients(fmt, layout_kept, dim, update_gradients):
     """Gradients that cannot be read in place are copied: into rows of their 16-bit format when all share it,
     else into float32 rows; the result is the same either way."""
+    layout, kept = layout_kept
     rng = np.random.default_rng(3)
     steps = _steps(rng, dim, FORMATS[fmt], layout)
     _compare_with_float32(steps, lambda: _engine(dim, "bfloat16", "adagrad"))
@@ -177,9 +177,9 @@ def test_copied_gradients(fmt, layout, kept, dim, update_gradients):
         assert not any(np.shares_memory(d_act, g) for g in grads.values())
 
 
-@pytest.mark.parametrize("fmt", sorted(FORMATS))
-@pytest.mark.parametrize("stack_tables", [True, False])
-@pytest.mark.parametrize("sum_by_blocks", [True, False])
+@pytest.mark.parametrize("fmt,stack_tables,sum_by_blocks",
+                         pairs(sorted(FORMATS), [True, False], [True, False], must=[("float16", True, True),
+                                                                                  ("bfloat16", True, True)]))
 def test_stacking_and_grouping(fmt, stack_tables, sum_by_blocks, monkeypatch):
     """Unstacked tables, and stacked ones whose batches are summed block by block (dedup.sum_blocks reads
     the 16-bit rows) or grouped: the same results as float32, with 2 threads so that blocks are summed."""
@@ -267,9 +267,8 @@ def test_sgd_matches_an_independent_numpy_sum(fmt, dim):
         np.testing.assert_allclose(emb.embedding_tables[k], before[k] - 0.5 * dense[k], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("fmt", sorted(FORMATS))
-@pytest.mark.parametrize("layout", ["one array", "separate", "strided", "mixed"])
-@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+@pytest.mark.parametrize("fmt,layout,value",
+                         pairs(sorted(FORMATS), ["one array", "separate", "strided", "mixed"], ["nan", "inf", "-inf"]))
 def test_non_finite_is_refused_naming_the_feature_and_index(fmt, layout, value):
     rng = np.random.default_rng(1)
     emb = _engine(16, "bfloat16", "adam")

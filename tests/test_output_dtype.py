@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 import embedcore as ec
 
+from .covering import pairs
 from .harness import as_input, random_samples, random_weights
 
 OUTPUTS = {"float16": np.dtype(np.float16), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
@@ -71,9 +72,9 @@ def _rounding_mattered(got, want32, output):
                 (np.abs(widened[finite]) > np.abs(want32[finite])).any())
 
 
-@pytest.mark.parametrize("dim", [5, 16, 24, 64])
-@pytest.mark.parametrize("weights_dtype", TABLE_DTYPES)
-@pytest.mark.parametrize("output", sorted(OUTPUTS))
+# A gather kernel is compiled per (stored format, output format, row length of whole cache lines): those axes
+# are covered pairwise (tests/covering.py), not as their full product.
+@pytest.mark.parametrize("output,weights_dtype,dim", pairs(sorted(OUTPUTS), TABLE_DTYPES, [5, 16, 24, 64]))
 def test_activations_are_the_float32_ones_cast(output, weights_dtype, dim):
     emb, f32 = _pair(output, dim, weights_dtype)
     assert emb.num_physical_tables == 1  # the three tables stacked
@@ -100,9 +101,7 @@ def test_unstacked_tables_and_read_only_lookups_too(output):
             _assert_cast(got[f], want[f], output)
 
 
-@pytest.mark.parametrize("dim", [5, 16, 64])
-@pytest.mark.parametrize("weights_dtype", TABLE_DTYPES)
-@pytest.mark.parametrize("output", sorted(OUTPUTS))
+@pytest.mark.parametrize("output,weights_dtype,dim", pairs(sorted(OUTPUTS), TABLE_DTYPES, [5, 16, 64]))
 def test_activations_streamed_past_the_caches_are_the_same(output, weights_dtype, dim):
     """``Tuning(stream_activations_min_bytes=0)`` streams every lookup whose rows are whole cache lines of
     float32 (16-bit activation blocks of 16 values are half a line): the same bits."""
