@@ -104,8 +104,8 @@ def test_count_non_finite_serial_and_parallel(dtype):
         bad = rng.choice(n, size=min(n, 7), replace=False) if n else np.zeros(0, int)
         values[bad] = rng.choice([np.nan, np.inf, -np.inf], size=bad.size)
         expected = int((~np.isfinite(values)).sum())
-        assert rows._count_non_finite_serial(values) == expected
-        assert rows._count_non_finite_parallel(values) == expected
+        assert rows._count_non_finite_serial(values, np.uint16(0)) == expected
+        assert rows._count_non_finite_parallel(values, np.uint16(0)) == expected
         assert rows.count_non_finite(values) == expected
 
 

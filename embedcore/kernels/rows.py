@@ -420,125 +420,100 @@ def gather_combine(table, rows, gains, out_ptr, act, prefetch: bool = True, stor
         _gather_any_dim(table, rows, gains, out_ptr, act, ahead)
 
 
+def _is_non_finite(value, mask):
+    """Whether one value is NaN or Inf: a float's own test, or, for the ``uint16`` bits of a 16-bit value,
+    its exponent field ``mask`` all ones (jitted code only)."""
+    raise NotImplementedError("only callable from jitted code")
+
+
+@overload(_is_non_finite, inline="always")
+def _is_non_finite_impl(value, mask):
+    if isinstance(value, types.Float):
+        return lambda value, mask: not np.isfinite(value)
+    return lambda value, mask: (value & mask) == mask
+
+
+def _copy_value(src, dst, i, j, mask):
+    """``dst[i, j] = src[i, j]`` and whether the value is NaN or Inf, for a float ``src`` (converted to
+    float32) or a tagged 16-bit one (decoded into float32 ``dst``, or its bits copied into ``uint16`` ``dst``;
+    jitted code only)."""
+    raise NotImplementedError("only callable from jitted code")
+
+
+@overload(_copy_value, inline="always")
+def _copy_value_impl(src, dst, i, j, mask):
+    if isinstance(src, types.Array):
+        def converted(src, dst, i, j, mask):
+            v = np.float32(src[i, j])
+            dst[i, j] = v
+            return not np.isfinite(v)
+        return converted
+    if dst.dtype == types.float32:
+        def decoded(src, dst, i, j, mask):
+            dst[i, j] = value_at(src, i, j)
+            return (src.bits[i, j] & mask) == mask
+        return decoded
+
+    def bits(src, dst, i, j, mask):
+        dst[i, j] = src.bits[i, j]
+        return (src.bits[i, j] & mask) == mask
+    return bits
+
+
+@njit(cache=True, inline="always")
+def _copy_row_counting(src, dst, i, mask):
+    bad = 0
+    for j in range(dst.shape[1]):
+        bad += _copy_value(src, dst, i, j, mask)
+    return bad
+
+
+# One counting pass and one counting copy, each run by a serial and a parallel loop: below PARALLEL_MIN values,
+# waking the worker threads costs more than the pass.
 @njit(cache=True)
-def _count_non_finite_serial(values):
+def _count_non_finite_serial(values, mask):
     bad = 0
     for i in range(values.shape[0]):
-        if not np.isfinite(values[i]):
-            bad += 1
+        bad += _is_non_finite(values[i], mask)
     return bad
 
 
 @njit(cache=True, parallel=True)
-def _count_non_finite_parallel(values):
+def _count_non_finite_parallel(values, mask):
     bad = 0
     for i in prange(values.shape[0]):
-        if not np.isfinite(values[i]):
-            bad += 1
+        bad += _is_non_finite(values[i], mask)
     return bad
 
 
 @njit(cache=True)
-def _count_non_finite_bits_serial(bits, mask):
+def _copy_counting_serial(src, dst, mask):
     bad = 0
-    for i in range(bits.shape[0]):
-        bad += (bits[i] & mask) == mask  # exponent all ones: Inf or NaN
+    for i in range(dst.shape[0]):
+        bad += _copy_row_counting(src, dst, i, mask)
     return bad
 
 
 @njit(cache=True, parallel=True)
-def _count_non_finite_bits_parallel(bits, mask):
+def _copy_counting_parallel(src, dst, mask):
     bad = 0
-    for i in prange(bits.shape[0]):
-        bad += (bits[i] & mask) == mask
+    for i in prange(dst.shape[0]):
+        bad += _copy_row_counting(src, dst, i, mask)
     return bad
 
 
 PARALLEL_MIN = 1 << 20  # below this, waking the worker threads costs more than the scan
+_NO_MASK = np.uint16(0)  # the exponent mask argument of float arrays, which is not read
 
 
 def count_non_finite(values) -> int:
     """Number of NaN/Inf entries of a flat float16, bfloat16, float32 or float64 array (no temporary array,
     unlike ``np.isfinite``). A 16-bit array is read as its bits, a NaN/Inf being a value whose exponent
     field is all ones: a pass over 2 bytes a value, no conversion."""
-    large = values.shape[0] >= PARALLEL_MIN
+    kernel = _count_non_finite_parallel if values.shape[0] >= PARALLEL_MIN else _count_non_finite_serial
     if values.dtype.itemsize == 2:
-        kernel = _count_non_finite_bits_parallel if large else _count_non_finite_bits_serial
         return int(kernel(bits_of(values), EXPONENT_MASK[format_of(values.dtype)]))
-    kernel = _count_non_finite_parallel if large else _count_non_finite_serial
-    return int(kernel(values))
-
-
-@njit(cache=True, inline="always")
-def _copy_row_counting(src, dst, i):
-    bad = 0
-    for j in range(src.shape[1]):
-        v = np.float32(src[i, j])
-        dst[i, j] = v
-        bad += not np.isfinite(v)
-    return bad
-
-
-def _put_value(dst, i, j, src):
-    """``dst[i, j] = src[i, j]`` for a tagged 16-bit ``src``: decoded into float32 ``dst``, the bits copied
-    into ``uint16`` ``dst`` (jitted code only)."""
-    raise NotImplementedError("only callable from jitted code")
-
-
-@overload(_put_value, inline="always")
-def _put_value_impl(dst, i, j, src):
-    if dst.dtype == types.float32:
-        def decoded(dst, i, j, src):
-            dst[i, j] = value_at(src, i, j)
-        return decoded
-
-    def bits(dst, i, j, src):
-        dst[i, j] = src.bits[i, j]
-    return bits
-
-
-@njit(cache=True, inline="always")
-def _copy_row_counting_16(src, mask, dst, i):
-    """Row ``i`` of the tagged 16-bit ``src`` into ``dst``: decoded into float32 rows, or its bits copied
-    into ``uint16`` rows (the same format); returns how many of its values are NaN/Inf."""
-    bad = 0
-    bits = src.bits
-    for j in range(bits.shape[1]):
-        _put_value(dst, i, j, src)
-        bad += (bits[i, j] & mask) == mask
-    return bad
-
-
-@njit(cache=True)
-def _copy_counting_serial(src, dst):
-    bad = 0
-    for i in range(src.shape[0]):
-        bad += _copy_row_counting(src, dst, i)
-    return bad
-
-
-@njit(cache=True, parallel=True)
-def _copy_counting_parallel(src, dst):
-    bad = 0
-    for i in prange(src.shape[0]):
-        bad += _copy_row_counting(src, dst, i)
-    return bad
-
-
-@njit(cache=True)
-def _copy_counting_16_serial(src, mask, dst):
-    bad = 0
-    for i in range(dst.shape[0]):
-        bad += _copy_row_counting_16(src, mask, dst, i)
-    return bad
-
-
-@njit(cache=True, parallel=True)
-def _copy_counting_16_parallel(src, mask, dst):
-    bad = 0
-    for i in prange(dst.shape[0]):
-        bad += _copy_row_counting_16(src, mask, dst, i)
-    return bad
+    return int(kernel(values, _NO_MASK))
 
 
 def copy_counting_non_finite(src, dst) -> int:
@@ -547,14 +522,12 @@ def copy_counting_non_finite(src, dst) -> int:
     of the copied values are NaN/Inf: one pass where a copy then :func:`count_non_finite` read the values
     twice. 16-bit values become float32 exactly, or keep their bits; float64 values must lie within float32
     range or be non-finite (the callers refuse a finite one beyond it first: it would become an Inf here)."""
-    large = src.size >= PARALLEL_MIN
+    kernel = _copy_counting_parallel if src.size >= PARALLEL_MIN else _copy_counting_serial
     if src.dtype.itemsize == 2:
         if dst.dtype not in (np.float32, src.dtype):
             raise ValueError(f"a {src.dtype} gradient is copied into float32 or {src.dtype} rows, not {dst.dtype}")
-        kernel = _copy_counting_16_parallel if large else _copy_counting_16_serial
-        return int(kernel(tagged(src), EXPONENT_MASK[format_of(src.dtype)], bits_of(dst)))
-    kernel = _copy_counting_parallel if large else _copy_counting_serial
-    return int(kernel(src, dst))
+        return int(kernel(tagged(src), bits_of(dst), EXPONENT_MASK[format_of(src.dtype)]))
+    return int(kernel(src, dst, _NO_MASK))
 
 
 @njit(cache=True, parallel=True)
