@@ -33,6 +33,7 @@ from numba.extending import overload
 
 from ..compile_cache import jit_source
 from .aligned import is_aligned
+from .chunked import ChunkedKernel
 from .half import bits_of, decoder, encoder, format_of
 from .half_arrays import EXPONENT_MASK, tagged, value_at
 from .prefetch import CACHE_LINE_FLOATS, prefetch_rows_ahead
@@ -248,17 +249,60 @@ def _gather_any_dim(table, rows, gains, out_ptr, act, ahead):
         weighted_sum(act, a, out_ptr[a], out_ptr[a + 1], rows, gains, table, ahead, dim)
 
 
-# The gather compiled for one row length: with ``dim`` a constant, LLVM drops the row loops' trip-count
-# checks and remainders, which matters most for rows already in cache.
-_GATHER_SOURCE = '''
-def gather(table, rows, gains, out_ptr, act):
-    if table.shape[1] != {dim} or act.shape[1] != {dim}:
-        raise ValueError("gather kernel compiled for rows of {dim} values called with other rows")
-    for a in prange(act.shape[0]):
-        weighted_sum_fixed(act, a, out_ptr[a], out_ptr[a + 1], rows, gains, table, {ahead}, {dim}, {width})
-'''
+# The gathers generated per row length and format are chunks (kernels/chunked.py): serial code for activation
+# rows lo:hi, run by one parallel loop, _gather_chunks, compiled once per argument types. ``ahead`` (the
+# prefetch distance, 0 for none) is an argument, so prefetching and not share one chunk.
+@njit(cache=True, parallel=True)
+def _gather_chunks(chunk, table, rows, gains, out_ptr, act, ahead, chunk_rows):
+    """``chunk`` (a generated gather of activation rows ``lo:hi``, by pointer) over ``act`` in chunks of
+    ``chunk_rows`` rows, in parallel."""
+    n = act.shape[0]
+    for c in prange((n + chunk_rows - 1) // chunk_rows):
+        chunk(table, rows, gains, out_ptr, act, c * chunk_rows, min(n, (c + 1) * chunk_rows), ahead)
+
+
+def _gather_signature(arg_types):
+    """A gather chunk's signature for :func:`_gather_chunks`' argument types."""
+    table, rows, gains, out_ptr, act, _ahead, _chunk_rows = arg_types
+    return types.int64(table, rows, gains, out_ptr, act, types.int64, types.int64, types.int64)
+
+
+GATHER_CHUNK = 256  # activation rows per chunk
+
+
+class GatherKernel(ChunkedKernel):
+    """A generated gather: ``kernel(table, rows, gains, out_ptr, act, ahead)``; a kernel compiled for one row
+    length (``dim``) refuses other rows."""
+
+    def __init__(self, chunk, source, dim=None, chunk_rows=GATHER_CHUNK):
+        super().__init__(chunk, _gather_chunks, _gather_signature, source)
+        self.dim, self.chunk_rows = dim, chunk_rows
+
+    def __call__(self, table, rows, gains, out_ptr, act, ahead):
+        if self.dim is not None and (table.shape[1] != self.dim or act.shape[1] != self.dim):
+            raise ValueError(f"gather kernel compiled for rows of {self.dim} values called with other rows")
+        return super().__call__(table, rows, gains, out_ptr, act, ahead, self.chunk_rows)
+
+
+def _gather(source, namespace, key, label, dim=None, chunk_rows=GATHER_CHUNK) -> GatherKernel:
+    """The :class:`GatherKernel` of a generated chunk ``gather_rows`` (kept for the process, cached on disk)."""
+    kernel = _GATHERS.get(key)
+    if kernel is None:
+        chunk = jit_source(source, namespace, "gather_rows", ("gather",) + key, label)
+        kernel = _GATHERS[key] = GatherKernel(chunk, source, dim, chunk_rows)
+    return kernel
+
 
 _GATHERS: dict = {}
+
+# The float32 gather compiled for one row length: with ``dim`` a constant, LLVM drops the row loops'
+# trip-count checks and remainders, which matters most for rows already in cache.
+_GATHER_SOURCE = '''
+def gather_rows(table, rows, gains, out_ptr, act, lo, hi, ahead):
+    for a in range(lo, hi):
+        weighted_sum_fixed(act, a, out_ptr[a], out_ptr[a + 1], rows, gains, table, ahead, {dim}, {width})
+    return 0
+'''
 
 
 def fixed_length(dim: int) -> bool:
@@ -268,103 +312,95 @@ def fixed_length(dim: int) -> bool:
 
 
 def gather_kernel(dim: int, prefetch: bool = True):
-    """The jitted gather compiled for rows of ``dim`` values, a :func:`fixed_length` (cached on disk like the
-    update kernels), prefetching source rows ``ROWS_AHEAD`` occurrences ahead or (``prefetch`` False) not
-    at all. Rows of other lengths share ``_gather_any_dim``, which takes the distance as its last argument;
-    :func:`gather_combine` calls whichever fits."""
+    """The gather compiled for rows of ``dim`` values, a :func:`fixed_length` (cached on disk like the update
+    kernels), ``gather(table, rows, gains, out_ptr, act)``, prefetching source rows ``ROWS_AHEAD`` occurrences
+    ahead or (``prefetch`` False) not at all (one compiled chunk serves both). Rows of other lengths share
+    ``_gather_any_dim``, which takes the distance as its last argument; :func:`gather_combine` calls whichever
+    fits."""
     if not fixed_length(dim):
         raise ValueError(f"no gather is compiled for rows of {dim} values; gather_combine takes any length")
     ahead = ROWS_AHEAD if prefetch else 0
-    kernel = _GATHERS.get((dim, ahead))
-    if kernel is None:
-        namespace = {"prange": prange, "weighted_sum_fixed": weighted_sum_fixed}
-        source = _GATHER_SOURCE.format(dim=dim, ahead=ahead, width=block_width(dim))
-        kernel = _GATHERS[dim, ahead] = jit_source(source, namespace, "gather",
-                                                   ("gather kernel", dim, ahead),
-                                                   f"embedcore gather kernel, dim {dim}, {ahead} ahead",
-                                                   parallel=True)
-    return kernel
+    bound = _GATHERS.get((dim, ahead))
+    if bound is None:
+        kernel = _gather(_GATHER_SOURCE.format(dim=dim, width=block_width(dim)),
+                         {"weighted_sum_fixed": weighted_sum_fixed}, ("float32", dim),
+                         f"embedcore gather kernel, dim {dim}", dim)
+
+        def bound(table, rows, gains, out_ptr, act):
+            return kernel(table, rows, gains, out_ptr, act, ahead)
+        _GATHERS[dim, ahead] = bound
+    return bound
 
 
 # The gather that converts: rows stored in 16 bits (``decode``, one of kernels/half.py's, None for float32 rows)
 # or activations of a 16-bit format (each float32 sum rounded once to nearest by ``encode``, kernels/half.py's),
 # the same float32 sums as the float32 gather. For rows of whole cache lines (``dim`` a constant) the sum, its
 # conversions included, is one register block sum (row_vector.lookup_sum_registers); for other rows the sums go
-# to memory: straight into float32 activations, or through a float32 row of scratch per thread, rounded into
+# to memory: straight into float32 activations, or through a float32 row of scratch per chunk, rounded into
 # 16-bit activations once the row is summed.
 _GATHER_ANY_SOURCE = '''
-def gather(table, rows, gains, out_ptr, act, ahead):
+def gather_rows(table, rows, gains, out_ptr, act, lo, hi, ahead):
     dim = act.shape[1]
-    for a in prange(act.shape[0]):
+    for a in range(lo, hi):
         weighted_sum(act, a, out_ptr[a], out_ptr[a + 1], rows, gains, table, ahead, dim, decode)
+    return 0
 '''
 
 _GATHER_ANY_ROUNDED_SOURCE = '''
-def gather(table, rows, gains, out_ptr, act, ahead):
-    n, dim = act.shape
-    for c in prange((n + {chunk} - 1) // {chunk}):
-        sums = np.empty((1, dim), np.float32)
-        for a in range(c * {chunk}, min(n, (c + 1) * {chunk})):
-            weighted_sum(sums, 0, out_ptr[a], out_ptr[a + 1], rows, gains, table, ahead, dim, decode)
-            for j in range(dim):
-                act[a, j] = encode(sums[0, j], 0)
+def gather_rows(table, rows, gains, out_ptr, act, lo, hi, ahead):
+    dim = act.shape[1]
+    sums = np.empty((1, dim), np.float32)
+    for a in range(lo, hi):
+        weighted_sum(sums, 0, out_ptr[a], out_ptr[a + 1], rows, gains, table, ahead, dim, decode)
+        for j in range(dim):
+            act[a, j] = encode(sums[0, j], 0)
+    return 0
 '''
 
 _GATHER_FIXED_SOURCE = '''
-def gather(table, rows, gains, out_ptr, act, ahead):
-    if table.shape[1] != {dim} or act.shape[1] != {dim}:
-        raise ValueError("gather kernel compiled for rows of {dim} values called with other rows")
-    for a in prange(act.shape[0]):
+def gather_rows(table, rows, gains, out_ptr, act, lo, hi, ahead):
+    for a in range(lo, hi):
         in_registers(act, a, out_ptr[a], out_ptr[a + 1], rows, gains, table, ahead, {dim}, {width})
+    return 0
 '''
-_ROUNDING_CHUNK = 256  # activation rows per scratch row (one allocation each)
 
 
 def converting_gather_kernel(stored: str, output: str = "float32", dim: int | None = None):
-    """The jitted gather of a table stored as ``stored`` (its ``uint16`` view for a 16-bit format) into
+    """The gather of a table stored as ``stored`` (its ``uint16`` view for a 16-bit format) into
     activations of format ``output`` (``"float32"``; or ``"float16"`` / ``"bfloat16"``, passed as their
     ``uint16`` view, every value the float32 sum rounded once to nearest, ties to even): rows of ``dim``
     values when :func:`fixed_length` (sums in registers; C-contiguous arrays), any length otherwise;
     ``gather(table, rows, gains, out_ptr, act, ahead)``. The sums are :func:`weighted_sum`'s, so
     ``output`` X gives exactly the float32 gather's activations cast to X."""
     fixed = dim is not None and fixed_length(dim)  # (the caller passes C-contiguous rows then)
-    key = ("converting", stored, output, dim if fixed else None)
-    kernel = _GATHERS.get(key)
-    if kernel is None:
-        if fixed:
-            namespace = {"prange": prange, "in_registers": lookup_sum_registers(stored, output)}
-            source = _GATHER_FIXED_SOURCE.format(dim=dim, width=block_width(dim))
-        else:
-            namespace = {"prange": prange, "np": np, "weighted_sum": weighted_sum,
-                         "decode": decoder(stored) if stored != "float32" else None}
-            source = _GATHER_ANY_SOURCE
-            if output != "float32":
-                namespace["encode"] = encoder(output, stochastic=False)
-                source = _GATHER_ANY_ROUNDED_SOURCE.format(chunk=_ROUNDING_CHUNK)
-        kernel = _GATHERS[key] = jit_source(source, namespace, "gather", ("gather", *key),
-                                            f"embedcore gather kernel, {stored} rows, {output} activations",
-                                            parallel=True)
-    return kernel
+    label = f"embedcore gather kernel, {stored} rows, {output} activations"
+    if fixed:
+        return _gather(_GATHER_FIXED_SOURCE.format(dim=dim, width=block_width(dim)),
+                       {"in_registers": lookup_sum_registers(stored, output)}, ("converting", stored, output, dim),
+                       label, dim)
+    namespace = {"np": np, "weighted_sum": weighted_sum, "decode": decoder(stored) if stored != "float32" else None}
+    source = _GATHER_ANY_SOURCE
+    if output != "float32":
+        namespace["encode"] = encoder(output, stochastic=False)
+        source = _GATHER_ANY_ROUNDED_SOURCE
+    return _gather(source, namespace, ("converting", stored, output, None), label)
 
 
 def gather_16_kernel(stored: str, dim: int | None = None):
-    """The jitted gather of a table stored as ``stored`` (``"float16"`` or ``"bfloat16"``), its ``uint16``
+    """The gather of a table stored as ``stored`` (``"float16"`` or ``"bfloat16"``), its ``uint16``
     view passed as ``table``, into float32 activations: :func:`converting_gather_kernel` ``(stored,
     "float32", dim)``."""
     return converting_gather_kernel(stored, "float32", dim)
 
 
 # The gather that writes its activations past the caches (row_vector.lookup_sum_registers streaming), for rows
-# of whole cache lines: the activation rows in chunks, each thread fencing its stores after each chunk.
+# of whole cache lines: chunks of STREAM_CHUNK activation rows, each chunk's stores fenced at its end.
 _GATHER_STREAMING_SOURCE = '''
-def gather(table, rows, gains, out_ptr, act, ahead):
-    if table.shape[1] != {dim} or act.shape[1] != {dim}:
-        raise ValueError("gather kernel compiled for rows of {dim} values called with other rows")
-    n = act.shape[0]
-    for c in prange((n + {chunk} - 1) // {chunk}):
-        for a in range(c * {chunk}, min(n, (c + 1) * {chunk})):
-            streaming_sum(act, a, out_ptr[a], out_ptr[a + 1], rows, gains, table, ahead, {dim}, {width})
-        store_fence()
+def gather_rows(table, rows, gains, out_ptr, act, lo, hi, ahead):
+    for a in range(lo, hi):
+        streaming_sum(act, a, out_ptr[a], out_ptr[a + 1], rows, gains, table, ahead, {dim}, {width})
+    store_fence()
+    return 0
 '''
 STREAM_CHUNK = 1024  # activation rows per fence
 
@@ -376,16 +412,11 @@ def streaming_gather_kernel(stored: str, dim: int, output: str = "float32"):
     activations past the caches; ``gather(table, rows, gains, out_ptr, act, ahead)`` with ``act``
     C-contiguous and starting on a ``STREAM_ALIGN``-byte boundary (see :func:`gather_combine`). The same
     sums as the other gathers."""
-    key = ("streaming", stored, output, dim)
-    kernel = _GATHERS.get(key)
-    if kernel is None:
-        namespace = {"prange": prange, "streaming_sum": lookup_sum_registers(stored, output, streaming=True),
-                     "store_fence": store_fence}
-        source = _GATHER_STREAMING_SOURCE.format(dim=dim, width=block_width(dim), chunk=STREAM_CHUNK)
-        kernel = _GATHERS[key] = jit_source(source, namespace, "gather", ("gather streaming", stored, output, dim),
-                                            f"embedcore streaming gather kernel, {stored} rows, {output} "
-                                            f"activations, dim {dim}", parallel=True)
-    return kernel
+    return _gather(_GATHER_STREAMING_SOURCE.format(dim=dim, width=block_width(dim)),
+                   {"streaming_sum": lookup_sum_registers(stored, output, streaming=True), "store_fence": store_fence},
+                   ("streaming", stored, output, dim),
+                   f"embedcore streaming gather kernel, {stored} rows, {output} activations, dim {dim}", dim,
+                   STREAM_CHUNK)
 
 
 def can_stream(table, act) -> bool:

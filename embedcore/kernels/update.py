@@ -70,6 +70,7 @@ from numba.extending import overload
 from ..compile_cache import jit_source
 from .half import (FLOAT32, ROUNDING_LANES, StoredFormats, decoder, encoder, finite_16, is_16_bit, rounding_bits,
                    rounding_place, slot_key)
+from .chunked import ChunkedKernel
 from .half_rows import row_loader, row_storer
 from .occurrences import holds_rows_alone, occurrence_views, pack_occurrences
 from .prefetch import prefetch_row
@@ -414,9 +415,9 @@ def _run_chunks(chunk, table, slots, uniq, ptr, packed, d_act, learning_rate, hy
     """The parallel loop of every update kernel: ``chunk`` (a compiled ``guarded_rows``, passed as a function
     pointer) over chunks of unique rows of equal work (``lazy``: occurrences + ``ROW_COST`` per row; hot rows
     hold thousands of occurrences, and chunks of equal row counts left one thread with most of the work), or
-    over chunks of ``CHUNK_ROWS`` table rows (dense); returns the number of rows the chunks flagged. Being
-    given the row function's code as a pointer, this loop is compiled once per argument types, not once per
-    optimizer."""
+    over chunks of ``CHUNK_ROWS`` table rows (dense); returns the number of rows the chunks flagged. Given the
+    row function's code as a pointer (:mod:`embedcore.kernels.chunked`), it is compiled once per argument types,
+    not once per optimizer."""
     src_row, src_gain = occurrence_views(packed)  # activation rows and gains (None: all 1; kernels/occurrences.py)
     bounds = balanced_chunks(ptr, CHUNK_ROWS) if lazy else _even_chunks(table.shape[0], CHUNK_ROWS)
     n_chunks = bounds.shape[0] - 1
@@ -427,98 +428,50 @@ def _run_chunks(chunk, table, slots, uniq, ptr, packed, d_act, learning_rate, hy
     return flags.sum()
 
 
-class _ChunkPointer(types.WrapperAddressProtocol):
-    """A compiled ``guarded_rows`` as :func:`_run_chunks` takes it: typed by its signature alone (Numba's
-    wrapper address protocol), so the parallel loop does not depend on which function it is."""
-
-    def __init__(self, address, signature):
-        self._address, self._signature = address, signature
-
-    def __wrapper_address__(self):
-        return self._address
-
-    def signature(self):
-        return self._signature
-
-
-def _argument_key(value):
-    """What decides ``value``'s Numba type, read in well under a microsecond (``numba.typeof`` takes several)."""
-    if isinstance(value, np.ndarray):
-        flags = value.flags
-        return (value.dtype, value.ndim, flags.c_contiguous, flags.f_contiguous, flags.writeable, flags.aligned)
-    if isinstance(value, tuple):
-        return tuple(_argument_key(v) for v in value)
-    return type(value)
-
-
 _NO_ROUNDING = np.zeros((0, 4), np.int64)
 
 
-class UpdateKernel:
-    """The update kernel of one row function and layout (:func:`fused_update_kernel`).
+def _chunk_signature(arg_types):
+    """``guarded_rows``' signature for :func:`_run_chunks`' argument types: the payload as its views
+    (occurrence_views: int32 rows alone and no gains, or the strided halves of packed words), then the
+    chunk's bounds and prefetch distance, and the rounding keys."""
+    (table, slots, uniq, ptr, payload, d_act, learning_rate, hyperparameters, status, rounding, _lazy,
+     _ahead) = arg_types
+    views = ((payload, types.none) if holds_rows_alone(payload) else
+             (types.Array(types.int32, 1, "A"), types.Array(types.float32, 1, "A")))
+    return types.int64(table, slots, uniq, ptr, *views, d_act, learning_rate, hyperparameters, status, types.int64,
+                       types.int64, types.int64, rounding)
 
-    Two compiled parts: ``guarded_rows``, generated for the row function (the loop over one chunk's rows with
-    the function inlined: serial code, compiled per function, argument types and row length), and
-    :func:`_run_chunks`, the parallel loop over chunks, which calls it through a function pointer and is
-    compiled once per argument types for every optimizer (and cached by Numba with embedcore's other kernels).
-    A parallel loop costs seconds to compile; keeping it out of the generated code is what makes a new
-    optimizer cost only its own rows' code.
-    """
+
+class UpdateKernel(ChunkedKernel):
+    """The update kernel of one row function and layout (:func:`fused_update_kernel`): ``guarded_rows``,
+    generated for the row function (the loop over one chunk's rows with the function inlined), run by
+    :func:`_run_chunks`, which is compiled once per argument types for every optimizer (see
+    :mod:`embedcore.kernels.chunked`)."""
 
     def __init__(self, chunk, lazy: bool, dim, source: str):
-        self.chunk, self.lazy, self.dim, self.source = chunk, lazy, dim, source
-        self._compiled: dict = {}
-
-    @property
-    def stats(self):
-        """Numba's cache statistics of the generated part (hits: loaded from disk, misses: compiled)."""
-        return self.chunk.stats
-
-    @property
-    def signatures(self):
-        """The argument types the generated part is compiled for."""
-        return self.chunk.signatures
+        super().__init__(chunk, _run_chunks, _chunk_signature, source)
+        self.lazy, self.dim = lazy, dim
 
     def __call__(self, table, slots, uniq, ptr, packed, d_act, learning_rate, hyperparameters, status,
                  rounding=_NO_ROUNDING):
         """Update ``table`` (see :func:`fused_update_kernel`); the number of rows flagged in ``status``."""
         if self.dim is not None and (table.shape[1] != self.dim or d_act.shape[1] != self.dim):
             raise ValueError(f"update kernel compiled for rows of {self.dim} values called with other rows")
+        ahead = OCCURRENCES_AHEAD if d_act.size * d_act.itemsize >= PREFETCH_MIN_BYTES else 0
         # float32, as the contract has them; the hyperparameters as an array, so that the parallel loop's
         # argument types do not depend on how many an optimizer has
-        args = (table, tuple(slots), uniq, ptr, packed, d_act, np.float32(learning_rate),
-                np.asarray(hyperparameters, np.float32).reshape(-1), status, rounding)
-        run = self._compiled.get(_argument_key(args))
-        if run is None:
-            run = self._compile_for(args)
-        ahead = OCCURRENCES_AHEAD if d_act.size * d_act.itemsize >= PREFETCH_MIN_BYTES else 0
-        return run[0](run[1], *args, self.lazy, ahead)
-
-    def _compile_for(self, args):
-        types_ = tuple(numba.typeof(a) for a in args)
-        # guarded_rows takes the payload's views (occurrence_views): int32 rows alone and no gains, or the
-        # strided halves of packed words
-        views = ((types_[4], types.none) if holds_rows_alone(types_[4]) else
-                 (types.Array(types.int32, 1, "A"), types.Array(types.float32, 1, "A")))
-        signature = types.int64(*types_[:4], *views, *types_[5:-1], types.int64, types.int64, types.int64,
-                                types_[-1])
-        self.chunk.compile(signature)
-        result = self.chunk.overloads[signature.args]
-        pointer = _ChunkPointer(result.library.get_pointer_to_function(result.fndesc.llvm_cfunc_wrapper_name),
-                                signature)
-        driver_types = (types.FunctionType(signature),) + types_ + (types.boolean, types.int64)
-        _run_chunks.compile(driver_types)
-        run = (_run_chunks.overloads[driver_types].entry_point, pointer)
-        self._compiled[_argument_key(args)] = run
-        return run
+        return super().__call__(table, tuple(slots), uniq, ptr, packed, d_act, np.float32(learning_rate),
+                                np.asarray(hyperparameters, np.float32).reshape(-1), status, rounding, self.lazy,
+                                ahead)
 
     def compile(self, table, slots, payload_dtype, n_hyperparameters, rounding=_NO_ROUNDING):
         """Compile now for the arrays an engine will pass (``payload_dtype``: int32 activation rows or int64
         packed words; float32 gradient rows, a float32 learning rate and hyperparameters)."""
         empty = np.empty(0, np.int64)
-        self._compile_for((table, tuple(slots), empty, empty, np.empty(0, payload_dtype),
-                           np.empty((0, table.shape[1]), np.float32), np.float32(0),
-                           np.zeros(n_hyperparameters, np.float32), np.empty(0, np.uint8), rounding))
+        self.compile_for((table, tuple(slots), empty, empty, np.empty(0, payload_dtype),
+                          np.empty((0, table.shape[1]), np.float32), np.float32(0),
+                          np.zeros(n_hyperparameters, np.float32), np.empty(0, np.uint8), rounding, self.lazy, 0))
 
 
 def fused_update_kernel(row_function, lazy=True, dim=None, formats: StoredFormats = FLOAT32,
