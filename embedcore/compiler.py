@@ -289,7 +289,9 @@ def compile_row_function(fn, slot_dims, n_hyperparameters, dim) -> CompiledRowFu
             f"values and slot_dims {list(slot_dims)}:\n{cause}") from None
     result = dispatcher.overloads[signature]
     _check_outputs(fn, result.signature.return_type, slot_dims)
-    _trial_run(fn, dispatcher, slot_dims, n_hyperparameters, dim)
+    # Run through the entry point of the row signature's compilation: calling the dispatcher with
+    # C-contiguous trial rows would compile a variant for them (a quarter of a second per function).
+    _trial_run(fn, result.entry_point, slot_dims, n_hyperparameters, dim)
     elementwise, reason = is_elementwise(result, slot_dims)
     if elementwise:
         try:
@@ -333,6 +335,7 @@ def _try_split(fn, dispatcher, signature, slot_dims, n_hyperparameters, dim):
         split.compile(signature)
     except Exception as exc:
         return None, f"its temporaries are allocated per row (the split form does not compile: {exc})"
+    original, split_entry = dispatcher.overloads[signature].entry_point, split.overloads[signature].entry_point
     rng = np.random.default_rng(0)
     for trial in range(3):
         g = rng.standard_normal(dim).astype(np.float32)
@@ -341,9 +344,10 @@ def _try_split(fn, dispatcher, signature, slot_dims, n_hyperparameters, dim):
                  np.float32(rng.uniform(0.1, 1.0)) for d in slot_dims]
         hyper = tuple(np.float32(rng.uniform(0.1, 0.9)) for _ in range(n_hyperparameters))
         lr = np.float32(rng.uniform(0.001, 0.1))
-        expected = dispatcher(g.copy(), row.copy(), tuple(s.copy() if d == 2 else s for s, d in zip(slots, slot_dims)),
+        expected = original(g.copy(), row.copy(), tuple(s.copy() if d == 2 else s for s, d in zip(slots, slot_dims)),
                               lr, hyper)
-        got = split(g.copy(), row.copy(), tuple(s.copy() if d == 2 else s for s, d in zip(slots, slot_dims)), lr, hyper)
+        got = split_entry(g.copy(), row.copy(), tuple(s.copy() if d == 2 else s for s, d in zip(slots, slot_dims)), lr,
+                          hyper)
         expected, got = (expected, got) if slot_dims else ((expected,), (got,))
         for e, o in zip(expected, got):
             e, o = np.broadcast_to(np.asarray(e), (dim,)), np.broadcast_to(np.asarray(o), (dim,))
@@ -392,14 +396,14 @@ def compile_cached(fn, slot_dims, n_hyperparameters, dim) -> CompiledRowFunction
     return compiled
 
 
-def _trial_run(fn, dispatcher, slot_dims, n_hyperparameters, dim):
+def _trial_run(fn, compiled, slot_dims, n_hyperparameters, dim):
     """Run once on scratch rows: every returned row must have ``dim`` values."""
     g = np.full(dim, 0.5, np.float32)
     row = np.full(dim, 0.25, np.float32)
     slots = tuple(np.full(dim, 1.0, np.float32) if d == 2 else np.float32(1.0) for d in slot_dims)
     hyper = tuple(np.float32(0.5) for _ in range(n_hyperparameters))
     try:
-        out = dispatcher(g, row, slots, np.float32(0.01), hyper)
+        out = compiled(g, row, slots, np.float32(0.01), hyper)
     except Exception as exc:  # it compiled, yet raises on a plain row (an index beyond it, say)
         raise RowFunctionError(f"custom computation {describe(fn)} raised {type(exc).__name__} on a trial row of "
                                f"{dim} values: {str(exc)[:500]}") from None

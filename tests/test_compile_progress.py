@@ -5,9 +5,15 @@ import time
 
 import numba
 import numpy as np
+import pytest
 
 from embedcore.compile_progress import Reporter
 from numba.core import event
+
+
+@pytest.fixture(autouse=True)
+def progress_on(monkeypatch):
+    monkeypatch.setenv("EMBEDCORE_PROGRESS", "1")  # the session silences it (tests/conftest.py)
 
 
 def _jitted_in(module_name, source="def f(x):\n    return x + 1\n"):
@@ -18,6 +24,7 @@ def _jitted_in(module_name, source="def f(x):\n    return x + 1\n"):
 
 def _report(after, quiet=0.1, every=5.0, work=None):
     out = io.StringIO()
+
     reporter = Reporter(after=after, every=every, quiet=quiet, stream=out)
     with event.install_listener("numba:compile", reporter):
         work()

@@ -284,10 +284,12 @@ class GatherKernel(ChunkedKernel):
         return super().__call__(table, rows, gains, out_ptr, act, ahead, self.chunk_rows)
 
 
-def _gather(source, namespace, key, label, dim=None, chunk_rows=GATHER_CHUNK) -> GatherKernel:
-    """The :class:`GatherKernel` of a generated chunk ``gather_rows`` (kept for the process, cached on disk)."""
+def _gather(key, generate, label, dim=None, chunk_rows=GATHER_CHUNK) -> GatherKernel:
+    """The :class:`GatherKernel` of a generated chunk ``gather_rows``, ``generate()`` giving its source and
+    namespace the first time ``key`` is asked for (kept for the process, cached on disk)."""
     kernel = _GATHERS.get(key)
     if kernel is None:
+        source, namespace = generate()
         chunk = jit_source(source, namespace, "gather_rows", ("gather",) + key, label)
         kernel = _GATHERS[key] = GatherKernel(chunk, source, dim, chunk_rows)
     return kernel
@@ -322,8 +324,8 @@ def gather_kernel(dim: int, prefetch: bool = True):
     ahead = ROWS_AHEAD if prefetch else 0
     bound = _GATHERS.get((dim, ahead))
     if bound is None:
-        kernel = _gather(_GATHER_SOURCE.format(dim=dim, width=block_width(dim)),
-                         {"weighted_sum_fixed": weighted_sum_fixed}, ("float32", dim),
+        kernel = _gather(("float32", dim), lambda: (_GATHER_SOURCE.format(dim=dim, width=block_width(dim)),
+                                                    {"weighted_sum_fixed": weighted_sum_fixed}),
                          f"embedcore gather kernel, dim {dim}", dim)
 
         def bound(table, rows, gains, out_ptr, act):
@@ -375,15 +377,17 @@ def converting_gather_kernel(stored: str, output: str = "float32", dim: int | No
     fixed = dim is not None and fixed_length(dim)  # (the caller passes C-contiguous rows then)
     label = f"embedcore gather kernel, {stored} rows, {output} activations"
     if fixed:
-        return _gather(_GATHER_FIXED_SOURCE.format(dim=dim, width=block_width(dim)),
-                       {"in_registers": lookup_sum_registers(stored, output)}, ("converting", stored, output, dim),
-                       label, dim)
-    namespace = {"np": np, "weighted_sum": weighted_sum, "decode": decoder(stored) if stored != "float32" else None}
-    source = _GATHER_ANY_SOURCE
-    if output != "float32":
-        namespace["encode"] = encoder(output, stochastic=False)
-        source = _GATHER_ANY_ROUNDED_SOURCE
-    return _gather(source, namespace, ("converting", stored, output, None), label)
+        return _gather(("converting", stored, output, dim),
+                       lambda: (_GATHER_FIXED_SOURCE.format(dim=dim, width=block_width(dim)),
+                                {"in_registers": lookup_sum_registers(stored, output)}), label, dim)
+
+    def generate():
+        namespace = {"np": np, "weighted_sum": weighted_sum,
+                     "decode": decoder(stored) if stored != "float32" else None}
+        if output == "float32":
+            return _GATHER_ANY_SOURCE, namespace
+        return _GATHER_ANY_ROUNDED_SOURCE, namespace | {"encode": encoder(output, stochastic=False)}
+    return _gather(("converting", stored, output, None), generate, label)
 
 
 def gather_16_kernel(stored: str, dim: int | None = None):
@@ -412,9 +416,10 @@ def streaming_gather_kernel(stored: str, dim: int, output: str = "float32"):
     activations past the caches; ``gather(table, rows, gains, out_ptr, act, ahead)`` with ``act``
     C-contiguous and starting on a ``STREAM_ALIGN``-byte boundary (see :func:`gather_combine`). The same
     sums as the other gathers."""
-    return _gather(_GATHER_STREAMING_SOURCE.format(dim=dim, width=block_width(dim)),
-                   {"streaming_sum": lookup_sum_registers(stored, output, streaming=True), "store_fence": store_fence},
-                   ("streaming", stored, output, dim),
+    return _gather(("streaming", stored, output, dim),
+                   lambda: (_GATHER_STREAMING_SOURCE.format(dim=dim, width=block_width(dim)),
+                            {"streaming_sum": lookup_sum_registers(stored, output, streaming=True),
+                             "store_fence": store_fence}),
                    f"embedcore streaming gather kernel, {stored} rows, {output} activations, dim {dim}", dim,
                    STREAM_CHUNK)
 

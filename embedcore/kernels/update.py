@@ -81,6 +81,7 @@ __all__ = ["update_kernel", "fused_update_kernel", "compile_for", "all_finite", 
            "ROWS_AHEAD", "OCCURRENCES_AHEAD", "STATUS_GRADIENT", "STATUS_OUTPUT", "STATUS_LENGTH", "STATUS_RAISED"]
 
 CHUNK_ROWS = 256
+DENSE_CHUNKS = 256  # most chunks a dense (non-lazy) update's table rows are split into
 ROWS_AHEAD = 4          # unique rows whose table and slot rows are prefetched ahead of the current one
 OCCURRENCES_AHEAD = 8   # occurrences whose gradient rows are prefetched ahead of the current one, when
 PREFETCH_MIN_BYTES = 16 << 20  # the gradients are at least this large (smaller ones stay in the last-level
@@ -398,17 +399,6 @@ def kernel_namespace(row_function, formats: StoredFormats = FLOAT32, gradient: s
             "STATUS_OUTPUT": STATUS_OUTPUT, "STATUS_LENGTH": STATUS_LENGTH, "STATUS_RAISED": STATUS_RAISED}
 
 
-@njit(cache=True)
-def _even_chunks(n_rows, chunk_rows):
-    """Bounds ``[0, chunk_rows, 2 chunk_rows, ..., n_rows]``: the dense update's chunks of table rows."""
-    n_chunks = (n_rows + chunk_rows - 1) // chunk_rows
-    bounds = np.empty(n_chunks + 1, np.int64)
-    for c in range(n_chunks):
-        bounds[c] = c * chunk_rows
-    bounds[n_chunks] = n_rows
-    return bounds
-
-
 @njit(cache=True, parallel=True)
 def _run_chunks(chunk, table, slots, uniq, ptr, packed, d_act, learning_rate, hyperparameter_values, status, rounding,
                 lazy, ahead):
@@ -419,12 +409,16 @@ def _run_chunks(chunk, table, slots, uniq, ptr, packed, d_act, learning_rate, hy
     row function's code as a pointer (:mod:`embedcore.kernels.chunked`), it is compiled once per argument types,
     not once per optimizer."""
     src_row, src_gain = occurrence_views(packed)  # activation rows and gains (None: all 1; kernels/occurrences.py)
-    bounds = balanced_chunks(ptr, CHUNK_ROWS) if lazy else _even_chunks(table.shape[0], CHUNK_ROWS)
-    n_chunks = bounds.shape[0] - 1
+    n_rows = table.shape[0]
+    # Dense chunks are at most DENSE_CHUNKS equal row ranges, their bounds computed, not stored: nothing is
+    # allocated in proportion to the table (every row costs the same there, so a few chunks a thread balance).
+    bounds = balanced_chunks(ptr, CHUNK_ROWS) if lazy else np.empty(1, np.int64)
+    n_chunks = bounds.shape[0] - 1 if lazy else min(DENSE_CHUNKS, (n_rows + CHUNK_ROWS - 1) // CHUNK_ROWS)
     flags = np.zeros(n_chunks, np.int64)
     for c in prange(n_chunks):
+        lo, hi = (bounds[c], bounds[c + 1]) if lazy else (c * n_rows // n_chunks, (c + 1) * n_rows // n_chunks)
         flags[c] = chunk(table, slots, uniq, ptr, src_row, src_gain, d_act, learning_rate, hyperparameter_values, status,
-                         bounds[c], bounds[c + 1], ahead, rounding)
+                         lo, hi, ahead, rounding)
     return flags.sum()
 
 
