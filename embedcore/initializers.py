@@ -127,9 +127,7 @@ class Zeros(Constant):
 
 
 class TruncatedNormal(Initializer):
-    """Normal(mean, stddev) truncated at two standard deviations: the distribution of values redrawn while
-    beyond them (as TensorFlow's). Each value is that distribution's quantile at the element's own uniform, so
-    nothing is actually redrawn (:func:`embedcore.kernels.random.fill_truncated_normal`)."""
+    """Normal(mean, stddev), values beyond two standard deviations redrawn (as TensorFlow's)."""
 
     def __init__(self, mean=0.0, stddev=0.05, seed=None):
         mean = finite_float32(mean, "TruncatedNormal: mean")
