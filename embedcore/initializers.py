@@ -127,7 +127,9 @@ class Zeros(Constant):
 
 
 class TruncatedNormal(Initializer):
-    """Normal(mean, stddev), values beyond two standard deviations redrawn (as TensorFlow's)."""
+    """Normal(mean, stddev) truncated at two standard deviations: the distribution of values redrawn while
+    beyond them (as TensorFlow's). Each value is that distribution's quantile at the element's own uniform, so
+    nothing is actually redrawn (:func:`embedcore.kernels.random.fill_truncated_normal`)."""
 
     def __init__(self, mean=0.0, stddev=0.05, seed=None):
         mean = finite_float32(mean, "TruncatedNormal: mean")

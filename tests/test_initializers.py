@@ -4,6 +4,7 @@ Table names and seeds here are mostly chosen so their random-stream keys are < 2
 do not depend on the key-overflow bug that ``test_random_keys_above_2_63_after_small_keys`` pins down.
 """
 
+import math
 import os
 import subprocess
 import sys
@@ -15,6 +16,7 @@ import pytest
 
 import embedcore as ec
 from embedcore.initializers import fill_key_rows, fill_rows, stream_key
+from embedcore.kernels import random as _random
 from embedcore.kernels.threads import SMALL_WORK, one_thread_below
 
 V, D = 64, 4
@@ -87,6 +89,80 @@ def test_truncated_normal_bounds_and_moments():
     assert abs(x.std() - 0.8796 * std) < 0.03
     # Not just clipped: hardly any values pile up at the bounds.
     assert np.mean(np.abs(x - mean) > 1.99 * std) < 0.002
+    # The shape: E[z^4] of the truncated normal (1.4162; a normal clipped at 2 sigma or a uniform of the same
+    # variance is far off) and the Kolmogorov-Smirnov distance to its distribution function, below the 1%
+    # critical value (1.63 / sqrt(n)).
+    z = np.sort((x.ravel() - mean) / std)
+    assert abs(np.mean(z ** 4) - _truncated_moment(4)) < 0.04
+    cdf = _truncated_normal_cdf(z)
+    n = z.size
+    assert max(np.max(np.arange(1, n + 1) / n - cdf), np.max(cdf - np.arange(n) / n)) < 1.63 / np.sqrt(n)
+
+
+_PHI_2 = math.exp(-2.0) / math.sqrt(2.0 * math.pi)  # the standard normal density at 2
+_MASS = math.erf(math.sqrt(2.0))                     # Phi(2) - Phi(-2)
+_erf = np.vectorize(math.erf, otypes=[np.float64])
+
+
+def _truncated_moment(k):
+    """E[z^k] of the standard normal truncated to [-2, 2] (k even): M_k = (k - 1) M_(k-2) - 2 * 2^(k-1)
+    phi(2) / (Phi(2) - Phi(-2)), by parts."""
+    return 1.0 if k == 0 else (k - 1) * _truncated_moment(k - 2) - 2.0 * 2.0 ** (k - 1) * _PHI_2 / _MASS
+
+
+def _truncated_normal_cdf(z):
+    """(Phi(z) - Phi(-2)) / (Phi(2) - Phi(-2)) for z in [-2, 2]."""
+    return (_erf(z / math.sqrt(2.0)) / _MASS + 1.0) / 2.0
+
+
+def _truncated_normal_quantile(u):
+    """The inverse of :func:`_truncated_normal_cdf` at u in [0, 1), independently of embedcore's rational
+    approximation: sqrt(2) * erfinv(erf(sqrt(2)) * (2u - 1)), erfinv by Newton's method on math.erf from 0
+    (monotone for the concave/convex halves of erf), to float64 precision."""
+    target = _MASS * (2.0 * u - 1.0)
+    y = np.zeros_like(target)
+    for _ in range(60):
+        step = (_erf(y) - target) / (2.0 / math.sqrt(math.pi) * np.exp(-y * y))
+        y = y - step
+        if np.max(np.abs(step)) < 1e-15:
+            break
+    return math.sqrt(2.0) * y
+
+
+def test_truncated_normal_is_the_truncated_quantile_of_the_elements_uniform():
+    """Each value is mean + stddev * F^-1(U), F the truncated normal's distribution function and U the uniform
+    RandomUniform(0, 1) gives the same element under the same key: float32 rounding of the exact value, off
+    by at most the approximation's 2.3e-9 (times stddev)."""
+    mean, std, key = 0.5, 2.0, stream_key(0, "t")
+    x = np.empty((5_000, 4), np.float32)
+    ec.TruncatedNormal(mean, std).fill(x, 7, key, stride=3)
+    u = np.empty(x.shape, np.float64)
+    _random.fill_uniform(u, 7, np.uint64(key), 0.0, 1.0, 3)
+    expected = mean + std * _truncated_normal_quantile(u)
+    np.testing.assert_allclose(x, expected, rtol=2.0 ** -24, atol=std * 2.5e-9)
+    keys = np.arange(1_000, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+    rows = np.empty((1_000, 6), np.float32)
+    fill_key_rows(ec.TruncatedNormal(mean, std), rows, keys, 0, "t")
+    streams = np.empty(1_000, np.uint64)
+    _random.key_streams(keys, np.uint64(stream_key(0, "t")), streams)
+    u = np.empty(rows.shape, np.float64)
+    for i, stream in enumerate(streams):
+        _random.fill_uniform(u[i:i + 1], 0, stream, 0.0, 1.0)
+    np.testing.assert_allclose(rows, mean + std * _truncated_normal_quantile(u), rtol=2.0 ** -24, atol=std * 2.5e-9)
+
+
+def test_truncated_normal_stays_within_two_sigma_at_the_most_extreme_uniforms():
+    """The rational approximation never leaves [-2, 2], even for the 2**22 smallest and largest uniforms u =
+    m / 2**53 (beyond those, |z| is at least 8e-9 below 2, more than the approximation's error). The kernel
+    computes ``_truncated_z`` with the same float64 operations as its Python function run on NumPy arrays
+    (no fast-math, no contraction into FMAs), so this checks what the kernel computes."""
+    z = _random._truncated_z.py_func
+    m = np.arange(1 << 22, dtype=np.float64)
+    low, high = z(m * 2.0 ** -53), z(1.0 - (m + 1.0) * 2.0 ** -53)
+    assert np.all(np.abs(low) < 2.0) and np.all(np.abs(high) < 2.0)
+    assert -2.0 < low[0] < -2.0 + 1e-9 and 2.0 - 1e-9 < high[0] < 2.0
+    assert np.all(low < -1.99999) and np.all(high > 1.99999)
+    np.testing.assert_array_equal(z(m * 2.0 ** -53), -z(1.0 - m * 2.0 ** -53))  # odd: u and 1 - u
 
 
 def test_truncated_normal_zero_stddev_and_validation():

@@ -561,8 +561,8 @@ def initializer(init):
     * ``tf.random_uniform_initializer``, Keras ``RandomUniform``: :class:`embedcore.RandomUniform`;
     * ``tf.random_normal_initializer``, Keras ``RandomNormal``: :class:`RandomNormal`;
     * ``tf.keras.initializers.TruncatedNormal`` / ``tf.initializers.TruncatedNormal`` and TensorFlow's own
-      ``TruncatedNormal`` (``TableConfig``'s default): :class:`embedcore.TruncatedNormal` (both redraw values
-      beyond two standard deviations);
+      ``TruncatedNormal`` (``TableConfig``'s default): :class:`embedcore.TruncatedNormal` (both: a normal with
+      the values beyond two standard deviations redrawn);
     * ``tf.tpu.experimental.embedding.RowIdInitializer(offset)``: :class:`embedcore.RowId`;
     * ``None``: ``None`` (a table's default, ``TruncatedNormal(0, 1/sqrt(dim))``, TensorFlow's too); embedcore
       initializers are returned as they are;
