@@ -53,6 +53,7 @@ import numpy as np
 from numba import njit, prange, types
 
 from .. import translate
+from ..compile_cache import Uncacheable, fingerprint
 from ..compiler import RowFunctionError, check_python_function, describe
 from ..initializers import stream_key
 from ..kernels.hash_map import FLOOR_BLOCK, PARALLEL_MIN, KeyRowMap, TableFullError, as_keys
@@ -295,6 +296,11 @@ class EvictByScore(EvictionPolicy):
         if dispatcher is not None:
             return dispatcher
         fn = self._score_function
+        digest = _fingerprint(fn)
+        known = _SCORE_DISPATCHERS.get(fn)
+        if digest is not None and known is not None and known[0] == digest:
+            self._dispatcher = known[1]
+            return known[1]
         dispatcher = fn if isinstance(fn, numba.core.registry.CPUDispatcher) else numba.njit(fn)
         try:
             dispatcher.compile(_SCORE_SIGNATURE)
@@ -305,6 +311,8 @@ class EvictByScore(EvictionPolicy):
         if not isinstance(returned, (types.Integer, types.Float)) or isinstance(returned, types.Boolean):
             raise RowFunctionError(f"EvictByScore: {describe(fn)} must return a real number, it returns {returned}")
         self._dispatcher = dispatcher
+        if digest is not None:
+            _SCORE_DISPATCHERS[fn] = (digest, dispatcher)
         return dispatcher
 
     def _params(self):
@@ -375,6 +383,19 @@ class EvictByScore(EvictionPolicy):
         if nan.size:
             self._refuse_nan(key_map, scores[nan.min():nan.min() + 1], rows[nan.min():nan.min() + 1])
         return scores, keys, rows
+
+
+# A score function's dispatcher, shared by every policy built on it while what it reads is unchanged (its
+# fingerprint, :func:`embedcore.compile_cache.fingerprint`): the scans are specialised for the dispatcher, so a
+# dispatcher per policy would compile them again for each (a test building policies in a loop spent a minute).
+_SCORE_DISPATCHERS: dict = {}  # function -> (fingerprint, dispatcher)
+
+
+def _fingerprint(fn) -> str | None:
+    try:
+        return fingerprint(fn)
+    except Uncacheable:
+        return None
 
 
 def _reserve(value) -> float:
