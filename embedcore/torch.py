@@ -125,7 +125,14 @@ from .config import DynamicTableConfig, FeatureConfig
 from .engine import Embedding
 from .inputs import InputError, Ragged
 
-__all__ = ["EmbeddingModule", "EmbeddingLearningRates"]
+__all__ = ["EmbeddingModule", "EmbeddingLearningRates", "EmbeddingBagCollection"]
+
+
+def __getattr__(name):
+    if name == "EmbeddingBagCollection":  # torchrec's drop-in (embedcore/torch_ebc.py), which builds on this module
+        from .torch_ebc import EmbeddingBagCollection
+        return EmbeddingBagCollection
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _tensor_to_numpy(value):
