@@ -213,3 +213,21 @@ def test_weighted_mean_forward_equals_fbgemms_cpu_tbe():
     with torch.no_grad():
         torch.testing.assert_close(as_dict(ebc(kjt))["f1"], tbe(values, offsets, per_sample_weights=w), rtol=1e-6,
                                    atol=1e-6)
+
+
+def test_torch_compile_runs_the_lookup_eagerly_and_still_updates():
+    ebc = EmbeddingBagCollection([config("t", 4, 10, ["f1", "f2"])], optimizer=ec.SGD(0.1))
+    head = torch.nn.Linear(8, 1)
+
+    def step(kjt):
+        values = ebc(kjt).values() if torchrec is not None else torch.cat(list(ebc(kjt).values()), 1)
+        return head(values).sum()
+
+    kjt = make_kjt(values=(0, 1, 2, 3, 4, 5, 6, 7, 8))
+    before = ebc.embedding_bags["t"].weight.detach().clone()
+    eager = step(kjt).item()
+    ebc.embedding_bags["t"].weight.data.copy_(before)  # the eager forward made no update: no backward ran
+    loss = torch.compile(step)(kjt)  # a graph break around the KJT lookup, not a Dynamo error
+    assert abs(loss.item() - eager) < 1e-5
+    loss.backward()
+    assert not torch.equal(ebc.embedding_bags["t"].weight.detach(), before)
