@@ -23,6 +23,7 @@ from .lookup import LookupContext, TrainingEngine, _FeatureSlot, check_output_dt
 from .optimizers import Optimizer
 from .tables import physical_tables
 from .tables.factory import lookup_only
+from .thread_share import share_cores
 from .tuning import DEFAULT_TUNING, Tuning
 
 __all__ = ["Embedding", "LookupContext", "UpdateReport", "NonFiniteError", "NON_FINITE_POLICIES"]
@@ -140,6 +141,7 @@ class Embedding(TrainingEngine):
         self.output_dtype = check_output_dtype(output_dtype)
         self.tuning = DEFAULT_TUNING if tuning is None else tuning
         self.skipped_rows = {}
+        self.threads = share_cores()
         tables = self._init_features(feature_config)
         self._optimizer = optimizer
         self.seed = int(seed)

@@ -125,7 +125,14 @@ from .config import DynamicTableConfig, FeatureConfig
 from .engine import Embedding
 from .inputs import InputError, Ragged
 
-__all__ = ["EmbeddingModule", "EmbeddingLearningRates"]
+__all__ = ["EmbeddingModule", "EmbeddingLearningRates", "EmbeddingBagCollection"]
+
+
+def __getattr__(name):
+    if name == "EmbeddingBagCollection":  # torchrec's drop-in (embedcore/torch_ebc.py), which builds on this module
+        from .torch_ebc import EmbeddingBagCollection
+        return EmbeddingBagCollection
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _tensor_to_numpy(value):
@@ -204,8 +211,10 @@ def _call(obj, *names):
     return None
 
 
-def _jagged_offsets(kjt, n_keys, n_values):
-    """The KJT's offsets (``n_keys * B + 1`` int64, key-major) and its batch size ``B``, checked."""
+def _jagged_offsets(kjt, keys, n_values):
+    """The KJT's offsets (``n_keys * B + 1`` int64, key-major) and its batch size ``B``, checked: they start at
+    0, never decrease and end at ``n_values`` (lengths that sum to less would leave values no feature owns)."""
+    n_keys = len(keys)
     offsets = _call(kjt, "offsets_or_none")
     lengths = None if offsets is not None else _call(kjt, "lengths_or_none", "lengths")
     if offsets is None and lengths is None:
@@ -220,10 +229,15 @@ def _jagged_offsets(kjt, n_keys, n_values):
         np.cumsum(lengths, out=offsets[1:])
     if n < 0 or (n_keys and n % n_keys) or (not n_keys and n):
         raise InputError(f"a KeyedJaggedTensor of {n_keys} keys has {n} lengths, not a multiple of {n_keys}")
-    if offsets[0] != 0 or offsets[-1] > n_values or (n and np.any(offsets[1:] < offsets[:-1])):
-        raise InputError(f"the KeyedJaggedTensor's offsets must start at 0, not decrease and end at most at the "
-                         f"number of values ({n_values}); got {offsets[:16].tolist()}")
-    return offsets, n // n_keys if n_keys else 0
+    if offsets[0] != 0 or (n and np.any(offsets[1:] < offsets[:-1])):
+        raise InputError(f"the KeyedJaggedTensor's offsets must start at 0 and not decrease; got "
+                         f"{offsets[:16].tolist()}")
+    batch = n // n_keys if n_keys else 0
+    if offsets[-1] != n_values:
+        per_key = {key: int(offsets[(k + 1) * batch] - offsets[k * batch]) for k, key in enumerate(keys)}
+        raise InputError(f"the KeyedJaggedTensor's lengths sum to {int(offsets[-1])} (per feature: {per_key}) but it "
+                         f"holds {n_values} values: every value must belong to one feature's bag")
+    return offsets, batch
 
 
 def _grad_to_numpy(grad, shape):
@@ -726,7 +740,7 @@ class EmbeddingModule(torch.nn.Module):
         if w is not None and w.shape != values.shape:
             raise InputError(f"the KeyedJaggedTensor's weights have shape {tuple(w.shape)}, its values "
                              f"{tuple(values.shape)}")
-        offsets, batch = _jagged_offsets(kjt, len(kjt_keys), values.shape[0])
+        offsets, batch = _jagged_offsets(kjt, kjt_keys, values.shape[0])
         if callable(getattr(kjt, "stride", None)) and kjt_keys and int(kjt.stride()) != batch:
             raise InputError(f"the KeyedJaggedTensor's stride() is {kjt.stride()}, its lengths give {batch} "
                              f"samples per key")

@@ -55,6 +55,7 @@ from ..lookup import LookupContext, TrainingEngine
 from ..optimizers import Optimizer
 from ..tables import physical_tables
 from ..tables.factory import lookup_only
+from ..thread_share import mpi_local_processes, share_cores
 from ..tuning import DEFAULT_TUNING, Tuning
 from . import checkpoint as _checkpoint
 from .dynamic import DynamicShards, rank_config
@@ -165,6 +166,7 @@ class ShardedEmbedding(TrainingEngine):
         self._agreed(error, exc, "building the embedding configuration")
         tables, self._config, text = result
         ex.same_everywhere(text, "the embedding configuration (feature_config, tables, optimizers, seed, non_finite)")
+        self.threads = share_cores(mpi_local_processes(self.comm))  # a collective over MPI
         _, error, exc = _attempt(lambda: self._build(tables, optimizer, seed, non_finite, tuning))
         self._agreed(error, exc, "building this rank's shards")
 
