@@ -475,3 +475,82 @@ def test_keras_ranking_example_runs(tmp_path):
     auc = float(out.stdout.split("eval AUC")[-1].split()[0])
     assert 0.0 <= auc <= 1.0
     assert plot.stat().st_size > 1000
+
+
+class UnforwardingRanker(TinyRanker):
+    """keras-rs's example form: ``call(self, x)`` neither takes nor forwards ``training``."""
+
+    def call(self, x):
+        acts = self.embedding(x["ids"], {"user": None, "hist": x["hist_weights"], "tags": None})
+        return self.head(tf.concat([acts["user"], acts["hist"], acts["tags"]], axis=1))
+
+
+@pytest.mark.parametrize("run_eagerly", [False, True], ids=["compiled", "eager"])
+@pytest.mark.parametrize("model_class", [UnforwardingRanker, TinyRanker], ids=["unforwarded", "forwarded"])
+def test_fit_trains_however_the_outer_call_is_written(model_class, run_eagerly):
+    batches = _batches(6, n_batches=3)
+    layer = _layer()
+    model = model_class(layer)
+    model.compile(optimizer=keras.optimizers.SGD(DENSE_LR), loss="mse", run_eagerly=run_eagerly)
+    model(_tf_batch(batches[0])[0])  # builds the Dense unit: no tape, so a lookup only
+    assert layer.embedding.step == 0
+    tables0 = layer.get_embedding_tables()
+    kernel0, bias0 = (np.array(w) for w in model.head.get_weights())
+
+    model.fit(_dataset(batches), epochs=2, shuffle=False, verbose=0)
+
+    assert layer.embedding.step == 2 * len(batches)  # one update per step
+    tables, accs, kernel, bias = _oracle(tables0, kernel0, bias0, batches + batches)
+    for name in tables:
+        assert not np.allclose(tables[name], tables0[name])
+        np.testing.assert_allclose(layer.embedding.embedding_tables[name], tables[name], rtol=2e-5, atol=2e-6)
+        np.testing.assert_allclose(layer.embedding.slot_variables[name]["accumulators"], accs[name],
+                                   rtol=2e-5, atol=2e-6)
+    np.testing.assert_allclose(model.head.get_weights()[0], kernel, rtol=2e-5, atol=2e-6)
+
+    before = _state(layer)
+    model.evaluate(_dataset(batches), verbose=0)
+    model.predict(_dataset(batches), verbose=0)
+    _assert_state_equal(_state(layer), before)
+    assert graph.pending_count(layer.embedding) == 0
+
+
+def test_untaped_training_lookup_raises_at_the_next_call_naming_the_layer():
+    batches = _batches(7, n_batches=1)
+    layer = _layer(name="my_embeddings")
+    x, _ = _tf_batch(batches[0])
+    weights = {"user": None, "hist": x["hist_weights"], "tags": None}
+    layer(x["ids"], weights)  # no tape, training unset: a lookup only, nothing pending
+    assert graph.pending_count(layer.embedding) == 0
+    before = _state(layer)
+    layer(x["ids"], weights, training=True)  # training forced, but no gradient will ever come
+    with pytest.raises(graph.GradientNeverCameError, match="'my_embeddings'.*1 training lookup"):
+        layer(x["ids"], weights)
+    _assert_state_equal(_state(layer), before)
+    layer(x["ids"], weights)  # reported once; the layer works on
+    assert graph.pending_count(layer.embedding) == 0
+
+
+def test_skipped_gradient_inside_tf_function_raises_naming_the_layer():
+    batches = _batches(8, n_batches=1)
+    layer = _layer(name="twice")
+    x, y = _tf_batch(batches[0])
+    weights = {"user": None, "hist": x["hist_weights"], "tags": None}
+
+    @tf.function
+    def step(x, y, use_both):
+        with tf.GradientTape() as tape:
+            first = layer(x["ids"], weights)["user"]
+            second = layer(x["ids"], weights)["user"]
+            loss = tf.reduce_sum(second) + (tf.reduce_sum(first) if use_both else 0.0)
+        return tape.gradient(loss, layer.trainable_variables)
+
+    step(x, y, True)  # two lookups a step, both differentiated: legitimate
+    step(x, y, True)
+    assert layer.embedding.step == 4
+    step(x, y, False)  # the first lookup's gradient never comes
+    assert layer.embedding.step == 5
+    with pytest.raises(tf.errors.OpError, match="'twice'.*never received their gradient"):
+        step(x, y, True)
+    assert layer.embedding.step == 5
+    assert graph.pending_count(layer.embedding) == 0

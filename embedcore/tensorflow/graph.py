@@ -30,6 +30,9 @@ Semantics.
   handle tensor is garbage-collected unapplied; and, since the lifetime of a handle made inside a graph is
   invisible to Python, whenever an engine holds more than :data:`MAX_PENDING` unapplied contexts (eager or
   not): the oldest is released and its apply refused. Lookups with ``training=False`` register nothing.
+* Lost gradients: a lookup made with an :class:`Owner` (the Keras layer passes itself) whose context was
+  released unapplied, or skipped while a later one was applied, makes the owner's next lookup raise
+  :class:`GradientNeverCameError` naming it: a lookup whose gradient never came is never taken for training.
 * Retracing: tracing runs no lookup and no update (``tf.numpy_function`` calls Python only when the graph
   runs); each trace makes new ops over the same engine, each run of them a new handle. Nothing is cached per
   trace, so retracing for a new batch shape changes no state.
@@ -64,7 +67,8 @@ from ..inputs import InputError
 from ..lookup import LookupContext, TrainingEngine
 from . import convert, tensors
 
-__all__ = ["lookup", "apply_gradients", "activation_shape", "MAX_PENDING", "pending_count", "feature_paths"]
+__all__ = ["lookup", "apply_gradients", "activation_shape", "MAX_PENDING", "pending_count", "feature_paths",
+           "Owner", "GradientNeverCameError"]
 
 MAX_PENDING = 16  # unapplied training lookups an engine may hold before the oldest is released
 
@@ -78,6 +82,63 @@ class _Pending:
     ctx: LookupContext
     shapes: list          # the activations' shapes as TensorFlow saw them, one per feature (tf.nest order)
     engine_shapes: list   # the same activations as the engine returned them
+    owner: "Owner | None" = None
+
+
+class GradientNeverCameError(RuntimeError):
+    """A training lookup of an :class:`Owner` was never applied: its gradient did not come."""
+
+
+class Owner:
+    """Who makes training lookups (a Keras layer), checked so that a lookup whose gradient never comes is
+    never taken for training.
+
+    A training lookup of an owner is *lost* when its context is released unapplied (an eager handle
+    garbage-collected, or pushed out by :data:`MAX_PENDING` newer ones) or *skipped* when a later lookup of
+    the same owner was applied while it was not (gradients of one step come before the next step's lookups,
+    in any order among themselves). The next lookup of the owner (training or not) then raises
+    :class:`GradientNeverCameError` naming the owner, before it reads or changes anything; skipped contexts
+    are released. Counting stops there: the error is raised once per loss.
+    """
+
+    def __init__(self, name: str):
+        self.name = name
+        self._lock = threading.Lock()
+        self._seq = itertools.count(1)
+        self._pending = {}      # handle -> order of its lookup
+        self._last_applied = 0  # order of the latest applied lookup
+        self._lost = 0
+
+    def _looked_up(self, handle: int) -> None:
+        with self._lock:
+            self._pending[handle] = next(self._seq)
+
+    def _done(self, handle: int, applied: bool) -> None:
+        with self._lock:
+            order = self._pending.pop(handle, None)
+            if order is None:
+                return
+            if applied:
+                self._last_applied = max(self._last_applied, order)
+            else:
+                self._lost += 1
+
+    def check(self) -> None:
+        """Raise :class:`GradientNeverCameError` if a training lookup of this owner was lost or skipped."""
+        with self._lock:
+            skipped = [h for h, order in self._pending.items() if order < self._last_applied]
+            for h in skipped:
+                del self._pending[h]
+            lost, self._lost = self._lost + len(skipped), 0
+        for h in skipped:
+            _REGISTRY.drop(h)
+        if lost:
+            raise GradientNeverCameError(
+                f"{self.name}: {lost} training lookup(s) never received their gradient, so the tables were not "
+                f"updated for them. A training lookup must be differentiated once (Keras's fit does it; in a custom "
+                f"loop, tape.gradient of a loss that uses the activations, with respect to variables that include "
+                f"the layer's update_trigger); look up with training=False where no gradient follows "
+                f"(evaluation, inference). Nothing was changed by this call")
 
 
 class _Registry:
@@ -93,9 +154,13 @@ class _Registry:
             handle = next(self._ids)
             self._entries[handle] = entry
             mine = [h for h, e in self._entries.items() if e.engine() is engine]
-            dropped = [self._entries.pop(h) for h in mine[:max(len(mine) - MAX_PENDING, 0)]]
-        for old in dropped:
+            dropped = [(h, self._entries.pop(h)) for h in mine[:max(len(mine) - MAX_PENDING, 0)]]
+        for handle_dropped, old in dropped:
             old.ctx.release()
+            if old.owner is not None:
+                old.owner._done(handle_dropped, applied=False)
+        if entry.owner is not None:
+            entry.owner._looked_up(handle)
         return handle
 
     def get(self, handle: int, engine) -> _Pending:
@@ -112,11 +177,13 @@ class _Registry:
             raise InputError(f"lookup handle {handle} names a lookup of another engine (nothing was updated)")
         return entry
 
-    def drop(self, handle: int) -> None:
+    def drop(self, handle: int, applied: bool = False) -> None:
         with self._lock:
             entry = self._entries.pop(handle, None)
         if entry is not None:
             entry.ctx.release()
+            if entry.owner is not None:
+                entry.owner._done(handle, applied)
 
     def count(self, engine) -> int:
         with self._lock:
@@ -181,7 +248,7 @@ def _dense_rows(shape, keep_dense_last_dim):
 
 @tf.autograph.experimental.do_not_convert
 def lookup(engine, features, weights=None, *, training: bool = True, keep_dense_last_dim: bool = False,
-           name: str | None = None):
+           name: str | None = None, owner: Owner | None = None):
     """The engine's lookup of ``features`` (and ``weights``), nests mirroring ``engine.feature_config`` (in
     ``tf.nest``'s sense) of ``tf.Tensor`` / ``tf.RaggedTensor`` / ``tf.SparseTensor`` / NumPy leaves.
 
@@ -189,6 +256,9 @@ def lookup(engine, features, weights=None, *, training: bool = True, keep_dense_
     ``tf.Tensor`` s with static shapes, :func:`activation_shape`) and an int64 scalar ``tf.Tensor`` to pass
     to :func:`apply_gradients` (0 when ``training`` is False). Structure and type errors are raised while
     building (``TypeError``/``ValueError``); value errors (ids out of range, ...) when the lookup runs.
+    With an ``owner``, the lookup first runs :meth:`Owner.check` (raising :class:`GradientNeverCameError` if
+    an earlier training lookup of that owner never got its gradient) and a training lookup is counted as
+    the owner's.
     """
     config = engine.feature_config
     paths = _engine_paths(engine)
@@ -209,7 +279,9 @@ def lookup(engine, features, weights=None, *, training: bool = True, keep_dense_
     parts = [p for ids, w in zip(id_leaves, weight_leaves) for p in ids.parts + (w.parts if w is not None else ())]
 
     def run(*arrays):
-        acts, handle = _lookup_arrays(engine, config, kinds, arrays, training, keep_dense_last_dim)
+        if owner is not None:
+            owner.check()
+        acts, handle = _lookup_arrays(engine, config, kinds, arrays, training, keep_dense_last_dim, owner)
         return acts + [np.asarray(handle, np.int64)]
 
     if tf.executing_eagerly():
@@ -228,7 +300,7 @@ def lookup(engine, features, weights=None, *, training: bool = True, keep_dense_
     return tf.nest.pack_sequence_as(config, activations), handle
 
 
-def _lookup_arrays(engine, config, kinds, arrays, training, keep_dense_last_dim):
+def _lookup_arrays(engine, config, kinds, arrays, training, keep_dense_last_dim, owner=None):
     """The lookup itself, over NumPy parts: returns (activations in tf.nest order, handle)."""
     it = iter(arrays)
     ids, weights, dense_rows = [], [], []
@@ -266,7 +338,8 @@ def _lookup_arrays(engine, config, kinds, arrays, training, keep_dense_last_dim)
         if ctx is not None:
             ctx.release()
         return shaped, 0
-    handle = _REGISTRY.add(engine, _Pending(weakref.ref(engine), ctx, [a.shape for a in shaped], engine_shapes))
+    handle = _REGISTRY.add(engine, _Pending(weakref.ref(engine), ctx, [a.shape for a in shaped], engine_shapes,
+                                                owner))
     return shaped, handle
 
 
@@ -331,5 +404,5 @@ def _apply_arrays(engine, paths, handle: int, gradients) -> int:
         engine.apply_gradients(tf.nest.pack_sequence_as(engine.feature_config, shaped), entry.ctx)
     finally:
         if entry.ctx.consumed:
-            _REGISTRY.drop(handle)
+            _REGISTRY.drop(handle, applied=True)
     return int(engine.step)

@@ -2,7 +2,7 @@
 
 Keras 3 with the TensorFlow backend (what ``tf.keras`` is in TensorFlow 2.21). The layer follows keras-rs's
 ``DistributedEmbedding`` (whose name it also answers to): built from a nest of feature configs, called as
-``layer(inputs, weights=None, training=False)``, returning activations mirroring ``inputs``.
+``layer(inputs, weights=None, training=None)``, returning activations mirroring ``inputs``.
 
 How it trains, step by step (the optimizer runs in the layer's gradient, as the PyTorch adapter runs it in
 ``backward``):
@@ -21,6 +21,11 @@ How it trains, step by step (the optimizer runs in the layer's gradient, as the 
   tables' own optimizers and ``layer.embedding.step`` advances by one. The trigger's gradient is empty (the
   Keras optimizer has nothing to do for it) and is produced after the update. The tables are not Keras
   variables: the Keras optimizer of ``model.compile`` trains the dense model only.
+* Training mode: ``training`` as given, or as Keras passes it down from an outer layer's ``call``; when
+  neither (keras-rs's examples write ``call(self, features)``, and Keras's ``train_step`` then calls the model
+  without ``training``), the lookup trains exactly when a gradient tape records the layer's
+  ``update_trigger``: ``fit``'s step does, ``evaluate``'s and ``predict``'s do not. So the layer trains
+  under ``fit`` however the outer ``call`` is written.
 * Hence ``model.fit`` makes exactly one update per training batch (one per call of the layer in the model);
   ``model.evaluate`` and ``model.predict`` (``training=False``) only look up, and so does a layer made
   non-trainable (``layer.trainable = False``). A custom loop differentiates with respect to
@@ -28,8 +33,12 @@ How it trains, step by step (the optimizer runs in the layer's gradient, as the 
   only is not a way to skip the update: eagerly TensorFlow's tape runs every gradient function back from
   the loss, so the tables are updated all the same, and inside ``tf.function`` whether the update runs is
   up to TensorFlow's pruning. A lookup is applied at most once (a second gradient of a persistent tape
-  raises); a training call whose gradient never runs updates nothing (its lookup is released later, see
-  :mod:`.graph`). An output the loss does not use counts as a zero gradient.
+  raises). A training lookup whose gradient never runs updates nothing, and is never taken for training:
+  the layer's next call raises :class:`~.graph.GradientNeverCameError` (a ``RuntimeError``; inside
+  ``tf.function`` carried by a ``tf.errors.OpError``) naming the layer, before it reads or changes anything,
+  once the lookup is known lost (eagerly: its activations dropped without a gradient; in a graph: a later
+  lookup of the layer was applied, or :data:`.graph.MAX_PENDING` newer ones were made). An output the loss
+  does not use, of a lookup whose other outputs it does use, counts as a zero gradient.
 * Errors: eagerly (``run_eagerly=True``, or a direct call outside ``tf.function``) a bad batch raises the
   engine's :class:`embedcore.InputError` naming the feature; inside ``tf.function`` (``model.fit``'s
   default) the same message arrives in a ``tf.errors.OpError``, as TensorFlow reports Python errors raised
@@ -73,6 +82,7 @@ import numpy as np
 try:
     import keras
     import tensorflow as tf
+    from tensorflow.python.eager import record as _record  # which tapes record a tensor: no public API
 except ImportError as exc:  # pragma: no cover - exercised only without TensorFlow
     raise ImportError("embedcore.tensorflow needs TensorFlow, an optional extra of embedcore: install it with "
                       "`pip install embedcore[tensorflow]` (or `pip install tensorflow-cpu==2.21.0`)") from exc
@@ -147,6 +157,7 @@ class EmbeddingLayer(keras.layers.Layer):
             embedding = Embedding(features, optimizer, seed=seed, stack_tables=table_stacking == "auto")
         self._engine = embedding
         self.supports_jit = False  # a tf.numpy_function: XLA cannot compile the lookup
+        self._owner = graph.Owner(f"embedcore layer '{self.name}'")
         self.update_trigger = self.add_weight(name="update_trigger", shape=(0,), initializer="zeros",
                                               trainable=True)
         self.built = True
@@ -162,17 +173,28 @@ class EmbeddingLayer(keras.layers.Layer):
                 for name, rows in self._engine.embedding_tables.items()}
 
     # -- call ----------------------------------------------------------------------------------------------
-    def call(self, inputs, weights=None, training=False):
-        """Activations of ``inputs`` (and ``weights``), nests mirroring the feature configs; when ``training``
-        (and the layer is trainable) the gradient with respect to ``update_trigger`` applies the update."""
+    def call(self, inputs, weights=None, training=None):
+        """Activations of ``inputs`` (and ``weights``), nests mirroring the feature configs; in training mode
+        (and when the layer is trainable) the gradient with respect to ``update_trigger`` applies the update.
+
+        ``training``: True or False as given (or as Keras passes it down from an outer layer's call); when
+        None (neither given nor inherited: an outer ``call(self, features)`` that does not take or forward
+        ``training``), training mode is on exactly when a gradient tape is recording the layer's
+        ``update_trigger``, as Keras's ``train_step`` does and ``test_step``/``predict_step`` do not.
+        A training lookup whose gradient never comes makes the layer's next call raise
+        :class:`~.graph.GradientNeverCameError` (see the module docstring).
+        """
         engine = self._engine
+        trigger = tf.convert_to_tensor(self.update_trigger)  # under a tape, a recorded read of the trigger
+        if training is None:
+            training = _tape_records(trigger)
         if not (training and self.trainable):
-            activations, _ = graph.lookup(engine, inputs, weights, training=False)
+            activations, _ = graph.lookup(engine, inputs, weights, training=False, owner=self._owner)
             return activations
 
         @tf.custom_gradient
         def looked_up(trigger):
-            activations, handle = graph.lookup(engine, inputs, weights, training=True)
+            activations, handle = graph.lookup(engine, inputs, weights, training=True, owner=self._owner)
             flat = tf.nest.flatten(activations)
 
             def gradient(*grads):  # an output the loss does not use: a zero gradient, as PyTorch's adapter
@@ -185,10 +207,10 @@ class EmbeddingLayer(keras.layers.Layer):
 
             return flat, gradient
 
-        flat = looked_up(tf.convert_to_tensor(self.update_trigger))
+        flat = looked_up(trigger)
         return tf.nest.pack_sequence_as(engine.feature_config, list(flat))
 
-    def compute_output_spec(self, inputs, weights=None, training=False):
+    def compute_output_spec(self, inputs, weights=None, training=None):
         """Symbolic outputs for Keras's functional API: float32, shaped as :meth:`call` returns them."""
         config = self._engine.feature_config
         specs = []
@@ -267,6 +289,11 @@ class EmbeddingLayer(keras.layers.Layer):
         self._set_state_from(lambda key, like: (restored_tensors[key].numpy() if key in restored_tensors
                                                 else None), "the checkpoint")
         return tf.no_op()
+
+
+def _tape_records(tensor) -> bool:
+    """Whether a gradient tape (eager, or traced inside the current ``tf.function``) records ``tensor``."""
+    return bool(_record.should_record_backprop([tensor]))
 
 
 def _storable(rows) -> np.ndarray:
