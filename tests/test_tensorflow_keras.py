@@ -554,3 +554,66 @@ def test_skipped_gradient_inside_tf_function_raises_naming_the_layer():
         step(x, y, True)
     assert layer.embedding.step == 5
     assert graph.pending_count(layer.embedding) == 0
+
+
+def test_keras_rs_configs_are_converted():
+    keras_rs = pytest.importorskip("keras_rs")
+    movies = keras_rs.layers.TableConfig(name="movie_table", vocabulary_size=N_ITEMS, embedding_dim=DIM,
+                                         optimizer="adam", placement="sparsecore")
+    users = keras_rs.layers.TableConfig(name="user_table", vocabulary_size=N_USERS, embedding_dim=DIM,
+                                        optimizer=keras.optimizers.Adagrad(0.25, initial_accumulator_value=0.5),
+                                        combiner="sum")
+    configs = {"movie_id": keras_rs.layers.FeatureConfig(name="movie", table=movies, input_shape=(8,),
+                                                         output_shape=(8, DIM)),
+               "user_id": keras_rs.layers.FeatureConfig(name="user", table=users, input_shape=(8,),
+                                                        output_shape=(8, DIM)),
+               "user_again": keras_rs.layers.FeatureConfig(name="user2", table=users, input_shape=(8,),
+                                                           output_shape=(8, DIM))}
+    layer = DistributedEmbedding(configs)
+    tables = layer.embedding.tables
+    assert sorted(tables) == ["movie_table", "user_table"]  # one table per keras-rs table object
+    assert (tables["user_table"].vocabulary_size, tables["user_table"].dim) == (N_USERS, DIM)
+    assert tables["user_table"].combiner == "sum" and tables["movie_table"].combiner == "mean"
+    assert tables["movie_table"].optimizer == convert.optimizer(tf.tpu.experimental.embedding.Adam())
+    assert tables["user_table"].optimizer == convert.optimizer(
+        tf.tpu.experimental.embedding.Adagrad(0.25, initial_accumulator_value=0.5))
+    # keras-rs's default initializer, Keras's VarianceScaling(mode="fan_out"): a truncated normal of
+    # stddev sqrt(1 / dim) / 0.8796 (Keras's truncation correction), within two of those stddevs
+    rows = layer.get_embedding_tables()["user_table"]
+    assert np.all(np.abs(rows) <= 2 * np.sqrt(1.0 / DIM) / 0.87962566103423978 + 1e-6)
+    # [batch, dim] output shapes: any batch size; one Adagrad step on the user table as a NumPy oracle
+    ids = {"movie_id": tf.constant([1, 2, 2]), "user_id": tf.constant([0, 3, 0]), "user_again": tf.constant([5, 5, 5])}
+    before = rows.copy()
+    with tf.GradientTape() as tape:
+        acts = layer(ids)
+        loss = tf.reduce_sum(acts["user_id"])
+    tape.gradient(loss, layer.trainable_variables)
+    assert acts["movie_id"].shape == (3, DIM) and layer.embedding.step == 1
+    g = np.zeros_like(before)
+    g[0], g[3] = 2.0, 1.0   # row 0 twice; user_again's activations unused: a zero gradient for row 5
+    touched = [0, 3, 5]
+    expected = before.copy()
+    expected[touched] -= 0.25 * g[touched] / np.sqrt(0.5 + g[touched] ** 2)
+    np.testing.assert_allclose(layer.get_embedding_tables()["user_table"], expected, rtol=1e-6, atol=1e-7)
+
+
+def test_keras_rs_fields_embedcore_cannot_honour_are_refused_by_name():
+    keras_rs = pytest.importorskip("keras_rs")
+
+    def feature(output_shape=(4, DIM), **table):
+        table = keras_rs.layers.TableConfig(**{"name": "t", "vocabulary_size": 5, "embedding_dim": DIM, **table})
+        return {"f": keras_rs.layers.FeatureConfig(name="feat", table=table, input_shape=(4,),
+                                                   output_shape=output_shape)}
+
+    cases = [(dict(optimizer=keras.optimizers.SGD(0.1, momentum=0.9)), "'feat'.*table 't'.*momentum=0.9"),
+             (dict(optimizer=keras.optimizers.Adam(amsgrad=True)), "'feat'.*table 't'.*amsgrad"),
+             (dict(optimizer=keras.optimizers.Adam(keras.optimizers.schedules.ExponentialDecay(0.1, 10, 0.9))),
+              "'feat'.*learning_rate is a LearningRateSchedule"),
+             (dict(optimizer=keras.optimizers.RMSprop()), "'feat'.*RMSprop has no embedcore equivalent"),
+             (dict(optimizer="rmsprop"), "'feat'.*optimizer must be one of"),
+             (dict(placement="tpu"), "'feat'.*placement must be one of"),
+             (dict(combiner="max"), "'feat'.*table 't'"),
+             (dict(output_shape=(4, DIM + 1)), "'feat'.*embedding_dim 3 last")]
+    for kwargs, message in cases:
+        with pytest.raises(ValueError, match=message):
+            DistributedEmbedding(feature(**kwargs))

@@ -103,10 +103,15 @@ _TABLE_STACKING = ("auto", None)
 
 def _embedcore_configs(feature_configs, optimizer):
     """``feature_configs`` and ``optimizer`` as embedcore's: passed through when they are already, else
-    converted from TensorFlow's ``tf.tpu.experimental.embedding`` classes by :mod:`.convert`."""
+    converted from keras-rs's configs (:mod:`.keras_rs_configs`) and TensorFlow's
+    ``tf.tpu.experimental.embedding`` classes (:mod:`.convert`)."""
     leaves = ec_inputs.flatten(feature_configs)
     if not leaves:
         raise ValueError("feature_configs holds no feature config")
+    if any(type(f).__module__.split(".")[0] == "keras_rs" for _, f in leaves):
+        from . import keras_rs_configs  # keras-rs's configs: recognised without importing keras-rs
+        feature_configs = keras_rs_configs.to_tensorflow(feature_configs)
+        leaves = ec_inputs.flatten(feature_configs)
     if not all(isinstance(f, FeatureConfig) for _, f in leaves):
         from . import convert  # TensorFlow's configs: imported only when they are given
         feature_configs = convert.features(feature_configs).features
