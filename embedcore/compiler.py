@@ -267,8 +267,18 @@ def compile_row_function(fn, slot_dims, n_hyperparameters, dim) -> CompiledRowFu
     slot_dims = tuple(slot_dims)
     digest = _fingerprint(fn)
     dispatcher = _dispatcher(fn, digest)
-    verdict_key = ("row function", digest, _source_digest(fn), slot_dims, n_hyperparameters, dim)
+    judged = ("row function", digest, _source_digest(fn), slot_dims, n_hyperparameters)
+    verdict_key = judged + (dim,)
     verdict = compile_cache.read_verdict(verdict_key) if digest is not None else None
+    if verdict is None and digest is not None:
+        # Judged for another row length: the verdict does not depend on it, the trial run's output lengths may.
+        # The function itself (plain Python on trial rows) settles that without a compilation, which is a
+        # second of a new row length's start; anything it cannot settle takes the full path below.
+        verdict = compile_cache.read_verdict(judged)
+        if verdict is not None and _interpreted_trial_passes(fn, slot_dims, n_hyperparameters, dim):
+            compile_cache.write_verdict(verdict_key, verdict)
+        else:
+            verdict = None
     if verdict is not None:  # this function compiled, passed the checks and was judged before
         split = bool(verdict.get("split"))
         try:
@@ -305,7 +315,9 @@ def compile_row_function(fn, slot_dims, n_hyperparameters, dim) -> CompiledRowFu
             dispatcher, split = split_dispatcher, True
         reason = f"{reason}; {why}"
     if digest is not None:
-        compile_cache.write_verdict(verdict_key, {"elementwise": elementwise, "reason": reason, "split": split})
+        verdict = {"elementwise": elementwise, "reason": reason, "split": split}
+        compile_cache.write_verdict(verdict_key, verdict)
+        compile_cache.write_verdict(judged, verdict)
     return CompiledRowFunction(fn, dispatcher, slot_dims, n_hyperparameters, elementwise, reason, digest, split)
 
 
@@ -396,14 +408,29 @@ def compile_cached(fn, slot_dims, n_hyperparameters, dim) -> CompiledRowFunction
     return compiled
 
 
+def _trial_arguments(slot_dims, n_hyperparameters, dim):
+    """The scratch rows of a trial run: gradient, row, slots, learning rate, hyperparameters."""
+    slots = tuple(np.full(dim, 1.0, np.float32) if d == 2 else np.float32(1.0) for d in slot_dims)
+    return (np.full(dim, 0.5, np.float32), np.full(dim, 0.25, np.float32), slots, np.float32(0.01),
+            tuple(np.float32(0.5) for _ in range(n_hyperparameters)))
+
+
+def _interpreted_trial_passes(fn, slot_dims, n_hyperparameters, dim) -> bool:
+    """Whether ``fn`` run by Python (not compiled) on trial rows returns rows of ``dim`` values. False also
+    when Python cannot run it as Numba would (it raises, or returns something else): the compiled trial
+    decides then."""
+    try:
+        out = strip_del(fn)(*_trial_arguments(slot_dims, n_hyperparameters, dim))
+        outputs = out if slot_dims else (out,)
+        return len(outputs) == len(slot_dims) + 1 and all(np.shape(v) in ((), (dim,)) for v in outputs)
+    except Exception:  # noqa: BLE001 -- any failure sends the function down the compiled path
+        return False
+
+
 def _trial_run(fn, compiled, slot_dims, n_hyperparameters, dim):
     """Run once on scratch rows: every returned row must have ``dim`` values."""
-    g = np.full(dim, 0.5, np.float32)
-    row = np.full(dim, 0.25, np.float32)
-    slots = tuple(np.full(dim, 1.0, np.float32) if d == 2 else np.float32(1.0) for d in slot_dims)
-    hyper = tuple(np.float32(0.5) for _ in range(n_hyperparameters))
     try:
-        out = compiled(g, row, slots, np.float32(0.01), hyper)
+        out = compiled(*_trial_arguments(slot_dims, n_hyperparameters, dim))
     except Exception as exc:  # it compiled, yet raises on a plain row (an index beyond it, say)
         raise RowFunctionError(f"custom computation {describe(fn)} raised {type(exc).__name__} on a trial row of "
                                f"{dim} values: {str(exc)[:500]}") from None
