@@ -1,8 +1,9 @@
 """A pytest plugin that counts the Numba compilations a test run makes (``-p tests.compile_counter``).
 
 Each outermost compilation (a kernel with what it inlines and calls compiled for it) is one function and one
-signature; the plugin writes, to the file named by ``EMBEDCORE_COUNT_COMPILES`` (else prints), how many distinct
-ones there were, the seconds they took, and the costliest functions. Subprocesses are not counted.
+signature; the plugin writes, to the file named by ``EMBEDCORE_COUNT_COMPILES`` (else prints; under pytest-xdist
+one file per worker, ``.gw0``, ``.gw1``, ... appended), how many distinct ones there were, the seconds they took,
+and the costliest functions. Subprocesses are not counted.
 """
 
 from __future__ import annotations
@@ -50,6 +51,9 @@ def pytest_unconfigure(config):
     report = {"compilations": sum(_COUNTER.count.values()), "seconds": round(sum(_COUNTER.seconds.values()), 1),
               "costliest": [(name, _COUNTER.count[name], round(s, 1)) for name, s in _COUNTER.seconds.most_common(25)]}
     path = os.environ.get("EMBEDCORE_COUNT_COMPILES")
+    worker = os.environ.get("PYTEST_XDIST_WORKER")  # under pytest-xdist: one file per worker (gw0, gw1, ...)
+    if path and worker:
+        path = f"{path}.{worker}"
     if path:
         with open(path, "w") as f:
             json.dump(report, f, indent=1)
