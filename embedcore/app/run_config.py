@@ -54,6 +54,7 @@ folder or creatable as one. A refusal is a :class:`ConfigError` naming the key, 
 from __future__ import annotations
 
 import copy
+import inspect
 import json
 import math
 import os
@@ -383,6 +384,11 @@ def check(config: dict) -> None:
         raise ConfigError(f"data.kind must be one of {sorted(DATASETS)}, got {_shown(data.get('kind'))}")
     kind = data["kind"]
     _check_keys(data, ["kind"] + list(DATA_SCHEMA[kind]), f"data] (kind {kind!r}")
+    needed = [name for name, p in inspect.signature(DATASETS[kind]).parameters.items()
+              if p.default is inspect.Parameter.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    missing = [name for name in needed if name not in data]
+    if missing:
+        raise ConfigError(f"[data] kind {kind!r} needs the key(s) {missing}")
     _check_section({k: v for k, v in data.items() if k != "kind"}, DATA_SCHEMA[kind], "data")
     emb = config["embedding"]
     SCHEMA["embedding"]["dim"](emb.get("dim"), "embedding.dim")
