@@ -394,7 +394,7 @@ def kernel_namespace(row_function, formats: StoredFormats = FLOAT32, gradient: s
     return namespace | {"np": np, "fn": row_function.dispatcher, "into_row": into_row,
             "all_finite": all_finite, "copy_row": copy_row, "sequential_sum": sequential_sum,
             "sequential_sum_fixed": sequential_sum_fixed, "prefetch_row": prefetch_row, "_U": np.uint64,
-            "row_jit": numba.njit(error_model="numpy"), "ROWS_AHEAD": ROWS_AHEAD,
+            "row_jit": numba.njit(error_model="numpy", no_cpython_wrapper=True, no_cfunc_wrapper=True), "ROWS_AHEAD": ROWS_AHEAD,
             "STATUS_GRADIENT": STATUS_GRADIENT,
             "STATUS_OUTPUT": STATUS_OUTPUT, "STATUS_LENGTH": STATUS_LENGTH, "STATUS_RAISED": STATUS_RAISED}
 
